@@ -1,0 +1,50 @@
+"""The episode record and its Redis store, shared by the gateway, the reward hooks and the learner.
+
+The three services import this package and never each other. `keys` is the key layout, `records` the
+pydantic records that Redis holds as JSON, `store` the async store whose multi-key writes are Lua scripts.
+"""
+
+from episodes.errors import (
+    InvalidId,
+    RolloutExists,
+    RolloutNotFound,
+    RolloutNotOpen,
+    StoreError,
+    StoreUnavailable,
+    TaskMismatch,
+)
+from episodes.keys import Keys, validate_id
+from episodes.records import (
+    SCHEMA_VERSION,
+    CallError,
+    CallRecord,
+    CallResponse,
+    Endpoint,
+    IndexedCall,
+    Rollout,
+    RolloutStatus,
+    RolloutView,
+)
+from episodes.store import EpisodeStore
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "CallError",
+    "CallRecord",
+    "CallResponse",
+    "Endpoint",
+    "EpisodeStore",
+    "IndexedCall",
+    "InvalidId",
+    "Keys",
+    "Rollout",
+    "RolloutExists",
+    "RolloutNotFound",
+    "RolloutNotOpen",
+    "RolloutStatus",
+    "RolloutView",
+    "StoreError",
+    "StoreUnavailable",
+    "TaskMismatch",
+    "validate_id",
+]

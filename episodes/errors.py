@@ -1,0 +1,40 @@
+"""Errors of the episode store. Services map them to HTTP statuses in their own error modules."""
+
+
+class StoreError(Exception):
+    """Base of every error raised by the episode store."""
+
+
+class StoreUnavailable(StoreError):
+    """Redis could not be reached or did not answer in time; nothing was written."""
+
+
+class InvalidId(StoreError, ValueError):
+    """A rollout or task id that cannot be used in a key (empty, too long, or odd characters)."""
+
+
+class RolloutExists(StoreError):
+    """A rollout with this id already exists."""
+
+
+class RolloutNotFound(StoreError):
+    """No rollout with this id."""
+
+
+class RolloutNotOpen(StoreError):
+    """The rollout is no longer open (closed, expired, ...): it takes no more calls."""
+
+    def __init__(self, rollout_id: str, status: str) -> None:
+        super().__init__(f"rollout {rollout_id!r} is {status}, not open")
+        self.rollout_id = rollout_id
+        self.status = status
+
+
+class TaskMismatch(StoreError):
+    """A call names a different task than the one its rollout belongs to."""
+
+    def __init__(self, rollout_id: str, task_id: str, given: str) -> None:
+        super().__init__(f"rollout {rollout_id!r} belongs to task {task_id!r}, not {given!r}")
+        self.rollout_id = rollout_id
+        self.task_id = task_id
+        self.given = given

@@ -1,0 +1,151 @@
+"""The async Redis store of rollouts and their calls. Key layout: `episodes.keys`.
+
+Every write that touches several keys is one Lua script; every Redis failure surfaces as
+`StoreUnavailable` (translated here, in one place), so callers never mistake a lost write for success.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import orjson
+import redis.asyncio as aioredis
+from redis import exceptions as redis_exc
+
+from episodes import _lua
+from episodes.errors import RolloutExists, RolloutNotOpen, StoreUnavailable, TaskMismatch
+from episodes.keys import Keys, validate_id
+from episodes.records import SCHEMA_VERSION, CallRecord, IndexedCall, Rollout, RolloutView
+
+
+@contextmanager
+def _translate_redis_errors() -> Iterator[None]:
+    try:
+        yield
+    except (redis_exc.ConnectionError, redis_exc.TimeoutError, OSError) as exc:
+        raise StoreUnavailable(f"redis unavailable: {exc}") from exc
+    except redis_exc.RedisError as exc:
+        raise StoreUnavailable(f"redis error: {exc}") from exc
+
+
+class EpisodeStore:
+    """Rollouts and their calls in Redis. Safe to share between tasks and between processes."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys | None = None) -> None:
+        self.redis = redis
+        self.keys = keys or Keys()
+        self._create = redis.register_script(_lua.CREATE_ROLLOUT)
+        self._record = redis.register_script(_lua.RECORD_CALLS)
+
+    @classmethod
+    def from_url(
+        cls, url: str, *, prefix: str = "rlgate", timeout_s: float = 5.0, max_connections: int = 64
+    ) -> EpisodeStore:
+        """A store on its own connection pool. `timeout_s` bounds every command, so a hung Redis
+        turns into `StoreUnavailable` instead of a hung call."""
+        client = aioredis.Redis.from_url(
+            url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            max_connections=max_connections,
+            health_check_interval=30,
+        )
+        return cls(client, Keys(prefix))
+
+    async def aclose(self) -> None:
+        await self.redis.aclose()
+
+    async def ping(self) -> None:
+        with _translate_redis_errors():
+            await self.redis.ping()
+
+    async def create_rollout(
+        self, rollout_id: str, task_id: str | None = None, metadata: dict[str, Any] | None = None
+    ) -> Rollout:
+        """Create an open rollout; raise `RolloutExists` if the id is taken."""
+        validate_id(rollout_id, "rollout id")
+        if task_id is not None:
+            validate_id(task_id, "task id")
+        rollout = Rollout(rollout_id=rollout_id, task_id=task_id, created_at=time.time(), metadata=metadata or {})
+        with _translate_redis_errors():
+            created = await self._create(
+                keys=[self.keys.rollout(rollout_id), self.keys.calls(rollout_id)],
+                args=[rollout_id, task_id or "", repr(rollout.created_at), SCHEMA_VERSION,
+                      orjson.dumps(rollout.metadata)],
+            )
+        if not created:
+            raise RolloutExists(f"rollout {rollout_id!r} already exists")
+        return rollout
+
+    async def record_calls(self, rollout_id: str, task_id: str | None, records: Sequence[CallRecord]) -> int:
+        """Append `records` to the rollout atomically, creating it if new. Returns the first index.
+
+        Raises `RolloutNotOpen` or `TaskMismatch` without writing anything.
+        """
+        if not records:
+            raise ValueError("record_calls needs at least one record")
+        args: list[Any] = [rollout_id, task_id or "", repr(time.time()), SCHEMA_VERSION]
+        args.extend(record.model_dump_json() for record in records)
+        with _translate_redis_errors():
+            code, value = await self._record(
+                keys=[self.keys.rollout(rollout_id), self.keys.calls(rollout_id)], args=args
+            )
+        if code == 0:
+            return int(value)
+        value = value.decode() if isinstance(value, bytes) else str(value)
+        if code == 1:
+            raise RolloutNotOpen(rollout_id, value)
+        raise TaskMismatch(rollout_id, value, task_id or "")
+
+    async def get_rollout(self, rollout_id: str) -> Rollout | None:
+        with _translate_redis_errors():
+            fields = await self.redis.hgetall(self.keys.rollout(rollout_id))
+        if not fields:
+            return None
+        return _rollout_from_hash(fields)
+
+    async def get_calls(self, rollout_id: str, start: int = 0, stop: int = -1) -> list[CallRecord]:
+        with _translate_redis_errors():
+            raw = await self.redis.lrange(self.keys.calls(rollout_id), start, stop)
+        return [CallRecord.model_validate_json(item) for item in raw]
+
+    async def get_rollout_view(self, rollout_id: str) -> RolloutView | None:
+        """The rollout and all its calls, read in one round trip (a MULTI of both keys)."""
+        with _translate_redis_errors():
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.hgetall(self.keys.rollout(rollout_id))
+                pipe.lrange(self.keys.calls(rollout_id), 0, -1)
+                fields, raw_calls = await pipe.execute()
+        if not fields:
+            return None
+        rollout = _rollout_from_hash(fields)
+        calls = [
+            IndexedCall(index=i, **CallRecord.model_validate_json(item).model_dump())
+            for i, item in enumerate(raw_calls)
+        ]
+        return RolloutView(**rollout.model_dump(), calls=calls)
+
+    async def policy_version(self) -> int:
+        """The current policy version (set by the learner after each weight push; 0 before any)."""
+        with _translate_redis_errors():
+            value = await self.redis.hget(self.keys.policy, "version")
+        return int(value) if value is not None else 0
+
+    async def set_policy_version(self, version: int) -> None:
+        with _translate_redis_errors():
+            await self.redis.hset(self.keys.policy, "version", int(version))
+
+
+def _rollout_from_hash(fields: dict[bytes, bytes]) -> Rollout:
+    data = {k.decode(): v.decode() for k, v in fields.items()}
+    return Rollout(
+        schema_version=int(data["schema_version"]),
+        rollout_id=data["rollout_id"],
+        task_id=data["task_id"] or None,
+        status=data["status"],
+        created_at=float(data["created_at"]),
+        metadata=orjson.loads(data["metadata"]),
+    )

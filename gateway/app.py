@@ -1,0 +1,162 @@
+"""The gateway's ASGI application: a path router in front of the proxy, the management API behind it.
+
+Agent-facing paths (the rollout id in the path, in headers, or absent):
+
+    /v1/{endpoint}
+    /rollouts/{rollout_id}/v1/{endpoint}
+    /tasks/{task_id}/rollouts/{rollout_id}/v1/{endpoint}
+
+with endpoint one of chat/completions, completions, responses (POST, recorded) and models (GET,
+forwarded). Everything else goes to the FastAPI management app (`gateway.routes`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import structlog
+
+from episodes import EpisodeStore
+from gateway import errors
+from gateway.metrics import GatewayMetrics
+from gateway.proxy import Proxy
+from gateway.routes import build_api
+from gateway.settings import GatewaySettings
+from gateway.upstream import Upstream
+
+log = structlog.get_logger("rlgate.gateway")
+
+_ENDPOINTS = {
+    "/chat/completions": "chat.completions", "/completions": "completions", "/responses": "responses",
+    "/models": "models",
+}
+
+
+def match(path: str) -> tuple[str, str | None, str | None] | None:
+    """(endpoint, rollout_id, task_id) for an agent-facing path, None for anything else."""
+    rollout_id = task_id = None
+    if path.startswith("/v1/"):
+        rest = path[3:]
+    elif path.startswith("/rollouts/"):
+        parts = path.split("/", 4)  # '', 'rollouts', rid, 'v1', rest
+        if len(parts) < 5 or parts[3] != "v1":
+            return None
+        rollout_id, rest = parts[2], "/" + parts[4]
+    elif path.startswith("/tasks/"):
+        parts = path.split("/", 6)  # '', 'tasks', tid, 'rollouts', rid, 'v1', rest
+        if len(parts) < 7 or parts[3] != "rollouts" or parts[5] != "v1":
+            return None
+        task_id, rollout_id, rest = parts[2], parts[4], "/" + parts[6]
+    else:
+        return None
+    endpoint = _ENDPOINTS.get(rest)
+    return None if endpoint is None else (endpoint, rollout_id, task_id)
+
+
+class Gateway:
+    """The whole gateway as one ASGI app; resources open in the lifespan."""
+
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.settings = settings
+        self.metrics = GatewayMetrics()
+        self.store = EpisodeStore.from_url(settings.redis_url, prefix=settings.key_prefix,
+                                           timeout_s=settings.redis_timeout_s)
+        self.upstream = Upstream(settings)
+        self.proxy = Proxy(settings, self.store, self.upstream, self.metrics)
+        self.api = build_api(self)
+        self._poller: asyncio.Task[None] | None = None
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            route = match(scope["path"])
+            if route is not None:
+                await self._serve(scope, receive, send, *route)
+                return
+        elif scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        await self.api(scope, receive, send)
+
+    async def _serve(self, scope: dict[str, Any], receive: Any, send: Any, endpoint: str,
+                     rollout_id: str | None, task_id: str | None) -> None:
+        started = False
+
+        async def tracked_send(message: dict[str, Any]) -> None:
+            nonlocal started
+            started = True
+            await send(message)
+
+        try:
+            if endpoint == "models":
+                if scope["method"] != "GET":
+                    raise _method_not_allowed(scope, "GET")
+                await self.proxy.models(tracked_send)
+            else:
+                if scope["method"] != "POST":
+                    raise _method_not_allowed(scope, "POST")
+                await self.proxy.call(scope, receive, tracked_send, endpoint, rollout_id, task_id)
+        except errors.GatewayError as exc:
+            if exc.status >= 500:
+                log.warning("call_failed", path=scope["path"], status=exc.status, error=exc.message)
+            if started:
+                return
+            headers = [(b"content-type", b"application/json"),
+                       *((k.encode(), v.encode()) for k, v in exc.headers.items())]
+            body = exc.body()
+            await send({"type": "http.response.start", "status": exc.status,
+                        "headers": [*headers, (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+        except Exception:
+            log.exception("call_crashed", path=scope["path"])
+            self.metrics.errors.labels("internal").inc()
+            if not started:
+                body = errors.error_body("internal gateway error", "internal_error")
+                await send({"type": "http.response.start", "status": 500,
+                            "headers": [(b"content-type", b"application/json")]})
+                await send({"type": "http.response.body", "body": body})
+
+    async def _lifespan(self, receive: Any, send: Any) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.startup()
+                except Exception as exc:  # report it to the server, which exits
+                    await send({"type": "lifespan.startup.failed", "message": repr(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def startup(self) -> None:
+        await self.upstream.start()
+        self._poller = asyncio.create_task(self.proxy.poll_policy_version())
+        log.info("gateway_started", upstream=self.settings.upstream_url, upstream_kind=self.settings.upstream_kind,
+                 redis=_redact(self.settings.redis_url), key_prefix=self.settings.key_prefix)
+
+    async def shutdown(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+        await self.upstream.aclose()
+        await self.store.aclose()
+
+
+def _method_not_allowed(scope: dict[str, Any], allowed: str) -> errors.GatewayError:
+    return errors.MethodNotAllowed(f"{scope['method']} {scope['path']}: method not allowed, use {allowed}",
+                                   headers={"allow": allowed})
+
+
+def _redact(url: str) -> str:
+    """A Redis URL without its password, for logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))

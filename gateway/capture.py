@@ -1,0 +1,134 @@
+"""What the gateway asks of a vLLM upstream, what it strips again, and how answers become records.
+
+One `EndpointSpec` per recorded endpoint. For a vLLM upstream the gateway asks for what training needs
+(`return_token_ids: true`, and sampled-token log-probs) and, on the way back, removes what the agent did
+not ask for, so the agent sees what plain vLLM would have sent (wire facts: docs/vllm-wire-format.md):
+non-streaming bodies carry the unrequested fields as `null`; stream chunks omit them.
+
+The records hold the server's token ids and log-probs exactly as returned; nothing is re-tokenized.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from episodes import CallResponse, Endpoint
+
+
+@dataclass(slots=True)
+class Injected:
+    """Which fields the gateway added to the request and must strip from the answer."""
+
+    token_ids: bool = False
+    logprobs: bool = False
+
+    @property
+    def any(self) -> bool:
+        return self.token_ids or self.logprobs
+
+
+@dataclass(slots=True)
+class Transition:
+    """One choice of an answer, ready to become a `CallRecord`."""
+
+    choice_index: int
+    response: CallResponse
+    prompt_token_ids: list[int] | None
+    completion_token_ids: list[int] | None
+    completion_logprobs: list[float] | None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Requests
+
+
+def inject(endpoint: Endpoint, body: dict[str, Any]) -> tuple[dict[str, Any], Injected]:
+    """The body to send a vLLM upstream (a shallow copy when changed) and what was added to it."""
+    injected = Injected()
+    if endpoint == "responses":
+        return body, injected
+    out = body
+    if body.get("return_token_ids") is not True:
+        out = dict(body)
+        out["return_token_ids"] = True
+        injected.token_ids = True
+    if endpoint == "chat.completions":
+        if body.get("logprobs") is not True:
+            out = out if out is not body else dict(body)
+            out["logprobs"] = True
+            injected.logprobs = True
+    elif body.get("logprobs") is None:
+        # completions: `logprobs` is the number of top alternatives; 0 returns the sampled token's own.
+        out = out if out is not body else dict(body)
+        out["logprobs"] = 0
+        injected.logprobs = True
+    return out, injected
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Non-streaming answers
+
+
+def strip_response(endpoint: Endpoint, payload: dict[str, Any], injected: Injected) -> None:
+    """Null the injected fields of a non-streaming answer in place, as plain vLLM serializes them."""
+    if injected.token_ids and "prompt_token_ids" in payload:
+        payload["prompt_token_ids"] = None
+    for choice in payload.get("choices") or ():
+        if injected.token_ids:
+            if "token_ids" in choice:
+                choice["token_ids"] = None
+            if endpoint == "completions" and "prompt_token_ids" in choice:
+                choice["prompt_token_ids"] = None
+        if injected.logprobs and "logprobs" in choice:
+            choice["logprobs"] = None
+
+
+def transitions(endpoint: Endpoint, payload: dict[str, Any]) -> list[Transition]:
+    """The transitions of a non-streaming answer: one per choice (one for `responses`)."""
+    if endpoint == "responses":
+        return [Transition(0, _responses_response(payload), None, None, None)]
+    usage = payload.get("usage")
+    response_id = payload.get("id")
+    prompt_token_ids = payload.get("prompt_token_ids")
+    out = []
+    for choice in payload.get("choices") or ():
+        if endpoint == "chat.completions":
+            response = CallResponse(
+                id=response_id, message=choice.get("message"), finish_reason=choice.get("finish_reason"),
+                stop_reason=choice.get("stop_reason"), usage=usage,
+            )
+            prompt_ids = prompt_token_ids
+        else:
+            response = CallResponse(
+                id=response_id, text=choice.get("text"), finish_reason=choice.get("finish_reason"),
+                stop_reason=choice.get("stop_reason"), usage=usage,
+            )
+            prompt_ids = choice.get("prompt_token_ids")
+        out.append(Transition(
+            choice_index=choice.get("index", len(out)),
+            response=response,
+            prompt_token_ids=prompt_ids,
+            completion_token_ids=choice.get("token_ids"),
+            completion_logprobs=sampled_logprobs(endpoint, choice.get("logprobs")),
+        ))
+    return out
+
+
+def sampled_logprobs(endpoint: Endpoint, logprobs: Any) -> list[float] | None:
+    """The sampled tokens' log-probs from a choice's `logprobs` (chat: `content[].logprob`; completions:
+    `token_logprobs`)."""
+    if not logprobs:
+        return None
+    if endpoint == "chat.completions":
+        content = logprobs.get("content")
+        return None if content is None else [entry["logprob"] for entry in content]
+    values = logprobs.get("token_logprobs")
+    return None if values is None else list(values)
+
+
+def _responses_response(payload: dict[str, Any]) -> CallResponse:
+    return CallResponse(
+        id=payload.get("id"), output=payload.get("output"), finish_reason=payload.get("status"),
+        usage=payload.get("usage"),
+    )

@@ -1,0 +1,101 @@
+"""The gateway's errors: a shallow tree, each class with its HTTP status and OpenAI error `type`.
+
+Handlers raise; `error_body` renders the OpenAI error shape `{"error": {message, type, param, code}}`.
+Client faults are 4xx; only trouble on our side or upstream is 5xx.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+
+class GatewayError(Exception):
+    status: int = 500
+    type: str = "internal_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> bytes:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+class BadRequest(GatewayError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class NotFound(GatewayError):
+    status = 404
+    type = "not_found_error"
+
+
+class MethodNotAllowed(GatewayError):
+    status = 405
+    type = "invalid_request_error"
+    code = "method_not_allowed"
+
+
+class Conflict(GatewayError):
+    status = 409
+    type = "conflict_error"
+
+
+class PayloadTooLarge(GatewayError):
+    status = 413
+    type = "invalid_request_error"
+    code = "payload_too_large"
+
+
+class UpstreamError(GatewayError):
+    """The inference server could not be reached or did not answer in time."""
+
+    status = 502
+    type = "upstream_error"
+
+
+class UpstreamTimeout(UpstreamError):
+    status = 504
+    code = "upstream_timeout"
+
+
+class StoreUnavailable(GatewayError):
+    """Redis cannot record the call, so the call is not released to the agent."""
+
+    status = 503
+    type = "service_unavailable_error"
+    code = "store_unavailable"
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: Any = None) -> bytes:
+    return orjson.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}})
+
+
+def upstream_error_payload(status: int, raw: bytes) -> dict[str, Any]:
+    """The `error` object of an upstream error response, whatever shape the upstream used.
+
+    vLLM and OpenAI send `{"error": {...}}`; older vLLM sent `{"object": "error", "message", "type", ...}`;
+    anything else (an HTML page from a load balancer) is wrapped with its status.
+    """
+    try:
+        payload = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        payload = None
+    if isinstance(payload, dict):
+        inner = payload.get("error")
+        if isinstance(inner, dict):
+            return inner
+        if "message" in payload:
+            return {k: payload.get(k) for k in ("message", "type", "param", "code")}
+    text = raw[:500].decode("utf-8", "replace")
+    return {"message": f"upstream answered {status}: {text}", "type": "upstream_error", "param": None,
+            "code": status}

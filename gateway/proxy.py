@@ -1,0 +1,310 @@
+"""The hot path: forward one agent call upstream, record it in Redis, release the answer.
+
+A call is committed to Redis before its response (or its stream's final event) is released to the agent:
+an agent never holds an answer that was not recorded (unless `on_store_error=pass` says otherwise).
+This module speaks raw ASGI: the per-call cost of a web framework is most of the gateway's budget.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import structlog
+
+import episodes
+from episodes import CallError, CallRecord, Endpoint, EpisodeStore
+from gateway import capture, errors
+from gateway.metrics import GatewayMetrics
+from gateway.settings import GatewaySettings
+from gateway.streaming import DONE, RESPONSES_FINAL, StreamAssembler, event_data, split_events, strip_chunk
+from gateway.upstream import Upstream
+
+log = structlog.get_logger("rlgate.gateway")
+
+UPSTREAM_PATHS: dict[str, str] = {
+    "chat.completions": "/chat/completions", "completions": "/completions", "responses": "/responses",
+}
+_JSON = (b"content-type", b"application/json")
+
+
+@dataclass(slots=True)
+class Call:
+    """What the gateway knows about one agent call while serving it."""
+
+    rollout_id: str
+    task_id: str | None
+    agent_name: str | None
+    endpoint: Endpoint
+    request: dict[str, Any]
+    policy_version: int
+    started_at: float
+    t0: float
+    rollout_header: tuple[bytes, bytes]
+
+    @property
+    def stream(self) -> bool:
+        return self.request.get("stream") is True
+
+
+class Proxy:
+    def __init__(self, settings: GatewaySettings, store: EpisodeStore, upstream: Upstream,
+                 metrics: GatewayMetrics) -> None:
+        self.settings = settings
+        self.store = store
+        self.upstream = upstream
+        self.metrics = metrics
+        self.inject = settings.upstream_kind == "vllm"
+        self.policy_version = 0
+
+    async def poll_policy_version(self) -> None:
+        """Keep `policy_version` current; the learner sets it in Redis after each weight push."""
+        failing = False
+        while True:
+            try:
+                self.policy_version = await self.store.policy_version()
+                failing = False
+            except episodes.StoreUnavailable as exc:
+                if not failing:
+                    log.warning("policy_version_unreadable", error=str(exc))
+                failing = True
+            await asyncio.sleep(self.settings.policy_poll_s)
+
+    # -----------------------------------------------------------------------------------------------------
+    # Entry points
+
+    async def models(self, send: Any) -> None:
+        async with self.upstream.request("GET", "/models") as response:
+            body = await response.read()
+            status = response.status
+        if status != 200:
+            body = orjson.dumps({"error": errors.upstream_error_payload(status, body)})
+        await _send_body(send, status, body, [_JSON])
+
+    async def call(self, scope: dict[str, Any], receive: Any, send: Any, endpoint: Endpoint,
+                   rollout_id: str | None, task_id: str | None) -> None:
+        started_at, t0 = time.time(), time.perf_counter()
+        agent_name = None
+        for name, value in scope["headers"]:
+            if name == b"x-rollout-id":
+                rollout_id = rollout_id or value.decode("latin-1")
+            elif name == b"x-task-id":
+                task_id = task_id or value.decode("latin-1")
+            elif name == b"x-agent-name":
+                agent_name = value.decode("utf-8", "replace")
+        try:
+            if rollout_id is None:
+                if self.settings.require_rollout_id:
+                    raise errors.BadRequest(
+                        "no rollout id: call through /rollouts/{rollout_id}/v1 or send X-Rollout-Id",
+                        code="missing_rollout_id")
+                rollout_id = uuid.uuid4().hex
+            else:
+                episodes.validate_id(rollout_id, "rollout id")
+            if task_id is not None:
+                episodes.validate_id(task_id, "task id")
+        except episodes.InvalidId as exc:
+            raise errors.BadRequest(str(exc), code="invalid_id") from exc
+        body = await _read_json(receive, self.settings.max_body_bytes)
+        call = Call(rollout_id, task_id, agent_name, endpoint, body, self.policy_version, started_at, t0,
+                    (b"x-rollout-id", rollout_id.encode()))
+        upstream_body, injected = (capture.inject(endpoint, body) if self.inject
+                                   else (body, capture.Injected()))
+        with structlog.contextvars.bound_contextvars(
+            rollout_id=rollout_id, task_id=task_id, policy_version=call.policy_version
+        ):
+            if call.stream:
+                await self._stream(call, orjson.dumps(upstream_body), injected, send)
+            else:
+                await self._unary(call, orjson.dumps(upstream_body), injected, send)
+
+    # -----------------------------------------------------------------------------------------------------
+    # Non-streaming
+
+    async def _unary(self, call: Call, upstream_body: bytes, injected: capture.Injected, send: Any) -> None:
+        async with self.upstream.request("POST", UPSTREAM_PATHS[call.endpoint], upstream_body) as response:
+            raw = await response.read()
+            status = response.status
+        latency_ms = (time.perf_counter() - call.t0) * 1000
+        if status != 200:
+            payload = errors.upstream_error_payload(status, raw)
+            error = CallError(status=status, type=str(payload.get("type") or "upstream_error"),
+                              message=str(payload.get("message") or ""), code=payload.get("code"))
+            await self._commit(call, self._records(call, [], error, latency_ms, None), "upstream_error")
+            await _send_body(send, status, orjson.dumps({"error": payload}), [_JSON, call.rollout_header])
+            return
+        payload = orjson.loads(raw)
+        records = self._records(call, capture.transitions(call.endpoint, payload), None, latency_ms, None)
+        if injected.any:
+            capture.strip_response(call.endpoint, payload, injected)
+            raw = orjson.dumps(payload)
+        await self._commit(call, records, "ok")
+        await _send_body(send, 200, raw, [_JSON, call.rollout_header])
+
+    # -----------------------------------------------------------------------------------------------------
+    # Streaming: chunks pass through as they arrive; the final event waits for the commit.
+
+    async def _stream(self, call: Call, upstream_body: bytes, injected: capture.Injected, send: Any) -> None:
+        endpoint = call.endpoint
+        assembler = StreamAssembler(endpoint)
+        held: bytes | None = None  # the final event, released after the commit
+        ttfb_ms = None
+        async with self.upstream.request("POST", UPSTREAM_PATHS[endpoint], upstream_body) as response:
+            if response.status != 200:
+                raw = await response.read()
+                payload = errors.upstream_error_payload(response.status, raw)
+                error = CallError(status=response.status, type=str(payload.get("type") or "upstream_error"),
+                                  message=str(payload.get("message") or ""), code=payload.get("code"))
+                latency_ms = (time.perf_counter() - call.t0) * 1000
+                await self._commit(call, self._records(call, [], error, latency_ms, None), "upstream_error")
+                await _send_body(send, response.status, orjson.dumps({"error": payload}),
+                                 [_JSON, call.rollout_header])
+                return
+            content_type = response.headers.get("Content-Type", "text/event-stream").encode()
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", content_type), call.rollout_header]})
+            pending = b""
+            try:
+                async for data in self.upstream.chunks(response):
+                    if ttfb_ms is None:
+                        ttfb_ms = (time.perf_counter() - call.t0) * 1000
+                    events, pending = split_events(pending + data)
+                    out = []
+                    for event in events:
+                        if event.startswith(DONE):
+                            held = event
+                            continue
+                        payload = event_data(event)
+                        if payload is None:
+                            out.append(event)
+                            continue
+                        chunk = orjson.loads(payload)
+                        assembler.feed(chunk)
+                        if endpoint == "responses" and chunk.get("type") in RESPONSES_FINAL:
+                            held = event
+                            continue
+                        if injected.any and "error" not in chunk:
+                            strip_chunk(endpoint, chunk, injected)
+                            event = b"data: " + orjson.dumps(chunk)
+                        out.append(event)
+                    if out:
+                        await send({"type": "http.response.body", "body": b"\n\n".join(out) + b"\n\n",
+                                    "more_body": True})
+            except errors.GatewayError as exc:
+                assembler.error = CallError(status=exc.status, type=exc.type, message=exc.message)
+            except orjson.JSONDecodeError as exc:
+                assembler.error = CallError(status=502, type="upstream_error",
+                                            message=f"malformed stream chunk from upstream: {exc}")
+        if held is None and assembler.error is None:
+            assembler.error = CallError(status=502, type="upstream_error",
+                                        message="the upstream stream ended before its final event")
+        latency_ms = (time.perf_counter() - call.t0) * 1000
+        records = self._records(call, assembler.transitions(), assembler.error, latency_ms, ttfb_ms)
+        try:
+            await self._commit(call, records, "ok" if assembler.error is None else "stream_error")
+        except errors.GatewayError as exc:
+            # The agent has the content but not the end of the stream: it sees an error, never a success.
+            await send({"type": "http.response.body", "body": b"data: " + exc.body() + b"\n\n"})
+            return
+        tail = b"" if held is None else held + b"\n\n"
+        await send({"type": "http.response.body", "body": tail})
+
+    # -----------------------------------------------------------------------------------------------------
+    # Records
+
+    def _records(self, call: Call, transitions: list[capture.Transition], error: CallError | None,
+                 latency_ms: float, ttfb_ms: float | None) -> list[CallRecord]:
+        common = dict(
+            rollout_id=call.rollout_id, task_id=call.task_id, agent_name=call.agent_name,
+            endpoint=call.endpoint, model=call.request.get("model"), policy_version=call.policy_version,
+            stream=call.stream, request=call.request, started_at=call.started_at,
+            latency_ms=latency_ms, ttfb_ms=ttfb_ms, error=error,
+        )
+        if not transitions:
+            return [CallRecord(**common)]
+        return [
+            CallRecord(choice_index=t.choice_index, response=t.response, prompt_token_ids=t.prompt_token_ids,
+                       completion_token_ids=t.completion_token_ids, completion_logprobs=t.completion_logprobs,
+                       **common)
+            for t in transitions
+        ]
+
+    async def _commit(self, call: Call, records: list[CallRecord], outcome: str) -> None:
+        """Record the call in Redis, or raise: the caller releases the answer only after this returns."""
+        t = time.perf_counter()
+        try:
+            index = await self.store.record_calls(call.rollout_id, call.task_id, records)
+        except episodes.StoreUnavailable as exc:
+            self.metrics.errors.labels("store").inc()
+            if self.settings.on_store_error == "pass":
+                log.error("call_not_recorded", endpoint=call.endpoint, error=str(exc),
+                          hint="on_store_error=pass: the agent got an answer that is not in Redis")
+                self._log_call(call, records, "not_recorded", None)
+                return
+            self.metrics.calls.labels(call.endpoint, "store_unavailable").inc()
+            log.error("call_rejected_store_unavailable", endpoint=call.endpoint, error=str(exc))
+            raise errors.StoreUnavailable(
+                "the gateway cannot record this call (Redis unavailable); retry later",
+                headers={"retry-after": "1"}) from exc
+        except episodes.RolloutNotOpen as exc:
+            self.metrics.calls.labels(call.endpoint, "rollout_not_open").inc()
+            raise errors.Conflict(str(exc), code="rollout_not_open") from exc
+        except episodes.TaskMismatch as exc:
+            self.metrics.calls.labels(call.endpoint, "task_mismatch").inc()
+            raise errors.Conflict(str(exc), code="task_mismatch") from exc
+        finally:
+            self.metrics.store_latency.observe(time.perf_counter() - t)
+        self._log_call(call, records, outcome, index)
+
+    def _log_call(self, call: Call, records: list[CallRecord], outcome: str, index: int | None) -> None:
+        first = records[0]
+        usage = (first.response.usage if first.response is not None else None) or {}
+        prompt_tokens = usage.get("prompt_tokens") or len(first.prompt_token_ids or ())
+        completion_tokens = usage.get("completion_tokens") or sum(
+            len(r.completion_token_ids or ()) for r in records)
+        m = self.metrics
+        m.calls.labels(call.endpoint, outcome).inc()
+        m.latency.labels(call.endpoint, "true" if call.stream else "false").observe(first.latency_ms / 1000)
+        m.prompt_tokens.inc(prompt_tokens)
+        m.completion_tokens.inc(completion_tokens)
+        if first.error is not None:
+            m.errors.labels(outcome).inc()
+        log.info("call", endpoint=call.endpoint, model=first.model, agent=call.agent_name, stream=call.stream,
+                 outcome=outcome, status=first.error.status if first.error else 200, index=index,
+                 choices=len(records), latency_ms=round(first.latency_ms, 2),
+                 ttfb_ms=None if first.ttfb_ms is None else round(first.ttfb_ms, 2),
+                 prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
+
+
+async def _read_json(receive: Any, limit: int) -> dict[str, Any]:
+    chunks = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise errors.BadRequest("the client disconnected before sending its request")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise errors.PayloadTooLarge(f"request body larger than {limit} bytes")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
+    raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise errors.BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
+    if not isinstance(body, dict):
+        raise errors.BadRequest("request body must be a JSON object", code="invalid_json")
+    return body
+
+
+async def _send_body(send: Any, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [*headers, (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,3 @@
+from rlgate.cli import main
+
+main()

@@ -1,0 +1,40 @@
+"""structlog, configured once per entry point: JSON lines in production, console in a terminal."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import orjson
+import structlog
+
+
+def configure_logging(level: str = "info", fmt: str = "auto") -> None:
+    """Configure structlog (and route the standard library's logging through the same output).
+
+    Request-scoped keys (rollout_id, task_id, policy_version) are bound with structlog's contextvars and
+    merged into every line.
+    """
+    if fmt == "auto":
+        fmt = "console" if sys.stderr.isatty() else "json"
+    numeric = logging.getLevelNamesMapping()[level.upper()]
+    shared = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+    if fmt == "json":
+        renderer: list = [structlog.processors.dict_tracebacks,
+                          structlog.processors.JSONRenderer(serializer=orjson.dumps)]
+        factory = structlog.BytesLoggerFactory(sys.stderr.buffer)
+    else:
+        renderer = [structlog.dev.ConsoleRenderer()]
+        factory = structlog.PrintLoggerFactory(sys.stderr)
+    structlog.configure(
+        processors=[*shared, *renderer],
+        wrapper_class=structlog.make_filtering_bound_logger(numeric),
+        logger_factory=factory,
+        cache_logger_on_first_use=True,
+    )
+    logging.basicConfig(level=numeric, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s",
+                        force=True)

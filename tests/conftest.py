@@ -1,0 +1,104 @@
+"""Fixtures: the real Redis (a database of its own, flushed per test), a fake vLLM upstream process, and
+gateway processes started with the real `rlgate gateway` command."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+ROOT = Path(__file__).resolve().parent.parent
+REDIS_BASE = os.environ.get("RLGATE_TEST_REDIS_URL", "redis://127.0.0.1:6379").rstrip("/")
+REDIS_DB = 11  # the gateway tests' own database, flushed before each test
+REDIS_URL = f"{REDIS_BASE}/{REDIS_DB}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Proc:
+    process: subprocess.Popen
+    url: str
+    log_path: Path
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+            self.process.wait(timeout=20)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+@pytest.fixture
+def redis_client() -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(REDIS_URL)
+    client.flushdb()
+    yield client
+    client.flushdb()
+    client.close()
+
+
+def start_fake_vllm(tmp_path: Path, *args: str) -> Proc:
+    log_path = tmp_path / f"fake_vllm_{time.monotonic_ns()}.log"
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "fake_vllm.py"), "--port", str(port), *args],
+        stdout=subprocess.PIPE, stderr=log_path.open("wb"), text=True,
+    )
+    line = process.stdout.readline()
+    assert line.startswith("READY"), f"fake vLLM did not start: {line!r} {log_path.read_text()}"
+    return Proc(process, f"http://127.0.0.1:{port}/v1", log_path)
+
+
+@pytest.fixture(scope="session")
+def fake_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    proc = start_fake_vllm(tmp_path_factory.mktemp("fake_vllm"))
+    yield proc
+    proc.kill(signal.SIGTERM)
+
+
+def start_gateway(tmp_path: Path, upstream_url: str, redis_url: str = REDIS_URL, port: int | None = None,
+                  wait_healthy: bool = True, **settings: str) -> Proc:
+    """`rlgate gateway` as a real process, configured through RLGATE_* variables."""
+    port = port or free_port()
+    env = {**os.environ, "RLGATE_UPSTREAM_URL": upstream_url, "RLGATE_REDIS_URL": redis_url,
+           "RLGATE_PORT": str(port), "RLGATE_LOG_FORMAT": "json"}
+    env.update({f"RLGATE_{k.upper()}": v for k, v in settings.items()})
+    log_path = tmp_path / f"gateway_{port}_{time.monotonic_ns()}.log"
+    process = subprocess.Popen([sys.executable, "-m", "rlgate", "gateway"], env=env,
+                               stdout=log_path.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT)
+    proc = Proc(process, f"http://127.0.0.1:{port}", log_path)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        assert process.poll() is None, f"gateway exited:\n{proc.log()}"
+        try:
+            response = httpx.get(f"{proc.url}/healthz", timeout=2)
+            if response.status_code == 200 or not wait_healthy:
+                return proc
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError(f"gateway did not become healthy:\n{proc.log()}")
+
+
+@pytest.fixture(scope="session")
+def gateway(fake_vllm: Proc, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    proc = start_gateway(tmp_path_factory.mktemp("gateway"), fake_vllm.url)
+    yield proc
+    proc.kill(signal.SIGTERM)

@@ -1,0 +1,129 @@
+"""The episode store against the real Redis: key layout, atomic create/record, errors."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis
+
+from conftest import REDIS_URL
+from episodes import (
+    CallRecord, EpisodeStore, InvalidId, Keys, RolloutExists, RolloutNotOpen, TaskMismatch, StoreUnavailable,
+)
+
+
+def _record(rollout_id: str, **kw) -> CallRecord:
+    base = dict(rollout_id=rollout_id, endpoint="chat.completions", policy_version=0,
+                request={"messages": [{"role": "user", "content": "hi"}]}, started_at=1.0, latency_ms=2.0,
+                prompt_token_ids=[1, 2, 3], completion_token_ids=[4, 5], completion_logprobs=[-0.1, -0.2])
+    base.update(kw)
+    return CallRecord(**base)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_keys_share_a_cluster_hash_tag():
+    keys = Keys("rlgate")
+    assert keys.rollout("abc") == "rlgate:rollout:{abc}"
+    assert keys.calls("abc") == "rlgate:rollout:{abc}:calls"
+    # redis-py's own cluster slot function agrees that both keys live in one slot
+    from redis.crc import key_slot
+    assert key_slot(keys.rollout("r-1").encode()) == key_slot(keys.calls("r-1").encode())
+    with pytest.raises(InvalidId):
+        Keys("bad{prefix")
+
+
+def test_record_creates_rollout_and_indexes_calls(redis_client: redis.Redis):
+    async def go():
+        store = EpisodeStore.from_url(REDIS_URL, prefix="t")
+        try:
+            first = await store.record_calls("r1", "task-a", [_record("r1", task_id="task-a")])
+            second = await store.record_calls("r1", "task-a", [_record("r1", choice_index=0),
+                                                               _record("r1", choice_index=1)])
+            view = await store.get_rollout_view("r1")
+            return first, second, view
+        finally:
+            await store.aclose()
+
+    first, second, view = run(go())
+    assert (first, second) == (0, 1)
+    assert view.rollout_id == "r1" and view.task_id == "task-a" and view.status == "open"
+    assert [c.index for c in view.calls] == [0, 1, 2]
+    assert [c.choice_index for c in view.calls] == [0, 0, 1]
+    assert view.calls[0].completion_token_ids == [4, 5]
+    assert redis_client.type("t:rollout:{r1}") == b"hash"
+    assert redis_client.llen("t:rollout:{r1}:calls") == 3
+
+
+def test_create_rollout_once_and_task_mismatch(redis_client: redis.Redis):
+    async def go():
+        store = EpisodeStore.from_url(REDIS_URL, prefix="t")
+        try:
+            created = await store.create_rollout("r2", "task-b", {"split": "train"})
+            with pytest.raises(RolloutExists):
+                await store.create_rollout("r2", None)
+            with pytest.raises(TaskMismatch):
+                await store.record_calls("r2", "other-task", [_record("r2")])
+            # a call without a task id joins the rollout's task
+            await store.record_calls("r2", None, [_record("r2")])
+            return created, await store.get_rollout("r2"), await store.get_calls("r2")
+        finally:
+            await store.aclose()
+
+    created, rollout, calls = run(go())
+    assert created.metadata == {"split": "train"}
+    assert rollout.task_id == "task-b" and rollout.metadata == {"split": "train"}
+    assert len(calls) == 1  # the mismatched call wrote nothing
+
+
+def test_calls_to_a_rollout_that_is_not_open_are_refused(redis_client: redis.Redis):
+    async def go():
+        store = EpisodeStore.from_url(REDIS_URL, prefix="t")
+        try:
+            await store.create_rollout("r3")
+            redis_client.hset("t:rollout:{r3}", "status", "closed")
+            with pytest.raises(RolloutNotOpen) as info:
+                await store.record_calls("r3", None, [_record("r3")])
+            return info.value
+        finally:
+            await store.aclose()
+
+    assert run(go()).status == "closed"
+    assert redis_client.llen("t:rollout:{r3}:calls") == 0
+
+
+def test_policy_version_defaults_to_zero(redis_client: redis.Redis):
+    async def go():
+        store = EpisodeStore.from_url(REDIS_URL, prefix="t")
+        try:
+            before = await store.policy_version()
+            await store.set_policy_version(7)
+            return before, await store.policy_version()
+        finally:
+            await store.aclose()
+
+    assert run(go()) == (0, 7)
+
+
+def test_unreachable_redis_raises_store_unavailable():
+    async def go():
+        store = EpisodeStore.from_url("redis://127.0.0.1:1/0", timeout_s=0.5)
+        try:
+            await store.record_calls("r4", None, [_record("r4")])
+        finally:
+            await store.aclose()
+
+    with pytest.raises(StoreUnavailable):
+        run(go())
+
+
+def test_record_round_trips_through_json():
+    record = _record("r5", error=None, ttfb_ms=3.5)
+    assert CallRecord.model_validate_json(record.model_dump_json()) == record
+    assert record.trainable
+    assert not _record("r5", completion_logprobs=None).trainable
+    with pytest.raises(ValueError):
+        CallRecord.model_validate({**record.model_dump(), "unknown_field": 1})
