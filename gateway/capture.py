@@ -49,12 +49,17 @@ def inject(endpoint: Endpoint, body: dict[str, Any]) -> tuple[dict[str, Any], In
     if endpoint == "responses":
         return body, injected
     out = body
+    # completions with `echo`: vLLM drops the echoed prompt from `text` when asked for token ids, so such
+    # calls go upstream unchanged and are recorded without token ids.
+    if endpoint == "completions" and body.get("echo"):
+        return body, injected
     if body.get("return_token_ids") is not True:
         out = dict(body)
         out["return_token_ids"] = True
         injected.token_ids = True
     if endpoint == "chat.completions":
-        if body.get("logprobs") is not True:
+        # `top_logprobs` without `logprobs` is a 400 from vLLM: leave it so, not hidden by our injection.
+        if body.get("logprobs") is not True and not body.get("top_logprobs"):
             out = out if out is not body else dict(body)
             out["logprobs"] = True
             injected.logprobs = True

@@ -117,10 +117,15 @@ class Proxy:
         with structlog.contextvars.bound_contextvars(
             rollout_id=rollout_id, task_id=task_id, policy_version=call.policy_version
         ):
-            if call.stream:
-                await self._stream(call, orjson.dumps(upstream_body), injected, send)
-            else:
-                await self._unary(call, orjson.dumps(upstream_body), injected, send)
+            serve = self._stream if call.stream else self._unary
+            try:
+                await serve(call, orjson.dumps(upstream_body), injected, send)
+            except errors.UpstreamError as exc:
+                # Unreachable or timed out before any answer: the agent gets 502/504, the call is kept.
+                error = CallError(status=exc.status, type=exc.type, message=exc.message, code=exc.code)
+                latency_ms = (time.perf_counter() - call.t0) * 1000
+                await self._commit(call, self._records(call, [], error, latency_ms, None), "upstream_unreachable")
+                raise
 
     # -----------------------------------------------------------------------------------------------------
     # Non-streaming
@@ -188,7 +193,8 @@ class Proxy:
                             held = event
                             continue
                         if injected.any and "error" not in chunk:
-                            strip_chunk(endpoint, chunk, injected)
+                            if not strip_chunk(endpoint, chunk, injected):
+                                continue
                             event = b"data: " + orjson.dumps(chunk)
                         out.append(event)
                     if out:

@@ -33,17 +33,28 @@ def event_data(event: bytes) -> bytes | None:
     return data
 
 
-def strip_chunk(endpoint: Endpoint, chunk: dict[str, Any], injected: Injected) -> None:
-    """Remove injected fields from a stream chunk in place. Plain vLLM omits them from chunks."""
-    if injected.token_ids:
-        chunk.pop("prompt_token_ids", None)
-    for choice in chunk.get("choices") or ():
+def strip_chunk(endpoint: Endpoint, chunk: dict[str, Any], injected: Injected) -> bool:
+    """Null injected fields of a stream chunk in place, as plain vLLM sends them (present, `null`).
+
+    Returns False for a chunk plain vLLM would not have sent at all: with neither `logprobs` nor
+    `return_token_ids` requested, vLLM skips tokens its tool parser holds back, but with either on it
+    sends them as `delta: {}` without a finish reason (docs/vllm-wire-format.md, section 4).
+    """
+    if injected.token_ids and chunk.get("prompt_token_ids") is not None:
+        chunk["prompt_token_ids"] = None
+    choices = chunk.get("choices") or ()
+    for choice in choices:
         if injected.token_ids:
-            choice.pop("token_ids", None)
-            if endpoint == "completions":
-                choice.pop("prompt_token_ids", None)
-        if injected.logprobs:
-            choice.pop("logprobs", None)
+            if "token_ids" in choice:
+                choice["token_ids"] = None
+            if endpoint == "completions" and "prompt_token_ids" in choice:
+                choice["prompt_token_ids"] = None
+        if injected.logprobs and "logprobs" in choice:
+            choice["logprobs"] = None
+    if (endpoint == "chat.completions" and injected.token_ids and injected.logprobs and len(choices) == 1
+            and choices[0].get("delta") == {} and choices[0].get("finish_reason") is None):
+        return False
+    return True
 
 
 class _Choice:

@@ -1,0 +1,160 @@
+"""No success without a record: Redis trouble gives 503, a killed gateway loses no answered call, and
+several gateway processes share one store."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import shutil
+import signal
+import subprocess
+import time
+import uuid
+
+import httpx
+import openai
+import pytest
+
+from conftest import REDIS_URL, Proc, free_port, start_fake_vllm, start_gateway
+from test_gateway_errors import assert_openai_error
+from test_gateway_proxy import MESSAGES, MODEL, rollout
+
+
+def test_dead_redis_is_503_never_an_unrecorded_success(fake_vllm: Proc, tmp_path):
+    proc = start_gateway(tmp_path, fake_vllm.url, redis_url=f"redis://127.0.0.1:{free_port()}/0",
+                         wait_healthy=False, redis_timeout_s="0.5")
+    try:
+        assert httpx.get(f"{proc.url}/healthz").status_code == 503
+        url = f"{proc.url}/rollouts/r1/v1/chat/completions"
+        response = httpx.post(url, json={"model": MODEL, "messages": MESSAGES, "max_tokens": 4})
+        error = assert_openai_error(response, 503)
+        assert error["code"] == "store_unavailable" and response.headers["retry-after"] == "1"
+        # a stream that cannot be recorded ends in an error event, never in [DONE]
+        with httpx.stream("POST", url, json={"model": MODEL, "messages": MESSAGES, "stream": True}) as stream:
+            lines = [line for line in stream.iter_lines() if line.startswith("data:")]
+        assert "data: [DONE]" not in lines and '"store_unavailable"' in lines[-1]
+        client = openai.OpenAI(base_url=f"{proc.url}/rollouts/r1/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.APIError):
+            list(client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True))
+    finally:
+        proc.kill()
+
+
+def test_pass_mode_serves_unrecorded_calls_and_says_so(fake_vllm: Proc, tmp_path):
+    proc = start_gateway(tmp_path, fake_vllm.url, redis_url=f"redis://127.0.0.1:{free_port()}/0",
+                         wait_healthy=False, redis_timeout_s="0.5", on_store_error="pass")
+    try:
+        response = httpx.post(f"{proc.url}/rollouts/r1/v1/chat/completions",
+                              json={"model": MODEL, "messages": MESSAGES, "max_tokens": 4})
+        assert response.status_code == 200
+    finally:
+        proc.kill()
+    assert '"event":"call_not_recorded"' in proc.log()
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs the redis-server binary")
+def test_redis_dying_under_a_running_gateway(fake_vllm: Proc, tmp_path):
+    port = free_port()
+    server = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                               "--appendonly", "no"], stdout=subprocess.DEVNULL)
+    time.sleep(0.3)
+    proc = start_gateway(tmp_path, fake_vllm.url, redis_url=f"redis://127.0.0.1:{port}/0", redis_timeout_s="0.5")
+    try:
+        url = f"{proc.url}/rollouts/r1/v1/chat/completions"
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4}
+        assert httpx.post(url, json=body).status_code == 200
+        server.kill()
+        server.wait()
+        assert_openai_error(httpx.post(url, json=body), 503)
+    finally:
+        proc.kill()
+        if server.poll() is None:
+            server.kill()
+
+
+def test_sigkill_loses_no_answered_call(tmp_path, redis_client):
+    slow = start_fake_vllm(tmp_path, "--delay-ms", "40", "--chunk-delay-ms", "5")
+    port = free_port()
+    proc = start_gateway(tmp_path, slow.url, port=port)
+    answered: list[tuple[str, str]] = []  # (rollout id, upstream response id) of every call that succeeded
+
+    def one_call(i: int) -> tuple[str, str] | None:
+        rid = f"kill-{i}-{uuid.uuid4().hex[:8]}"
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 8, "stream": i % 2 == 1}
+        try:
+            with httpx.stream("POST", f"{proc.url}/rollouts/{rid}/v1/chat/completions", json=body,
+                              timeout=10) as response:
+                if response.status_code != 200:
+                    return None
+                data = list(response.iter_lines())
+        except httpx.HTTPError:
+            return None
+        if body["stream"]:
+            if "data: [DONE]" not in data:
+                return None
+            return rid, httpx.Response(200, content=data[0][6:]).json()["id"]
+        return rid, httpx.Response(200, content="\n".join(data)).json()["id"]
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=48) as pool:
+            futures = [pool.submit(one_call, i) for i in range(400)]
+            time.sleep(1.0)
+            proc.kill(signal.SIGKILL)
+            results = [f.result() for f in futures]
+        answered = [r for r in results if r is not None]
+        failed = len(results) - len(answered)
+        assert answered and failed, f"the kill must land mid-run: {len(answered)} answered, {failed} failed"
+        proc = start_gateway(tmp_path, slow.url, port=port)  # restarted, same store
+        for rid, response_id in answered:
+            calls = rollout(proc, rid)["calls"]
+            assert [c["response"]["id"] for c in calls] == [response_id]
+    finally:
+        proc.kill()
+        slow.kill()
+
+
+def test_two_gateways_share_one_store(gateway: Proc, fake_vllm: Proc, tmp_path, redis_client):
+    other = start_gateway(tmp_path, fake_vllm.url)
+    try:
+        rid = uuid.uuid4().hex
+        urls = [f"{g.url}/tasks/t-shared/rollouts/{rid}/v1/chat/completions" for g in (gateway, other)]
+
+        def call(i: int) -> int:
+            body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, "seed": i, "stream": i % 3 == 0}
+            with httpx.stream("POST", urls[i % 2], json=body, timeout=30) as response:
+                response.read()
+                return response.status_code
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=16) as pool:
+            statuses = list(pool.map(call, range(60)))
+        assert statuses == [200] * 60
+        calls = rollout(other, rid)["calls"]
+        assert [c["index"] for c in calls] == list(range(60))
+        assert sorted(c["request"]["seed"] for c in calls) == list(range(60))
+        assert rollout(gateway, rid) == rollout(other, rid)
+    finally:
+        other.kill()
+
+
+def test_policy_version_tags_later_calls(gateway: Proc, redis_client):
+    rid = uuid.uuid4().hex
+    url = f"{gateway.url}/rollouts/{rid}/v1/chat/completions"
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4}
+    assert httpx.post(url, json=body).status_code == 200
+    redis_client.hset("rlgate:policy", "version", 3)
+    try:
+        wait_for_policy_version(gateway, 3)
+        assert httpx.post(url, json=body).status_code == 200
+    finally:
+        redis_client.delete("rlgate:policy")
+        wait_for_policy_version(gateway, 0)
+    assert [c["policy_version"] for c in rollout(gateway, rid)["calls"]] == [0, 3]
+    metrics = httpx.get(f"{gateway.url}/metrics").text
+    assert 'rlgate_gateway_calls_total{endpoint="chat.completions",outcome="ok"}' in metrics
+    assert "rlgate_gateway_store_latency_seconds_bucket" in metrics
+
+
+def wait_for_policy_version(gateway: Proc, version: int) -> None:
+    deadline = time.monotonic() + 5
+    while httpx.get(f"{gateway.url}/healthz").json()["policy_version"] != version:
+        assert time.monotonic() < deadline, "the gateway did not pick up the policy version"
+        time.sleep(0.05)
