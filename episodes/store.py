@@ -16,6 +16,7 @@ import redis.asyncio as aioredis
 from redis import exceptions as redis_exc
 
 from episodes import _lua
+from episodes._batch import ScriptBatcher
 from episodes.errors import RolloutExists, RolloutNotOpen, StoreUnavailable, TaskMismatch
 from episodes.keys import Keys, validate_id
 from episodes.records import SCHEMA_VERSION, CallRecord, IndexedCall, Rollout, RolloutView
@@ -38,7 +39,7 @@ class EpisodeStore:
         self.redis = redis
         self.keys = keys or Keys()
         self._create = redis.register_script(_lua.CREATE_ROLLOUT)
-        self._record = redis.register_script(_lua.RECORD_CALLS)
+        self._record = ScriptBatcher(redis, _lua.RECORD_CALLS)
 
     @classmethod
     def from_url(
@@ -83,6 +84,8 @@ class EpisodeStore:
     async def record_calls(self, rollout_id: str, task_id: str | None, records: Sequence[CallRecord]) -> int:
         """Append `records` to the rollout atomically, creating it if new. Returns the first index.
 
+        Concurrent calls are group-committed: one pipelined round trip per batch (`_batch`).
+
         Raises `RolloutNotOpen` or `TaskMismatch` without writing anything.
         """
         if not records:
@@ -90,9 +93,7 @@ class EpisodeStore:
         args: list[Any] = [rollout_id, task_id or "", repr(time.time()), SCHEMA_VERSION]
         args.extend(record.model_dump_json() for record in records)
         with _translate_redis_errors():
-            code, value = await self._record(
-                keys=[self.keys.rollout(rollout_id), self.keys.calls(rollout_id)], args=args
-            )
+            code, value = await self._record([self.keys.rollout(rollout_id), self.keys.calls(rollout_id)], args)
         if code == 0:
             return int(value)
         value = value.decode() if isinstance(value, bytes) else str(value)

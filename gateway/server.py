@@ -13,6 +13,6 @@ def serve(settings: GatewaySettings) -> None:
     config = uvicorn.Config(
         Gateway(settings), host=settings.host, port=settings.port, loop="uvloop", http="httptools",
         lifespan="on", access_log=False, log_config=None, log_level=settings.log_level,
-        timeout_keep_alive=75, server_header=False, date_header=False,
+        timeout_keep_alive=75, server_header=False, date_header=False, proxy_headers=False,
     )
     uvicorn.Server(config).run()

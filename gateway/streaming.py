@@ -23,6 +23,8 @@ def split_events(buffer: bytes) -> tuple[list[bytes], bytes]:
 
 def event_data(event: bytes) -> bytes | None:
     """The payload of an event's `data:` line(s), or None for comments and data-less events."""
+    if event.startswith(b"data: ") and b"\n" not in event:  # vLLM's chat and completions events
+        return event[6:]
     data = None
     for line in event.split(b"\n"):
         if line.startswith(b"data:"):

@@ -127,3 +127,37 @@ def test_record_round_trips_through_json():
     assert not _record("r5", completion_logprobs=None).trainable
     with pytest.raises(ValueError):
         CallRecord.model_validate({**record.model_dump(), "unknown_field": 1})
+
+
+def test_concurrent_records_are_group_committed_in_order(redis_client: redis.Redis):
+    async def go():
+        store = EpisodeStore.from_url(REDIS_URL, prefix="t")
+        try:
+            firsts = await asyncio.gather(*(
+                store.record_calls("r6", None, [_record("r6", choice_index=i)] * (1 + i % 2)) for i in range(40)))
+            return firsts, await store.get_calls("r6")
+        finally:
+            await store.aclose()
+
+    firsts, calls = run(go())
+    sizes = [1 + i % 2 for i in range(40)]
+    assert len(calls) == sum(sizes) == 60
+    # every caller got the index its records landed at, and a caller's records are contiguous
+    for i, first in enumerate(firsts):
+        assert [c.choice_index for c in calls[first:first + sizes[i]]] == [i] * sizes[i]
+    assert sorted(firsts) == sorted(set(firsts))
+
+
+def test_record_survives_a_flushed_script_cache(redis_client: redis.Redis):
+    async def go():
+        store = EpisodeStore.from_url(REDIS_URL, prefix="t")
+        try:
+            await store.record_calls("r7", None, [_record("r7")])
+            redis_client.script_flush()  # as after a Redis restart
+            second = await store.record_calls("r7", None, [_record("r7")])
+            return second, await store.get_calls("r7")
+        finally:
+            await store.aclose()
+
+    second, calls = run(go())
+    assert second == 1 and len(calls) == 2

@@ -1,0 +1,303 @@
+"""Benchmark the gateway's hot path side by side with the upstream alone and the LiteLLM proxy.
+
+Method
+  * Upstream: a canned vLLM server (raw asyncio protocol + httptools, 0 ms) answering POST
+    /v1/chat/completions with bodies captured once from tests/fake_vllm.py (vLLM 0.33's exact wire
+    format): with token ids and log-probs when the request asks for them (as the gateway does), plain
+    otherwise; streams are one event per token (32 tokens), written at once.
+  * Targets, interleaved round by round: `direct` (the upstream itself), `rlgate` (`rlgate gateway`
+    recording into Redis), and `litellm` (LiteLLM proxy, one worker, no database) when its binary is
+    given or on PATH. Proxies are pinned to CPU 0; the load generator, the upstream and a dedicated
+    redis-server are pinned to CPU 1.
+  * Cells: stream off/on x concurrency 1/32; N requests per cell per round. Latency is request start to
+    last byte; TTFB is to the first body byte. Proxy CPU per request comes from /proc (utime + stime of
+    the proxy's process tree) over the cell. "added p50" = the target's p50 minus direct's p50.
+
+Run
+  .venv/bin/python scripts/bench_gateway.py [--rounds 3] [--requests 2000] [--litellm PATH|none]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import uvloop
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "fake-model"
+REQUEST = {"model": MODEL, "max_tokens": 32, "temperature": 0.7,
+           "messages": [{"role": "system", "content": "You are a careful assistant. Answer briefly."},
+                        {"role": "user", "content": "What is the capital of France? Explain in one line."}]}
+CPU_PROXY, CPU_LOAD = 0, 1
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The canned upstream
+
+
+def capture_bodies(path: Path) -> None:
+    """Ask tests/fake_vllm.py once for the four answers the canned upstream replays."""
+    port = free_port()
+    fake = subprocess.Popen([sys.executable, str(ROOT / "tests/fake_vllm.py"), "--port", str(port)],
+                            stdout=subprocess.PIPE, text=True)
+    assert fake.stdout.readline().startswith("READY")
+
+    async def fetch() -> dict[str, str]:
+        out = {}
+        async with aiohttp.ClientSession() as session:
+            for stream in (False, True):
+                for full in (False, True):
+                    body = {**REQUEST, "stream": stream, **({"return_token_ids": True, "logprobs": True} if full else {})}
+                    async with session.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body) as r:
+                        out[f"{'stream' if stream else 'unary'}-{'full' if full else 'plain'}"] = await r.text()
+        return out
+
+    path.write_text(json.dumps(asyncio.run(fetch())))
+    fake.terminate()
+
+
+def serve_upstream(port: int, bodies_path: Path) -> None:
+    import httptools
+
+    bodies = json.loads(bodies_path.read_text())
+    answers = {}
+    for key, text in bodies.items():
+        body = text.encode()
+        kind = b"text/event-stream; charset=utf-8" if key.startswith("stream") else b"application/json"
+        answers[key] = (b"HTTP/1.1 200 OK\r\ncontent-type: " + kind + b"\r\ncontent-length: "
+                        + str(len(body)).encode() + b"\r\n\r\n" + body)
+    models = json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]}).encode()
+    models_answer = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+                     + str(len(models)).encode() + b"\r\n\r\n" + models)
+
+    class Upstream(asyncio.Protocol):
+        def connection_made(self, transport):
+            self.transport = transport
+            self.parser = httptools.HttpRequestParser(self)
+            self.body = []
+
+        def data_received(self, data):
+            self.parser.feed_data(data)
+
+        def on_url(self, url):
+            self.url = url
+
+        def on_body(self, body):
+            self.body.append(body)
+
+        def on_message_complete(self):
+            body = b"".join(self.body)
+            self.body = []
+            if self.url.endswith(b"/models"):
+                self.transport.write(models_answer)
+                return
+            stream = b'"stream":true' in body or b'"stream": true' in body
+            full = b'"return_token_ids":true' in body or b'"return_token_ids": true' in body
+            self.transport.write(answers[f"{'stream' if stream else 'unary'}-{'full' if full else 'plain'}"])
+
+    async def main():
+        server = await asyncio.get_running_loop().create_server(Upstream, "127.0.0.1", port, backlog=1024)
+        print("READY", flush=True)
+        await server.serve_forever()
+
+    uvloop.run(main())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Processes
+
+
+def pinned(cpu: int):
+    return lambda: os.sched_setaffinity(0, {cpu})
+
+
+def wait_http(url: str, timeout: float = 60) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=1).read()
+            return
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """utime + stime of a process and its descendants."""
+    children: dict[int, list[int]] = {}
+    stats: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry))
+        stats[int(entry)] = (int(fields[11]) + int(fields[12])) / TICKS
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        total += stats.get(p, 0.0)
+        todo.extend(children.get(p, ()))
+    return total
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Load
+
+
+async def drive(url: str, stream: bool, concurrency: int, n: int) -> tuple[float, list[float], list[float]]:
+    body = json.dumps({**REQUEST, "stream": stream}).encode()
+    latencies: list[float] = []
+    ttfbs: list[float] = []
+    remaining = n
+    connector = aiohttp.TCPConnector(limit=concurrency, limit_per_host=concurrency)
+    async with aiohttp.ClientSession(connector=connector, headers={"content-type": "application/json",
+                                                                   "authorization": "Bearer sk-bench"}) as s:
+        async def worker(i: int) -> None:
+            nonlocal remaining
+            while remaining > 0:
+                remaining -= 1
+                t0 = time.perf_counter()
+                async with s.post(url, data=body, headers={"x-rollout-id": f"bench-{i}"}) as r:
+                    first = await r.content.readany()
+                    t1 = time.perf_counter()
+                    rest = await r.read()
+                    if r.status != 200:
+                        raise RuntimeError(f"{url}: HTTP {r.status}: {first + rest!r}")
+                t2 = time.perf_counter()
+                latencies.append(t2 - t0)
+                ttfbs.append(t1 - t0)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(i) for i in range(concurrency)))
+        wall = time.perf_counter() - start
+    return wall, latencies, ttfbs
+
+
+def pct(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] * 1000 if len(values) > 1 else values[0] * 1000
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=2000, help="requests per cell per round")
+    ap.add_argument("--litellm", default=shutil.which("litellm") or "none", help="litellm binary, or none")
+    ap.add_argument("--upstream-only", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--bodies", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.upstream_only:
+        serve_upstream(args.upstream_only, Path(args.bodies))
+        return
+
+    os.sched_setaffinity(0, {CPU_LOAD})
+    tmp = Path(tempfile.mkdtemp(prefix="rlgate-bench-"))
+    procs: list[subprocess.Popen] = []
+    try:
+        capture_bodies(tmp / "bodies.json")
+        up_port = free_port()
+        upstream = subprocess.Popen([sys.executable, __file__, "--upstream-only", str(up_port), "--bodies",
+                                     str(tmp / "bodies.json")], stdout=subprocess.PIPE, text=True,
+                                    preexec_fn=pinned(CPU_LOAD))
+        procs.append(upstream)
+        assert upstream.stdout.readline().startswith("READY")
+        upstream_url = f"http://127.0.0.1:{up_port}/v1"
+
+        redis_port = free_port()
+        procs.append(subprocess.Popen(["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1",
+                                       "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL,
+                                      preexec_fn=pinned(CPU_LOAD)))
+        gw_port = free_port()
+        env = {**os.environ, "RLGATE_UPSTREAM_URL": upstream_url, "RLGATE_PORT": str(gw_port),
+               "RLGATE_REDIS_URL": f"redis://127.0.0.1:{redis_port}/0", "RLGATE_LOG_FORMAT": "json"}
+        gateway = subprocess.Popen([sys.executable, "-m", "rlgate", "gateway"], env=env, cwd=ROOT,
+                                   stdout=(tmp / "gateway.log").open("wb"), stderr=subprocess.STDOUT,
+                                   preexec_fn=pinned(CPU_PROXY))
+        procs.append(gateway)
+        wait_http(f"http://127.0.0.1:{gw_port}/healthz")
+        targets = {"direct": (upstream_url, None), "rlgate": (f"http://127.0.0.1:{gw_port}/v1", gateway.pid)}
+
+        if args.litellm != "none":
+            ll_port = free_port()
+            config = tmp / "litellm.yaml"
+            config.write_text(f"model_list:\n  - model_name: {MODEL}\n    litellm_params:\n"
+                              f"      model: hosted_vllm/{MODEL}\n      api_base: {upstream_url}\n"
+                              f"      api_key: none\n")
+            litellm = subprocess.Popen([args.litellm, "--config", str(config), "--port", str(ll_port),
+                                        "--num_workers", "1"], cwd=tmp, stdout=(tmp / "litellm.log").open("wb"),
+                                       stderr=subprocess.STDOUT, preexec_fn=pinned(CPU_PROXY),
+                                       env={**os.environ, "LITELLM_LOG": "ERROR"})
+            procs.append(litellm)
+            wait_http(f"http://127.0.0.1:{ll_port}/health/liveliness", timeout=180)
+            targets["litellm"] = (f"http://127.0.0.1:{ll_port}/v1", litellm.pid)
+
+        cells = [(stream, conc) for stream in (False, True) for conc in (1, 32)]
+        results: dict[tuple[str, bool, int], dict[str, list[float]]] = {}
+        for name, (url, _) in targets.items():  # warm-up
+            for stream, conc in cells:
+                asyncio.run(drive(f"{url}/chat/completions", stream, conc, 200))
+        for r in range(args.rounds):
+            for stream, conc in cells:
+                for name, (url, pid) in targets.items():
+                    cpu0 = tree_cpu_seconds(pid) if pid else 0.0
+                    wall, lat, ttfb = uvloop.run(drive(f"{url}/chat/completions", stream, conc, args.requests))
+                    cpu = (tree_cpu_seconds(pid) - cpu0) if pid else float("nan")
+                    cell = results.setdefault((name, stream, conc), {"rps": [], "lat": [], "ttfb": [], "cpu": []})
+                    cell["rps"].append(len(lat) / wall)
+                    cell["lat"].extend(lat)
+                    cell["ttfb"].extend(ttfb)
+                    cell["cpu"].append(cpu / len(lat) * 1000)
+            print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+
+        print(f"\n{args.rounds} rounds x {args.requests} requests per cell; proxies on CPU {CPU_PROXY}, "
+              f"load + upstream + redis on CPU {CPU_LOAD}\n")
+        print("| target | stream | concurrency | req/s | p50 ms | p99 ms | TTFB p50 ms | added p50 ms | proxy CPU ms/req |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+        for stream, conc in cells:
+            base = pct(results[("direct", stream, conc)]["lat"], 50)
+            for name in targets:
+                c = results[(name, stream, conc)]
+                p50 = pct(c["lat"], 50)
+                cpu = statistics.median(c["cpu"])
+                print(f"| {name} | {'yes' if stream else 'no'} | {conc} | {statistics.median(c['rps']):,.0f} | "
+                      f"{p50:.2f} | {pct(c['lat'], 99):.2f} | {pct(c['ttfb'], 50):.2f} | "
+                      f"{'' if name == 'direct' else f'{p50 - base:+.2f}'} | "
+                      f"{'' if name == 'direct' else f'{cpu:.3f}'} |")
+    finally:
+        for p in reversed(procs):
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
