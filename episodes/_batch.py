@@ -23,28 +23,25 @@ class ScriptBatcher:
         self._redis = redis
         self._script = redis.register_script(source)  # computes the sha; loads on NOSCRIPT
         self._pending: list[tuple[list[Any], asyncio.Future[Any]]] = []
-        self._flushing = False
+        self._task: asyncio.Task[None] | None = None
 
     async def __call__(self, keys: list[str], args: list[Any]) -> Any:
         future = asyncio.get_running_loop().create_future()
         self._pending.append(([len(keys), *keys, *args], future))
-        if not self._flushing:
-            self._flushing = True
-            asyncio.create_task(self._flush())
+        if self._task is None:
+            self._task = asyncio.create_task(self._flush())
+        # A caller that is cancelled while waiting does not cancel the write: its batch goes out anyway.
         return await future
 
     async def _flush(self) -> None:
+        batch: list[tuple[list[Any], asyncio.Future[Any]]] = []
         try:
             while self._pending:
                 batch, self._pending = self._pending, []
                 try:
                     replies = await self._execute([params for params, _ in batch])
-                except BaseException as exc:  # Redis failed: every caller of this batch learns it
-                    for _, future in batch:
-                        if not future.done():
-                            future.set_exception(exc)
-                    if isinstance(exc, asyncio.CancelledError):
-                        raise
+                except Exception as exc:  # Redis failed: every caller of this batch learns it
+                    _fail(batch, exc)
                     continue
                 for (_, future), reply in zip(batch, replies):
                     if future.done():
@@ -53,8 +50,15 @@ class ScriptBatcher:
                         future.set_exception(reply)
                     else:
                         future.set_result(reply)
+                batch = []
+        except asyncio.CancelledError:  # shutting down: nobody waits forever, nobody sees a cancellation
+            _fail(batch + self._pending, redis_exc.ConnectionError("the store is shutting down"))
+            self._pending = []
+            raise
         finally:
-            self._flushing = False
+            self._task = None
+            if self._pending:  # arrived after the loop ended but before this task finished
+                self._task = asyncio.create_task(self._flush())
 
     async def _execute(self, batch: list[list[Any]]) -> list[Any]:
         replies = await self._pipeline(batch)
@@ -71,3 +75,9 @@ class ScriptBatcher:
             for params in batch:
                 pipe.execute_command("EVALSHA", self._script.sha, *params)
             return await pipe.execute(raise_on_error=False)
+
+
+def _fail(batch: list[tuple[list[Any], asyncio.Future[Any]]], exc: Exception) -> None:
+    for _, future in batch:
+        if not future.done():
+            future.set_exception(exc)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 import structlog
 
@@ -136,7 +136,7 @@ class Gateway:
     async def startup(self) -> None:
         await self.upstream.start()
         self._poller = asyncio.create_task(self.proxy.poll_policy_version())
-        log.info("gateway_started", upstream=self.settings.upstream_url, upstream_kind=self.settings.upstream_kind,
+        log.info("gateway_started", upstream=_redact(self.settings.upstream_url), upstream_kind=self.settings.upstream_kind,
                  redis=_redact(self.settings.redis_url), key_prefix=self.settings.key_prefix)
 
     async def shutdown(self) -> None:
@@ -154,9 +154,12 @@ def _method_not_allowed(scope: dict[str, Any], allowed: str) -> errors.GatewayEr
 
 
 def _redact(url: str) -> str:
-    """A Redis URL without its password, for logs."""
+    """A URL without its credentials (user:password@, ?password=...), for logs."""
     parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
+    netloc = parts.netloc
+    if parts.username is not None or parts.password is not None:
+        netloc = "***@" + netloc.rpartition("@")[2]
+    query = "&".join(
+        f"{k}=***" if k.lower() in ("password", "username", "api_key", "key", "token") else f"{k}={v}"
+        for k, v in parse_qsl(parts.query, keep_blank_values=True))
+    return urlunsplit(parts._replace(netloc=netloc, query=query))

@@ -42,6 +42,18 @@ class Transition:
 # ---------------------------------------------------------------------------------------------------------
 # Requests
 
+_TRUE_STRINGS = frozenset({"1", "true", "t", "yes", "y", "on"})
+
+
+def is_true(value: Any) -> bool:
+    """A boolean request field as vLLM reads it (pydantic's lax mode: `1`, `"true"`, `"yes"`... are true)."""
+    if value is True or value is False or value is None:
+        return bool(value)
+    if isinstance(value, (int, float)):
+        return value == 1
+    return isinstance(value, str) and value.strip().lower() in _TRUE_STRINGS
+
+
 
 def inject(endpoint: Endpoint, body: dict[str, Any]) -> tuple[dict[str, Any], Injected]:
     """The body to send a vLLM upstream (a shallow copy when changed) and what was added to it."""
@@ -53,13 +65,13 @@ def inject(endpoint: Endpoint, body: dict[str, Any]) -> tuple[dict[str, Any], In
     # calls go upstream unchanged and are recorded without token ids.
     if endpoint == "completions" and body.get("echo"):
         return body, injected
-    if body.get("return_token_ids") is not True:
+    if not is_true(body.get("return_token_ids")):
         out = dict(body)
         out["return_token_ids"] = True
         injected.token_ids = True
     if endpoint == "chat.completions":
         # `top_logprobs` without `logprobs` is a 400 from vLLM: leave it so, not hidden by our injection.
-        if body.get("logprobs") is not True and not body.get("top_logprobs"):
+        if not is_true(body.get("logprobs")) and not body.get("top_logprobs"):
             out = out if out is not body else dict(body)
             out["logprobs"] = True
             injected.logprobs = True
@@ -129,7 +141,8 @@ def sampled_logprobs(endpoint: Endpoint, logprobs: Any) -> list[float] | None:
         content = logprobs.get("content")
         return None if content is None else [entry["logprob"] for entry in content]
     values = logprobs.get("token_logprobs")
-    return None if values is None else list(values)
+    # `echo` puts the prompt's tokens first, the very first with a null log-prob: not a completion's.
+    return None if values is None or None in values else list(values)
 
 
 def _responses_response(payload: dict[str, Any]) -> CallResponse:

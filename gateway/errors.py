@@ -63,6 +63,14 @@ class UpstreamError(GatewayError):
     type = "upstream_error"
 
 
+class BadUpstreamAnswer(GatewayError):
+    """The inference server answered 200 with something that is not what its protocol promises."""
+
+    status = 502
+    type = "upstream_error"
+    code = "bad_upstream_answer"
+
+
 class UpstreamTimeout(UpstreamError):
     status = 504
     code = "upstream_timeout"

@@ -50,7 +50,12 @@ class Call:
 
     @property
     def stream(self) -> bool:
-        return self.request.get("stream") is True
+        return capture.is_true(self.request.get("stream"))
+
+    @property
+    def model(self) -> str | None:
+        model = self.request.get("model")
+        return model if isinstance(model, str) else None
 
     def log_keys(self) -> dict[str, Any]:
         return {"rollout_id": self.rollout_id, "task_id": self.task_id, "policy_version": self.policy_version}
@@ -119,57 +124,80 @@ class Proxy:
                     (b"x-rollout-id", rollout_id.encode()))
         upstream_body, injected = (capture.inject(endpoint, body) if self.inject
                                    else (body, capture.Injected()))
+        # Resolves when the agent hangs up: its call is then recorded as failed (it never saw the answer)
+        # and a stream stops reading upstream, which makes vLLM abort the request.
+        disconnect = asyncio.ensure_future(_disconnected(receive))
         serve = self._stream if call.stream else self._unary
         try:
-            await serve(call, orjson.dumps(upstream_body), injected, send)
+            await serve(call, orjson.dumps(upstream_body), injected, send, disconnect)
         except errors.UpstreamError as exc:
             # Unreachable or timed out before any answer: the agent gets 502/504, the call is kept.
+            exc.headers.setdefault("x-rollout-id", rollout_id)
             error = CallError(status=exc.status, type=exc.type, message=exc.message, code=exc.code)
             latency_ms = (time.perf_counter() - call.t0) * 1000
             await self._commit(call, self._records(call, [], error, latency_ms, None), "upstream_unreachable")
             raise
+        except errors.GatewayError as exc:
+            exc.headers.setdefault("x-rollout-id", rollout_id)  # the agent can find its failed call
+            raise
+        finally:
+            disconnect.cancel()
 
     # -----------------------------------------------------------------------------------------------------
     # Non-streaming
 
-    async def _unary(self, call: Call, upstream_body: bytes, injected: capture.Injected, send: Any) -> None:
+    async def _unary(self, call: Call, upstream_body: bytes, injected: capture.Injected, send: Any,
+                     disconnect: asyncio.Future[None]) -> None:
         async with self.upstream.request("POST", UPSTREAM_PATHS[call.endpoint], upstream_body) as response:
             raw = await response.read()
             status = response.status
         latency_ms = (time.perf_counter() - call.t0) * 1000
         if status != 200:
-            payload = errors.upstream_error_payload(status, raw)
-            error = CallError(status=status, type=str(payload.get("type") or "upstream_error"),
-                              message=str(payload.get("message") or ""), code=payload.get("code"))
-            await self._commit(call, self._records(call, [], error, latency_ms, None), "upstream_error")
-            await _send_body(send, status, orjson.dumps({"error": payload}), [_JSON, call.rollout_header])
+            await self._upstream_failed(call, status, raw, send)
             return
-        payload = orjson.loads(raw)
-        records = self._records(call, capture.transitions(call.endpoint, payload), None, latency_ms, None)
+        try:
+            payload = orjson.loads(raw)
+            if not isinstance(payload, dict):
+                raise ValueError("not a JSON object")
+            records = self._records(call, capture.transitions(call.endpoint, payload), None, latency_ms, None)
+        except ValueError as exc:  # includes JSON and record validation errors
+            error = CallError(status=502, type="upstream_error",
+                              message=f"unreadable answer from the inference server: {str(exc)[:300]}")
+            await self._commit(call, self._records(call, [], error, latency_ms, None), "bad_upstream_answer")
+            raise errors.BadUpstreamAnswer(error.message) from exc
+        if disconnect.done():
+            for record in records:
+                record.error = _client_gone()
+            await self._commit(call, records, "client_disconnected")
+            return
         if injected.any:
             capture.strip_response(call.endpoint, payload, injected)
             raw = orjson.dumps(payload)
         await self._commit(call, records, "ok")
         await _send_body(send, 200, raw, [_JSON, call.rollout_header])
 
+    async def _upstream_failed(self, call: Call, status: int, raw: bytes, send: Any) -> None:
+        """An upstream error answer: recorded as a failed call, passed on with its status."""
+        payload = errors.upstream_error_payload(status, raw)
+        error = CallError(status=status, type=str(payload.get("type") or "upstream_error"),
+                          message=str(payload.get("message") or ""), code=_code(payload.get("code")))
+        latency_ms = (time.perf_counter() - call.t0) * 1000
+        await self._commit(call, self._records(call, [], error, latency_ms, None), "upstream_error")
+        await _send_body(send, status, orjson.dumps({"error": payload}), [_JSON, call.rollout_header])
+
     # -----------------------------------------------------------------------------------------------------
     # Streaming: chunks pass through as they arrive; the final event waits for the commit.
 
-    async def _stream(self, call: Call, upstream_body: bytes, injected: capture.Injected, send: Any) -> None:
+    async def _stream(self, call: Call, upstream_body: bytes, injected: capture.Injected, send: Any,
+                      disconnect: asyncio.Future[None]) -> None:
         endpoint = call.endpoint
         assembler = StreamAssembler(endpoint)
         held: bytes | None = None  # the final event, released after the commit
+        failure: CallError | None = None  # what went wrong on our side of the stream, if anything
         ttfb_ms = None
         async with self.upstream.request("POST", UPSTREAM_PATHS[endpoint], upstream_body) as response:
             if response.status != 200:
-                raw = await response.read()
-                payload = errors.upstream_error_payload(response.status, raw)
-                error = CallError(status=response.status, type=str(payload.get("type") or "upstream_error"),
-                                  message=str(payload.get("message") or ""), code=payload.get("code"))
-                latency_ms = (time.perf_counter() - call.t0) * 1000
-                await self._commit(call, self._records(call, [], error, latency_ms, None), "upstream_error")
-                await _send_body(send, response.status, orjson.dumps({"error": payload}),
-                                 [_JSON, call.rollout_header])
+                await self._upstream_failed(call, response.status, await response.read(), send)
                 return
             content_type = response.headers.get("Content-Type", "text/event-stream").encode()
             await send({"type": "http.response.start", "status": 200,
@@ -177,6 +205,8 @@ class Proxy:
             pending = b""
             try:
                 async for data in self.upstream.chunks(response):
+                    if disconnect.done():
+                        break  # leaving the block closes the upstream connection: vLLM aborts the request
                     if ttfb_ms is None:
                         ttfb_ms = (time.perf_counter() - call.t0) * 1000
                     events, pending = split_events(pending + data)
@@ -203,22 +233,41 @@ class Proxy:
                         await send({"type": "http.response.body", "body": b"\n\n".join(out) + b"\n\n",
                                     "more_body": True})
             except errors.GatewayError as exc:
-                assembler.error = CallError(status=exc.status, type=exc.type, message=exc.message)
-            except orjson.JSONDecodeError as exc:
-                assembler.error = CallError(status=502, type="upstream_error",
-                                            message=f"malformed stream chunk from upstream: {exc}")
-        if held is None and assembler.error is None:
-            assembler.error = CallError(status=502, type="upstream_error",
-                                        message="the upstream stream ended before its final event")
+                failure = CallError(status=exc.status, type=exc.type, message=exc.message)
+            except (ValueError, AttributeError, TypeError) as exc:
+                failure = CallError(status=502, type="upstream_error",
+                                    message=f"malformed stream chunk from upstream: {str(exc)[:300]}")
+        client_gone = disconnect.done()
+        if client_gone:
+            assembler.error = _client_gone()
+        elif failure is None and held is None and assembler.error is None:
+            failure = CallError(status=502, type="upstream_error",
+                                message="the upstream stream ended before its final event")
+        if failure is not None and not client_gone:
+            assembler.error = failure
         latency_ms = (time.perf_counter() - call.t0) * 1000
-        records = self._records(call, assembler.transitions(), assembler.error, latency_ms, ttfb_ms)
         try:
-            await self._commit(call, records, "ok" if assembler.error is None else "stream_error")
+            records = self._records(call, assembler.transitions(), assembler.error, latency_ms, ttfb_ms)
+        except ValueError as exc:
+            failure = failure or CallError(status=502, type="upstream_error",
+                                           message=f"unreadable stream from the inference server: {str(exc)[:300]}")
+            records = self._records(call, [], failure, latency_ms, ttfb_ms)
+        outcome = "client_disconnected" if client_gone else "ok" if assembler.error is None else "stream_error"
+        try:
+            await self._commit(call, records, outcome)
         except errors.GatewayError as exc:
             # The agent has the content but not the end of the stream: it sees an error, never a success.
-            await send({"type": "http.response.body", "body": b"data: " + exc.body() + b"\n\n"})
+            await send({"type": "http.response.body", "body": _error_event(endpoint, exc.status, exc.type,
+                                                                           exc.message, exc.code)})
             return
-        tail = b"" if held is None else held + b"\n\n"
+        if client_gone:
+            return
+        if failure is not None:  # recorded as failed; the agent learns it the way vLLM would tell it
+            tail = _error_event(endpoint, failure.status, failure.type, failure.message, failure.code)
+            if endpoint != "responses":
+                tail += DONE + b"\n\n"
+        else:
+            tail = b"" if held is None else held + b"\n\n"
         await send({"type": "http.response.body", "body": tail})
 
     # -----------------------------------------------------------------------------------------------------
@@ -228,7 +277,7 @@ class Proxy:
                  latency_ms: float, ttfb_ms: float | None) -> list[CallRecord]:
         common = dict(
             rollout_id=call.rollout_id, task_id=call.task_id, agent_name=call.agent_name,
-            endpoint=call.endpoint, model=call.request.get("model"), policy_version=call.policy_version,
+            endpoint=call.endpoint, model=call.model, policy_version=call.policy_version,
             stream=call.stream, request=call.request, started_at=call.started_at,
             latency_ms=latency_ms, ttfb_ms=ttfb_ms, error=error,
         )
@@ -317,3 +366,27 @@ async def _send_body(send: Any, status: int, body: bytes, headers: list[tuple[by
     await send({"type": "http.response.start", "status": status,
                 "headers": [*headers, (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
+
+
+async def _disconnected(receive: Any) -> None:
+    """Returns when the client disconnects (the request body has been read already)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def _client_gone() -> CallError:
+    return CallError(status=499, type="client_disconnected",
+                     message="the client closed the connection before the answer was complete")
+
+
+def _code(value: Any) -> str | int | None:
+    return value if value is None or isinstance(value, (str, int)) else str(value)
+
+
+def _error_event(endpoint: Endpoint, status: int, type_: str, message: str, code: Any) -> bytes:
+    """An SSE error event in the stream's own dialect (vLLM's for chat/completions, OpenAI's for responses)."""
+    if endpoint == "responses":
+        return b"event: error\ndata: " + orjson.dumps(
+            {"type": "error", "code": str(code or status), "message": message, "param": None}) + b"\n\n"
+    return b"data: " + orjson.dumps(
+        {"error": {"message": message, "type": type_, "param": None, "code": status}}) + b"\n\n"

@@ -90,6 +90,10 @@ def build_api(gateway: Gateway) -> FastAPI:
 
     @api.get("/rollouts/{rollout_id}", response_model=RolloutView)
     async def get_rollout(rollout_id: str) -> Response:
+        try:
+            episodes.validate_id(rollout_id, "rollout id")
+        except episodes.InvalidId as exc:
+            raise errors.BadRequest(str(exc), code="invalid_id") from exc
         view = await store.get_rollout_view(rollout_id)
         if view is None:
             raise errors.NotFound(f"no rollout {rollout_id!r}", code="rollout_not_found")
@@ -104,7 +108,7 @@ def build_api(gateway: Gateway) -> FastAPI:
         except episodes.StoreUnavailable as exc:
             checks["redis"] = f"error: {exc}"
         try:
-            async with gateway.upstream.request("GET", "/models") as response:
+            async with gateway.upstream.request("GET", "/models", timeout_s=5.0) as response:
                 checks["upstream"] = "ok" if response.status == 200 else f"error: HTTP {response.status}"
         except errors.GatewayError as exc:
             checks["upstream"] = f"error: {exc.message}"

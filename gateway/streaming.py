@@ -97,6 +97,8 @@ class StreamAssembler:
             response = chunk.get("response")
             if isinstance(response, dict):
                 self.final = response
+                if chunk.get("type") == "response.failed":
+                    self.error = stream_error({"type": "response_failed", **(response.get("error") or {})})
             return
         if self.id is None:
             self.id = chunk.get("id")
@@ -166,8 +168,9 @@ class StreamAssembler:
                 message: dict[str, Any] = {
                     "role": state.role or "assistant",
                     "content": "".join(state.content) if state.content else None,
-                    "tool_calls": [state.tool_calls[i] for i in sorted(state.tool_calls)],
                 }
+                if state.tool_calls:  # as vLLM's non-streaming message, which drops an empty list
+                    message["tool_calls"] = [state.tool_calls[i] for i in sorted(state.tool_calls)]
                 if state.reasoning:
                     message["reasoning"] = "".join(state.reasoning)
                 response = CallResponse(id=self.id, message=message, finish_reason=state.finish_reason,

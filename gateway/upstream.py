@@ -21,7 +21,8 @@ class Upstream:
         self.base = settings.upstream_url.rstrip("/")
         self._timeout = aiohttp.ClientTimeout(total=settings.upstream_timeout_s, connect=10.0)
         self._limit = settings.upstream_max_connections
-        self._headers = {"Content-Type": "application/json"}
+        # identity: the body is parsed here (never auto-decompressed), so no upstream may compress it
+        self._headers = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
         if settings.upstream_api_key is not None:
             self._headers["Authorization"] = f"Bearer {settings.upstream_api_key.get_secret_value()}"
         self._urls: dict[str, URL] = {}
@@ -45,12 +46,13 @@ class Upstream:
         return url
 
     @asynccontextmanager
-    async def request(self, method: str, path: str, body: bytes | None = None
+    async def request(self, method: str, path: str, body: bytes | None = None, timeout_s: float | None = None
                       ) -> AsyncIterator[aiohttp.ClientResponse]:
         """An upstream response whose headers have arrived; read its body inside the block."""
         assert self._session is not None, "Upstream.start() was not awaited"
+        timeout = self._timeout if timeout_s is None else aiohttp.ClientTimeout(total=timeout_s)
         try:
-            async with self._session.request(method, self.url(path), data=body) as response:
+            async with self._session.request(method, self.url(path), data=body, timeout=timeout) as response:
                 yield response
         except asyncio.TimeoutError as exc:
             raise UpstreamTimeout(f"the inference server did not answer within its time limit ({path})") from exc

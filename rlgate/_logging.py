@@ -7,6 +7,7 @@ import sys
 
 import orjson
 import structlog
+import structlog.tracebacks
 
 
 def configure_logging(level: str = "info", fmt: str = "auto") -> None:
@@ -24,11 +25,16 @@ def configure_logging(level: str = "info", fmt: str = "auto") -> None:
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
     if fmt == "json":
-        renderer: list = [structlog.processors.dict_tracebacks,
+        # Tracebacks without local variables: locals hold request headers and bodies (keys, prompts).
+        tracebacks = structlog.processors.ExceptionRenderer(
+            structlog.tracebacks.ExceptionDictTransformer(show_locals=False))
+        renderer: list = [tracebacks,
                           structlog.processors.JSONRenderer(serializer=orjson.dumps)]
         factory = structlog.BytesLoggerFactory(sys.stderr.buffer)
     else:
-        renderer = [structlog.dev.ConsoleRenderer()]
+        renderer = [structlog.dev.ConsoleRenderer(
+            exception_formatter=structlog.dev.RichTracebackFormatter(show_locals=False)
+            if structlog.dev.rich is not None else structlog.dev.plain_traceback)]
         factory = structlog.PrintLoggerFactory(sys.stderr)
     structlog.configure(
         processors=[*shared, *renderer],

@@ -22,7 +22,11 @@ source files). Only the "model" is fake:
 Test hooks (vLLM ignores unknown request fields, so these are safe to send):
 ``fake_status: int`` answers that HTTP status with a vLLM-shaped error body;
 ``fake_fail_after: int`` makes a chat/completions stream send that many
-content chunks, then the error event vLLM sends mid-stream, then [DONE].
+content chunks, then the error event vLLM sends mid-stream, then [DONE];
+``fake_drop_after: int`` makes a stream send that many frames, then drop the
+connection (a crashed server); ``fake_chunk_delay_ms: float`` paces one
+stream's frames; ``fake_compress: true`` gzips a non-streaming answer when
+the client accepts it (as a proxy in front of a server may).
 
 Run: ``python tests/fake_vllm.py --host 127.0.0.1 --port 0 --model fake-model
 [--delay-ms 0] [--chunk-delay-ms 0]``; prints ``READY <port>`` once listening.
@@ -314,26 +318,36 @@ class FakeVLLM:
         return (min(MAX_MODEL_LEN if mt is None else mt, MAX_MODEL_LEN - n),
                 [stop] if isinstance(stop, str) else list(stop), body.get("seed") or 0, body.get("n") or 1)
 
-    async def stream(self, request: web.Request, frames) -> web.StreamResponse:
-        """Send SSE frames; one write unless --chunk-delay-ms asks for pacing."""
+    async def stream(self, request: web.Request, frames, body: dict) -> web.StreamResponse:
+        """Send SSE frames; one write unless --chunk-delay-ms (or fake_chunk_delay_ms) asks for pacing."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         await resp.prepare(request)  # vLLM sends the 200 headers before the first token
         if self.delay:
             await asyncio.sleep(self.delay)
-        if self.chunk_delay:
+        chunk_delay = body.get("fake_chunk_delay_ms", self.chunk_delay * 1000) / 1000
+        drop_after = body.get("fake_drop_after")
+        if drop_after is not None:  # a crashed server: some frames, then the connection just ends
+            frames = list(frames)[:drop_after]
+        if chunk_delay:
             for i, f in enumerate(frames):
                 if i:
-                    await asyncio.sleep(self.chunk_delay)
+                    await asyncio.sleep(chunk_delay)
                 await resp.write(f)
         else:
             await resp.write(b"".join(frames))
+        if drop_after is not None:
+            request.transport.close()
+            return resp
         await resp.write_eof()
         return resp
 
-    async def reply(self, obj: dict) -> web.Response:
+    async def reply(self, obj: dict, body: dict) -> web.Response:
         if self.delay:
             await asyncio.sleep(self.delay)
-        return jresp(obj)
+        resp = jresp(obj)
+        if body.get("fake_compress"):
+            resp.enable_compression()
+        return resp
 
     def usage_frame(self, head: dict, p: int, c: int) -> bytes:  # dumped with exclude_none
         return sse({**head, "choices": [], "usage": {"prompt_tokens": p, "total_tokens": p + c,
@@ -378,7 +392,7 @@ class FakeVLLM:
             return await self.reply({**head, "choices": out, "service_tier": None,
                 "system_fingerprint": self.fingerprint, "usage": usage(P, sum(len(c.ids) for c in choices)),
                 "prompt_logprobs": None, "prompt_token_ids": prompt_ids if rti else None, "prompt_text": None,
-                "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None})
+                "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}, body)
         opts = body.get("stream_options") or {}
         inc_usage = bool(opts.get("include_usage"))
         cont, fail_after = inc_usage and bool(opts.get("continuous_usage_stats")), body.get("fake_fail_after")
@@ -425,7 +439,7 @@ class FakeVLLM:
                 if inc_usage:
                     yield self.usage_frame(head, P, sum(len(c.ids) for c in choices))
             yield DONE
-        return await self.stream(request, frames())
+        return await self.stream(request, frames(), body)
 
     async def completions(self, request: web.Request, body: dict) -> web.StreamResponse:
         prompt = body.get("prompt")
@@ -449,7 +463,7 @@ class FakeVLLM:
                     "routed_experts": None, "weight_versions": None} for j, (pi, c) in enumerate(pairs)]
             return await self.reply({**head, "choices": out, "service_tier": None,
                 "system_fingerprint": self.fingerprint, "usage": usage(P, sum(len(c.ids) for c in choices)),
-                "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None})
+                "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}, body)
         opts = body.get("stream_options") or {}
         inc_usage = bool(opts.get("include_usage"))
         cont, fail_after = inc_usage and bool(opts.get("continuous_usage_stats")), body.get("fake_fail_after")
@@ -478,7 +492,7 @@ class FakeVLLM:
                 if inc_usage:
                     yield self.usage_frame(head, P, sum(len(c.ids) for c in choices))
             yield DONE
-        return await self.stream(request, frames())
+        return await self.stream(request, frames(), body)
 
     async def responses(self, request: web.Request, body: dict) -> web.StreamResponse:
         """Text output only; no token ids unless enable_response_messages (vLLM's only way)."""
@@ -527,7 +541,7 @@ class FakeVLLM:
                                         "type": "raw_message_tokens"}]
             final["output_messages"] = [{"message": c.text, "tokens": c.ids, "type": "raw_message_tokens"}]
         if not body.get("stream"):
-            return await self.reply(final)
+            return await self.reply(final, body)
         start = response("in_progress", [], None)
         ev = [("response.created", {"response": start}), ("response.in_progress", {"response": start})]
         if c.text:
@@ -544,7 +558,7 @@ class FakeVLLM:
                    ("response.output_item.done", {"item": item, "output_index": 0})]
         ev.append((f"response.{status}", {"response": final}))
         return await self.stream(request, [b"event: %s\ndata: %s\n\n" % (
-            t.encode(), orjson.dumps({**d, "sequence_number": i, "type": t})) for i, (t, d) in enumerate(ev)])
+            t.encode(), orjson.dumps({**d, "sequence_number": i, "type": t})) for i, (t, d) in enumerate(ev)], body)
 
     async def models(self, request: web.Request) -> web.Response:
         now = int(time.time())

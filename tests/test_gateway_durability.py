@@ -31,7 +31,7 @@ def test_dead_redis_is_503_never_an_unrecorded_success(fake_vllm: Proc, tmp_path
         # a stream that cannot be recorded ends in an error event, never in [DONE]
         with httpx.stream("POST", url, json={"model": MODEL, "messages": MESSAGES, "stream": True}) as stream:
             lines = [line for line in stream.iter_lines() if line.startswith("data:")]
-        assert "data: [DONE]" not in lines and '"store_unavailable"' in lines[-1]
+        assert "data: [DONE]" not in lines and '"service_unavailable_error"' in lines[-1]
         client = openai.OpenAI(base_url=f"{proc.url}/rollouts/r1/v1", api_key="x", max_retries=0)
         with pytest.raises(openai.APIError):
             list(client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True))

@@ -133,3 +133,74 @@ def test_secrets_never_reach_logs(fake_vllm: Proc, tmp_path, redis_client):
     log = proc.log()
     assert '"event":"call"' in log and "r-secret" in log
     assert secret not in log
+
+
+def test_upstream_dying_mid_stream_is_an_error_for_the_agent(gateway: Proc, redis_client):
+    rid = uuid.uuid4().hex
+    client = openai.OpenAI(base_url=f"{gateway.url}/rollouts/{rid}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.APIError):
+        list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=32, stream=True,
+                                            extra_body={"fake_drop_after": 3}))
+    with pytest.raises(openai.APIError):
+        list(client.completions.create(model=MODEL, prompt="Count:", max_tokens=32, stream=True,
+                                       extra_body={"fake_drop_after": 3}))
+    calls = rollout(gateway, rid)["calls"]
+    assert [c["error"]["status"] for c in calls] == [502, 502]
+    assert calls[0]["response"]["message"]["content"]  # what did arrive is kept for inspection
+
+
+def test_client_hanging_up_is_recorded_as_failed(gateway: Proc, redis_client):
+    import time
+
+    rid = uuid.uuid4().hex
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 64, "stream": True, "fake_chunk_delay_ms": 40}
+    with httpx.stream("POST", f"{gateway.url}/rollouts/{rid}/v1/chat/completions", json=body) as response:
+        lines = response.iter_lines()
+        next(lines), next(lines)  # read a little, then hang up
+    deadline = time.monotonic() + 10
+    while True:
+        stored = httpx.get(f"{gateway.url}/rollouts/{rid}")
+        if stored.status_code == 200:
+            break
+        assert time.monotonic() < deadline, "the hung-up call was never recorded"
+        time.sleep(0.05)
+    [call] = stored.json()["calls"]
+    assert call["error"]["status"] == 499 and call["error"]["type"] == "client_disconnected"
+    # the gateway stopped reading long before vLLM would have finished 64 tokens at 40 ms each
+    assert call["latency_ms"] < 64 * 40 / 2
+
+
+def test_unusual_but_valid_requests(gateway: Proc, fake_vllm: Proc, redis_client):
+    rid = uuid.uuid4().hex
+    url = f"{gateway.url}/rollouts/{rid}/v1"
+    # "stream": "true" is a stream for vLLM (lax booleans), so it is one for the gateway too
+    with httpx.stream("POST", f"{url}/chat/completions",
+                      json={"model": MODEL, "messages": MESSAGES, "max_tokens": 4, "stream": "true"}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        assert "data: [DONE]" in list(r.iter_lines())
+    # echo + logprobs: forwarded untouched and recorded without token ids (echo changes what they mean)
+    body = {"model": MODEL, "prompt": "Echo me", "max_tokens": 4, "echo": True, "logprobs": 1}
+    via = httpx.post(f"{url}/completions", json=body)
+    direct = httpx.post(f"{fake_vllm.url}/completions", json=body)
+    assert via.status_code == 200
+    from test_gateway_proxy import normalize
+    assert normalize(via.json()) == normalize(direct.json())
+    # a compressing upstream (or proxy in between) is asked for identity encoding
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, "fake_compress": True}
+    assert httpx.post(f"{url}/chat/completions", json=body).status_code == 200
+    # a non-string model is the upstream's 404 to give, not a gateway crash
+    assert_openai_error(httpx.post(f"{url}/chat/completions", json={"model": 123, "messages": MESSAGES}), 404)
+    calls = rollout(gateway, rid)["calls"]
+    assert [c["stream"] for c in calls] == [True, False, False, False]
+    assert calls[1]["prompt_token_ids"] is None and calls[1]["completion_token_ids"] is None
+    assert calls[2]["completion_token_ids"] and calls[3]["error"]["status"] == 404
+
+
+def test_echoed_prompt_logprobs_are_not_taken_for_completion_logprobs():
+    from gateway.capture import sampled_logprobs
+
+    # vLLM's echo: the prompt's tokens come first, the very first with a null log-prob
+    assert sampled_logprobs("completions", {"token_logprobs": [None, -0.5, -0.25]}) is None
+    assert sampled_logprobs("completions", {"token_logprobs": [-0.5, -0.25]}) == [-0.5, -0.25]
+    assert sampled_logprobs("chat.completions", {"content": [{"logprob": -1.0}]}) == [-1.0]
+    assert sampled_logprobs("chat.completions", None) is None
