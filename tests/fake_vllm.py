@@ -25,7 +25,8 @@ Test hooks (vLLM ignores unknown request fields, so these are safe to send):
 content chunks, then the error event vLLM sends mid-stream, then [DONE];
 ``fake_drop_after: int`` makes a stream send that many frames, then drop the
 connection (a crashed server); ``fake_chunk_delay_ms: float`` paces one
-stream's frames; ``fake_compress: true`` gzips a non-streaming answer when
+stream's frames; ``fake_write_size: int`` writes a stream in pieces of that
+many bytes (events then arrive split across reads); ``fake_compress: true`` gzips a non-streaming answer when
 the client accepts it (as a proxy in front of a server may).
 
 Run: ``python tests/fake_vllm.py --host 127.0.0.1 --port 0 --model fake-model
@@ -328,7 +329,13 @@ class FakeVLLM:
         drop_after = body.get("fake_drop_after")
         if drop_after is not None:  # a crashed server: some frames, then the connection just ends
             frames = list(frames)[:drop_after]
-        if chunk_delay:
+        write_size = body.get("fake_write_size")
+        if write_size:  # small TCP writes: events arrive split across the client's reads
+            data = b"".join(frames)
+            for i in range(0, len(data), write_size):
+                await resp.write(data[i:i + write_size])
+                await asyncio.sleep(0)
+        elif chunk_delay:
             for i, f in enumerate(frames):
                 if i:
                     await asyncio.sleep(chunk_delay)

@@ -1,0 +1,116 @@
+"""Differential: for every combination of options, the agent gets byte-for-byte (ids aside) what the
+upstream sends a plain request, and the records hold exactly what the upstream sends when asked for token
+ids and log-probs. Streams are also cut into small TCP writes, so events arrive split across reads."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import uuid
+from typing import Any
+
+import httpx
+import pytest
+
+from conftest import Proc
+from test_gateway_proxy import MESSAGES, MODEL, TOOLS, normalize, rollout
+
+# what the agent asks for itself: nothing, log-probs, token ids, both, or top_logprobs without logprobs (400)
+ASKS = {
+    "plain": {},
+    "logprobs": {"logprobs": True, "top_logprobs": 2},
+    "token_ids": {"return_token_ids": True},
+    "both": {"logprobs": True, "return_token_ids": True},
+    "top_without_logprobs": {"top_logprobs": 2},
+}
+COMPLETION_ASKS = {"plain": {}, "logprobs": {"logprobs": 2}, "token_ids": {"return_token_ids": True}}
+
+CHAT_CASES = [
+    (stream, n, tools, ask, usage)
+    for stream, n, tools, ask, usage in itertools.product((False, True), (1, 2), (False, True), ASKS, (False, True))
+    if stream or not usage
+]
+COMPLETION_CASES = [
+    (stream, n, prompts, ask)
+    for stream, n, prompts, ask in itertools.product((False, True), (1, 2), (1, 2), COMPLETION_ASKS)
+]
+
+
+def answer(url: str, body: dict) -> tuple[int, Any]:
+    if not body.get("stream"):
+        response = httpx.post(url, json=body, timeout=30)
+        return response.status_code, response.json()
+    with httpx.stream("POST", url, json=body, timeout=30) as response:
+        if response.status_code != 200:
+            return response.status_code, json.loads(response.read())
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    return 200, [e if e == "[DONE]" else json.loads(e) for e in events]
+
+
+def expected_records(endpoint: str, full: Any, stream: bool) -> dict[int, dict]:
+    """Per choice index: prompt ids, completion ids and log-probs from the upstream's full answer."""
+    chat = endpoint == "chat.completions"
+    chunks = [c for c in full if isinstance(c, dict)] if stream else [full]
+    # chat: the prompt ids are top-level (on each choice's role chunk in streams); completions: per choice
+    chat_prompt = next((c["prompt_token_ids"] for c in chunks if c.get("prompt_token_ids")), None)
+    out: dict[int, dict] = {}
+    for chunk in chunks:
+        for choice in chunk.get("choices") or ():
+            slot = out.setdefault(choice["index"], {"prompt": chat_prompt if chat else None, "ids": [],
+                                                    "logprobs": []})
+            if not chat and choice.get("prompt_token_ids"):
+                slot["prompt"] = choice["prompt_token_ids"]
+            slot["ids"] += choice.get("token_ids") or []
+            logprobs = choice.get("logprobs")
+            if logprobs:
+                slot["logprobs"] += ([e["logprob"] for e in logprobs["content"]] if chat
+                                     else logprobs["token_logprobs"])
+    return out
+
+
+def check(gateway: Proc, fake_vllm: Proc, endpoint: str, body: dict, full_extra: dict) -> None:
+    path = "/chat/completions" if endpoint == "chat.completions" else "/completions"
+    rid = uuid.uuid4().hex
+    status, via = answer(f"{gateway.url}/rollouts/{rid}/v1{path}", body)
+    direct_status, direct = answer(f"{fake_vllm.url}{path}", body)
+    assert status == direct_status
+    assert normalize(via) == normalize(direct)
+    calls = rollout(gateway, rid)["calls"]
+    if status != 200:
+        assert [c["error"]["status"] for c in calls] == [status]
+        return
+    _, full = answer(f"{fake_vllm.url}{path}", {**body, **full_extra})
+    expected = expected_records(endpoint, full, bool(body.get("stream")))
+    assert [c["choice_index"] for c in calls] == sorted(expected)
+    for call in calls:
+        want = expected[call["choice_index"]]
+        assert call["prompt_token_ids"] == want["prompt"]
+        assert call["completion_token_ids"] == want["ids"]
+        assert call["completion_logprobs"] == want["logprobs"]
+        assert len(call["completion_logprobs"]) == len(call["completion_token_ids"]) > 0
+
+
+@pytest.mark.parametrize("stream,n,tools,ask,usage", CHAT_CASES)
+def test_chat(gateway: Proc, fake_vllm: Proc, redis_client, stream, n, tools, ask, usage):
+    body: dict[str, Any] = {"model": MODEL, "messages": MESSAGES, "max_tokens": 48, "n": n, "seed": 11,
+                            "stream": stream, **ASKS[ask]}
+    if tools:
+        body["tools"] = TOOLS
+    if usage:
+        body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    if stream:
+        body["fake_write_size"] = 7  # events arrive split across reads
+    top = ASKS[ask].get("top_logprobs", 0)
+    check(gateway, fake_vllm, "chat.completions", body,
+          {"return_token_ids": True, "logprobs": True, "top_logprobs": top})
+
+
+@pytest.mark.parametrize("stream,n,prompts,ask", COMPLETION_CASES)
+def test_completions(gateway: Proc, fake_vllm: Proc, redis_client, stream, n, prompts, ask):
+    prompt = "Two plus two is" if prompts == 1 else ["Two plus two is", "The sky is"]
+    body: dict[str, Any] = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "n": n, "seed": 5,
+                            "stream": stream, **COMPLETION_ASKS[ask]}
+    if stream:
+        body["fake_write_size"] = 5
+    check(gateway, fake_vllm, "completions", body,
+          {"return_token_ids": True, "logprobs": COMPLETION_ASKS[ask].get("logprobs", 0)})
