@@ -19,8 +19,9 @@ from redis import exceptions as redis_exc
 class ScriptBatcher:
     """Runs one Lua script for many concurrent callers, pipelining the EVALSHAs of each batch."""
 
-    def __init__(self, redis: aioredis.Redis, source: str) -> None:
+    def __init__(self, redis: aioredis.Redis, source: str, timeout_s: float) -> None:
         self._redis = redis
+        self._timeout_s = timeout_s  # per batch: a hung Redis fails the batch instead of stalling all
         self._script = redis.register_script(source)  # computes the sha; loads on NOSCRIPT
         self._pending: list[tuple[list[Any], asyncio.Future[Any]]] = []
         self._task: asyncio.Task[None] | None = None
@@ -71,7 +72,7 @@ class ScriptBatcher:
         return replies
 
     async def _pipeline(self, batch: list[list[Any]]) -> list[Any]:
-        async with self._redis.pipeline(transaction=False) as pipe:
+        async with asyncio.timeout(self._timeout_s), self._redis.pipeline(transaction=False) as pipe:
             for params in batch:
                 pipe.execute_command("EVALSHA", self._script.sha, *params)
             return await pipe.execute(raise_on_error=False)

@@ -6,9 +6,10 @@ Every write that touches several keys is one Lua script; every Redis failure sur
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from typing import Any
 
 import orjson
@@ -22,10 +23,18 @@ from episodes.keys import Keys, validate_id
 from episodes.records import SCHEMA_VERSION, CallRecord, IndexedCall, Rollout, RolloutView
 
 
-@contextmanager
-def _translate_redis_errors() -> Iterator[None]:
+@asynccontextmanager
+async def _guard(timeout_s: float) -> AsyncIterator[None]:
+    """Bound a Redis operation in time and translate every Redis failure into `StoreUnavailable`.
+
+    One `asyncio.timeout` per operation instead of redis-py's per-command socket timeout, which wraps
+    every write in `asyncio.wait_for` (a task per command on Python 3.11).
+    """
     try:
-        yield
+        async with asyncio.timeout(timeout_s):
+            yield
+    except TimeoutError as exc:
+        raise StoreUnavailable(f"redis did not answer within {timeout_s} s") from exc
     except (redis_exc.ConnectionError, redis_exc.TimeoutError, OSError) as exc:
         raise StoreUnavailable(f"redis unavailable: {exc}") from exc
     except redis_exc.RedisError as exc:
@@ -35,32 +44,32 @@ def _translate_redis_errors() -> Iterator[None]:
 class EpisodeStore:
     """Rollouts and their calls in Redis. Safe to share between tasks and between processes."""
 
-    def __init__(self, redis: aioredis.Redis, keys: Keys | None = None) -> None:
+    def __init__(self, redis: aioredis.Redis, keys: Keys | None = None, timeout_s: float = 5.0) -> None:
         self.redis = redis
         self.keys = keys or Keys()
+        self.timeout_s = timeout_s
         self._create = redis.register_script(_lua.CREATE_ROLLOUT)
-        self._record = ScriptBatcher(redis, _lua.RECORD_CALLS)
+        self._record = ScriptBatcher(redis, _lua.RECORD_CALLS, timeout_s)
 
     @classmethod
     def from_url(
         cls, url: str, *, prefix: str = "rlgate", timeout_s: float = 5.0, max_connections: int = 64
     ) -> EpisodeStore:
-        """A store on its own connection pool. `timeout_s` bounds every command, so a hung Redis
+        """A store on its own connection pool. `timeout_s` bounds every operation, so a hung Redis
         turns into `StoreUnavailable` instead of a hung call."""
         client = aioredis.Redis.from_url(
             url,
-            socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
             max_connections=max_connections,
             health_check_interval=30,
         )
-        return cls(client, Keys(prefix))
+        return cls(client, Keys(prefix), timeout_s)
 
     async def aclose(self) -> None:
         await self.redis.aclose()
 
     async def ping(self) -> None:
-        with _translate_redis_errors():
+        async with _guard(self.timeout_s):
             await self.redis.ping()
 
     async def create_rollout(
@@ -71,7 +80,7 @@ class EpisodeStore:
         if task_id is not None:
             validate_id(task_id, "task id")
         rollout = Rollout(rollout_id=rollout_id, task_id=task_id, created_at=time.time(), metadata=metadata or {})
-        with _translate_redis_errors():
+        async with _guard(self.timeout_s):
             created = await self._create(
                 keys=[self.keys.rollout(rollout_id), self.keys.calls(rollout_id)],
                 args=[rollout_id, task_id or "", repr(rollout.created_at), SCHEMA_VERSION,
@@ -92,7 +101,7 @@ class EpisodeStore:
             raise ValueError("record_calls needs at least one record")
         args: list[Any] = [rollout_id, task_id or "", repr(time.time()), SCHEMA_VERSION]
         args.extend(record.model_dump_json() for record in records)
-        with _translate_redis_errors():
+        async with _guard(self.timeout_s):
             code, value = await self._record([self.keys.rollout(rollout_id), self.keys.calls(rollout_id)], args)
         if code == 0:
             return int(value)
@@ -102,20 +111,20 @@ class EpisodeStore:
         raise TaskMismatch(rollout_id, value, task_id or "")
 
     async def get_rollout(self, rollout_id: str) -> Rollout | None:
-        with _translate_redis_errors():
+        async with _guard(self.timeout_s):
             fields = await self.redis.hgetall(self.keys.rollout(rollout_id))
         if not fields:
             return None
         return _rollout_from_hash(fields)
 
     async def get_calls(self, rollout_id: str, start: int = 0, stop: int = -1) -> list[CallRecord]:
-        with _translate_redis_errors():
+        async with _guard(self.timeout_s):
             raw = await self.redis.lrange(self.keys.calls(rollout_id), start, stop)
         return [CallRecord.model_validate_json(item) for item in raw]
 
     async def get_rollout_view(self, rollout_id: str) -> RolloutView | None:
         """The rollout and all its calls, read in one round trip (a MULTI of both keys)."""
-        with _translate_redis_errors():
+        async with _guard(self.timeout_s):
             async with self.redis.pipeline(transaction=True) as pipe:
                 pipe.hgetall(self.keys.rollout(rollout_id))
                 pipe.lrange(self.keys.calls(rollout_id), 0, -1)
@@ -131,12 +140,12 @@ class EpisodeStore:
 
     async def policy_version(self) -> int:
         """The current policy version (set by the learner after each weight push; 0 before any)."""
-        with _translate_redis_errors():
+        async with _guard(self.timeout_s):
             value = await self.redis.hget(self.keys.policy, "version")
         return int(value) if value is not None else 0
 
     async def set_policy_version(self, version: int) -> None:
-        with _translate_redis_errors():
+        async with _guard(self.timeout_s):
             await self.redis.hset(self.keys.policy, "version", int(version))
 
 

@@ -32,7 +32,7 @@ class Upstream:
         connector = aiohttp.TCPConnector(limit=self._limit, keepalive_timeout=60, ttl_dns_cache=300)
         self._session = aiohttp.ClientSession(
             connector=connector, timeout=self._timeout, headers=self._headers, auto_decompress=False,
-            skip_auto_headers=("User-Agent",),
+            skip_auto_headers=("User-Agent",), cookie_jar=aiohttp.DummyCookieJar(),
         )
 
     async def aclose(self) -> None:

@@ -176,3 +176,32 @@ def test_a_failed_batch_fails_every_caller_and_none_hangs():
 
     results = run(go())
     assert len(results) == 20 and all(isinstance(r, StoreUnavailable) for r in results)
+
+
+def test_a_hung_redis_times_out_for_every_caller_and_never_stalls_the_batcher():
+    """A server that accepts connections and never answers: every caller gets StoreUnavailable in time,
+    and a later call is not stuck behind the dead batch."""
+    import socket
+    import threading
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    accepted = []
+    threading.Thread(target=lambda: [accepted.append(listener.accept()) for _ in range(16)], daemon=True).start()
+
+    async def go():
+        hung = EpisodeStore.from_url(f"redis://127.0.0.1:{listener.getsockname()[1]}/0", timeout_s=0.3)
+        try:
+            first = await asyncio.wait_for(asyncio.gather(
+                *(hung.record_calls(f"h{i}", None, [_record(f"h{i}")]) for i in range(5)),
+                hung.get_rollout("h0"), return_exceptions=True), timeout=5)
+            later = await asyncio.wait_for(asyncio.gather(
+                hung.record_calls("h9", None, [_record("h9")]), return_exceptions=True), timeout=5)
+            return first + later
+        finally:
+            await hung.aclose()
+
+    results = run(go())
+    listener.close()
+    assert len(results) == 7 and all(isinstance(r, StoreUnavailable) for r in results), results
