@@ -42,6 +42,7 @@ REQUEST = {"model": MODEL, "max_tokens": 32, "temperature": 0.7,
            "messages": [{"role": "system", "content": "You are a careful assistant. Answer briefly."},
                         {"role": "user", "content": "What is the capital of France? Explain in one line."}]}
 CPU_PROXY, CPU_LOAD = 0, 1
+BENCH_KEY = "sk-rlgate-bench-5f0c2a9e7d314b6c8a1e4f2d9b7c3a60"  # LiteLLM's master key; ignored by the others
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -177,7 +178,7 @@ async def drive(url: str, stream: bool, concurrency: int, n: int) -> tuple[float
     remaining = n
     connector = aiohttp.TCPConnector(limit=concurrency, limit_per_host=concurrency)
     async with aiohttp.ClientSession(connector=connector, headers={"content-type": "application/json",
-                                                                   "authorization": "Bearer sk-bench"}) as s:
+                                                                   "authorization": f"Bearer {BENCH_KEY}"}) as s:
         async def worker(i: int) -> None:
             nonlocal remaining
             while remaining > 0:
@@ -251,9 +252,13 @@ def main() -> None:
             litellm = subprocess.Popen([args.litellm, "--config", str(config), "--port", str(ll_port),
                                         "--num_workers", "1"], cwd=tmp, stdout=(tmp / "litellm.log").open("wb"),
                                        stderr=subprocess.STDOUT, preexec_fn=pinned(CPU_PROXY),
-                                       env={**os.environ, "LITELLM_LOG": "ERROR"})
+                                       env={**os.environ, "LITELLM_LOG": "ERROR", "LITELLM_MASTER_KEY": BENCH_KEY})
             procs.append(litellm)
-            wait_http(f"http://127.0.0.1:{ll_port}/health/liveliness", timeout=180)
+            try:
+                wait_http(f"http://127.0.0.1:{ll_port}/health/liveliness", timeout=180)
+            except Exception:
+                print((tmp / "litellm.log").read_text()[-3000:], file=sys.stderr)
+                raise
             targets["litellm"] = (f"http://127.0.0.1:{ll_port}/v1", litellm.pid)
 
         cells = [(stream, conc) for stream in (False, True) for conc in (1, 32)]
