@@ -5,7 +5,10 @@ pydantic records that Redis holds as JSON, `store` the async store whose multi-k
 """
 
 from episodes.errors import (
+    CallNotFound,
     InvalidId,
+    RewardConflict,
+    RolloutExpired,
     RolloutExists,
     RolloutNotFound,
     RolloutNotOpen,
@@ -14,22 +17,34 @@ from episodes.errors import (
     TaskMismatch,
 )
 from episodes.keys import Keys, validate_id
+from episodes.lifecycle import CloseResult, EpisodeLifecycle, canonical_reward
 from episodes.records import (
     SCHEMA_VERSION,
     CallError,
     CallRecord,
     CallResponse,
     Endpoint,
+    FinishRequest,
     IndexedCall,
     Rollout,
     RolloutStatus,
     RolloutView,
 )
 from episodes.store import EpisodeStore
+from episodes.stream import ClosedEpisode, ClosedEpisodes
 
 __all__ = [
     "SCHEMA_VERSION",
     "CallError",
+    "CallNotFound",
+    "CloseResult",
+    "ClosedEpisode",
+    "ClosedEpisodes",
+    "EpisodeLifecycle",
+    "FinishRequest",
+    "RewardConflict",
+    "RolloutExpired",
+    "canonical_reward",
     "CallRecord",
     "CallResponse",
     "Endpoint",

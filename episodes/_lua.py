@@ -1,29 +1,32 @@
-"""Lua scripts of the episode store. Each touches only the keys of one rollout (one hash slot)."""
+"""Lua scripts of the episode store. Each touches only the keys of one rollout (one hash slot); the
+lifecycle they implement is described in `episodes.keys`."""
 
-# KEYS[1] rollout hash, KEYS[2] calls list
+# KEYS[1] rollout hash
 # ARGV[1] rollout_id, ARGV[2] task_id ('' for none), ARGV[3] created_at, ARGV[4] schema_version,
-# ARGV[5] metadata JSON
+# ARGV[5] metadata JSON, ARGV[6] expires_at
 # Returns 1 when created, 0 when the rollout already existed (nothing changed).
 CREATE_ROLLOUT = """
 if redis.call('EXISTS', KEYS[1]) == 1 then
   return 0
 end
 redis.call('HSET', KEYS[1], 'schema_version', ARGV[4], 'rollout_id', ARGV[1], 'task_id', ARGV[2],
-           'status', 'open', 'created_at', ARGV[3], 'metadata', ARGV[5])
+           'status', 'open', 'created_at', ARGV[3], 'metadata', ARGV[5], 'expires_at', ARGV[6])
 return 1
 """
 
 # Appends call records to an open rollout, creating the rollout on its first call.
 # KEYS[1] rollout hash, KEYS[2] calls list
 # ARGV[1] rollout_id, ARGV[2] task_id ('' for none), ARGV[3] now, ARGV[4] schema_version,
-# ARGV[5..] call records (JSON)
-# Returns {0, first_index} on success, {1, status} when the rollout is not open,
+# ARGV[5] expires_at (for a rollout created here), ARGV[6..] call records (JSON)
+# Returns {0, first_index, created (0/1)} on success, {1, status} when the rollout is not open,
 # {2, task_id} when the call names another task than the rollout's.
 RECORD_CALLS = """
 local status = redis.call('HGET', KEYS[1], 'status')
+local created = 0
 if not status then
   redis.call('HSET', KEYS[1], 'schema_version', ARGV[4], 'rollout_id', ARGV[1], 'task_id', ARGV[2],
-             'status', 'open', 'created_at', ARGV[3], 'metadata', '{}')
+             'status', 'open', 'created_at', ARGV[3], 'metadata', '{}', 'expires_at', ARGV[5])
+  created = 1
 elseif status ~= 'open' then
   return {1, status}
 elseif ARGV[2] ~= '' then
@@ -34,6 +37,113 @@ elseif ARGV[2] ~= '' then
     return {2, task}
   end
 end
-local n = redis.call('RPUSH', KEYS[2], unpack(ARGV, 5))
-return {0, n - (#ARGV - 4)}
+local n = redis.call('RPUSH', KEYS[2], unpack(ARGV, 6))
+return {0, n - (#ARGV - 5), created}
+"""
+
+# Closes an open rollout with its final return, exactly once.
+# KEYS[1] rollout hash
+# ARGV[1] reward (canonical repr), ARGV[2] reward metadata JSON, ARGV[3] now
+# Returns {'closed', task_id} to the one caller that closed it; {'same', published} when it was already
+# closed with this reward; {'conflict', reward} when closed with another; {status} when missing,
+# expired or failed.
+CLOSE = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then
+  return {'missing'}
+end
+if status == 'open' then
+  redis.call('HSET', KEYS[1], 'status', 'closed', 'reward', ARGV[1], 'reward_metadata', ARGV[2],
+             'closed_at', ARGV[3], 'published', '0')
+  return {'closed', redis.call('HGET', KEYS[1], 'task_id')}
+end
+if status == 'closed' or status == 'consumed' then
+  local reward = redis.call('HGET', KEYS[1], 'reward')
+  if reward == ARGV[1] then
+    return {'same', redis.call('HGET', KEYS[1], 'published') or '1'}
+  end
+  return {'conflict', reward}
+end
+return {status}
+"""
+
+# Marks a closed rollout as published to the stream; returns 1 if it was not yet, else 0.
+# KEYS[1] rollout hash
+MARK_PUBLISHED = """
+if redis.call('HGET', KEYS[1], 'published') == '0' then
+  redis.call('HSET', KEYS[1], 'published', '1')
+  return 1
+end
+return 0
+"""
+
+# Expires an open rollout whose time has passed, or closes it with a fill reward.
+# KEYS[1] rollout hash
+# ARGV[1] now, ARGV[2] fill reward (canonical repr, '' for none)
+# Returns 'expired', 'closed' (filled), or '' when there was nothing to do.
+EXPIRE = """
+if redis.call('HGET', KEYS[1], 'status') ~= 'open' then
+  return ''
+end
+local expires_at = tonumber(redis.call('HGET', KEYS[1], 'expires_at') or '0')
+if expires_at > tonumber(ARGV[1]) then
+  return ''
+end
+if ARGV[2] ~= '' then
+  redis.call('HSET', KEYS[1], 'status', 'closed', 'reward', ARGV[2], 'closed_at', ARGV[1],
+             'reward_metadata', '{"filled": true}', 'published', '0')
+  return 'closed'
+end
+redis.call('HSET', KEYS[1], 'status', 'expired', 'closed_at', ARGV[1])
+return 'expired'
+"""
+
+# Marks an open rollout failed (its reward job gave up).
+# KEYS[1] rollout hash; ARGV[1] error, ARGV[2] now
+# Returns the status before ('open' means it failed now; '' when missing).
+FAIL = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if status == 'open' then
+  redis.call('HSET', KEYS[1], 'status', 'failed', 'error', ARGV[1], 'closed_at', ARGV[2])
+end
+return status or ''
+"""
+
+# Marks a closed rollout consumed by a learner; returns 1 the first time, else 0.
+# KEYS[1] rollout hash; ARGV[1] now
+CONSUME = """
+if redis.call('HGET', KEYS[1], 'status') == 'closed' then
+  redis.call('HSET', KEYS[1], 'status', 'consumed', 'consumed_at', ARGV[1])
+  return 1
+end
+return 0
+"""
+
+# Attaches an intermediate reward to one call of an open or closed rollout.
+# KEYS[1] rollout hash, KEYS[2] calls list, KEYS[3] rewards hash (webhook) or AIR hash
+# ARGV[1] call index, ARGV[2] reward (canonical repr)
+# Returns {'ok'}, {'missing'}, {'no_call'} or {status} when the rollout takes no more rewards.
+SET_CALL_REWARD = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then
+  return {'missing'}
+end
+if status ~= 'open' and status ~= 'closed' then
+  return {status}
+end
+if tonumber(ARGV[1]) >= redis.call('LLEN', KEYS[2]) then
+  return {'no_call'}
+end
+redis.call('HSET', KEYS[3], ARGV[1], ARGV[2])
+return {'ok'}
+"""
+
+# Saves the reward job's request on an open rollout; returns the status ('' when missing).
+# KEYS[1] rollout hash; ARGV[1] finish request JSON
+SET_FINISH = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if status == 'open' then
+  redis.call('HSET', KEYS[1], 'finish', ARGV[1])
+end
+return status or ''
 """

@@ -38,3 +38,20 @@ class TaskMismatch(StoreError):
         self.rollout_id = rollout_id
         self.task_id = task_id
         self.given = given
+
+
+class RolloutExpired(StoreError):
+    """The rollout expired before its reward arrived."""
+
+
+class RewardConflict(StoreError):
+    """The rollout was already closed with a different reward."""
+
+    def __init__(self, rollout_id: str, reward: float) -> None:
+        super().__init__(f"rollout {rollout_id!r} is already closed with reward {reward}")
+        self.rollout_id = rollout_id
+        self.reward = reward
+
+
+class CallNotFound(StoreError):
+    """No call with this index in the rollout."""

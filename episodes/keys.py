@@ -1,21 +1,43 @@
 """Every Redis key rlgate uses, built in one place. This docstring is the key layout.
 
-| key                                   | type | writer                         | reader                  | TTL  |
-|---------------------------------------|------|--------------------------------|-------------------------|------|
-| `{prefix}:rollout:{<rid>}`            | hash | gateway (create, first call)   | gateway, reward, learner| none |
-| `{prefix}:rollout:{<rid>}:calls`      | list | gateway (one entry per choice) | gateway, learner        | none |
-| `{prefix}:policy`                     | hash | learner (`version`)            | gateway (polled)        | none |
+| key                                | type   | writer                                  | reader                   | TTL  |
+|------------------------------------|--------|-----------------------------------------|--------------------------|------|
+| `{prefix}:rollout:{<rid>}`         | hash   | gateway (create, first call), reward    | gateway, reward, learner | none |
+|                                    |        | hooks (close, fail), sweeper (expire),  |                          |      |
+|                                    |        | learner (consume)                       |                          |      |
+| `{prefix}:rollout:{<rid>}:calls`   | list   | gateway (one entry per choice)          | gateway, reward, learner | none |
+| `{prefix}:rollout:{<rid>}:rewards` | hash   | reward webhook (call index -> reward)   | learner, inspection      | none |
+| `{prefix}:rollout:{<rid>}:air`     | hash   | gateway AIR (call index -> reward)      | learner, inspection      | none |
+| `{prefix}:policy`                  | hash   | learner (`version`)                     | gateway (polled)         | none |
+| `{prefix}:expiry`                  | zset   | gateway (rollout id -> expires_at)      | sweeper                  | none |
+| `{prefix}:outbox`                  | zset   | reward hooks, sweeper (id -> intent ts) | sweeper (repair)         | none |
+| `{prefix}:episodes`                | stream | reward hooks, sweeper (closed episodes) | learners (consumer group)| none |
 
-- The rollout hash holds the fields of `records.Rollout`: `schema_version`, `rollout_id`, `task_id` ('' for
-  none), `status`, `created_at` (unix seconds), `metadata` (JSON object).
+- The rollout hash holds the fields of `records.Rollout` (`status`, `reward`, `closed_at`, ... with
+  JSON for `metadata`, `reward_metadata` and `finish`; absent means null) plus `published`, the outbox
+  flag ('0' from closing until the episode is on the stream, then '1').
 - The calls list holds one `records.CallRecord` as JSON per LLM transition, in commit order; a call's
   index is its position in the list (0-based), so it is never stored twice. A request with `n > 1`
   appends one entry per choice, in choice order, in the same script call.
-- Both keys of a rollout carry the Redis Cluster hash tag `{<rid>}`, so the Lua scripts that touch both
-  (create, record) hit one slot and run unchanged on a cluster. Keys without a rollout (`policy`) are
-  only ever touched by single-key commands.
-- Expiry of open rollouts and the closed-episode stream come with the episode lifecycle (issue 3); until
-  then nothing here expires.
+- Keys of one rollout carry the Redis Cluster hash tag `{<rid>}`, so every Lua script (they only ever
+  touch one rollout's keys) hits one slot and runs unchanged on a cluster. The global keys (`policy`,
+  `expiry`, `outbox`, `episodes`) are only touched by single-key commands.
+
+Episode lifecycle (every transition is one script on the rollout hash, so it happens exactly once however
+many gateways, webhooks or workers race on it):
+
+    open --reward--> closed --learner ack--> consumed
+    open --TTL passed--> expired          (or closed with the configured fill reward)
+    open --reward job gave up--> failed
+
+Closed episodes reach learners through the `episodes` stream with an outbox, since the stream and the
+rollout live in different slots: a closer first adds the rollout to `outbox`, then runs the close
+script; the one caller that actually closed it XADDs `{rollout_id, task_id, reward}` to the stream, sets
+`published` to 1 and removes the outbox entry. If it dies in between, the sweeper finds the stale outbox
+entry and publishes it (at least once; the learner's consume script is the exactly-once point). The
+learners' consumer group reads with XREADGROUP, acknowledges with XACK after training (and marks the
+rollout consumed), and takes over the pending entries of a dead consumer with XAUTOCLAIM once they have
+been idle longer than its timeout.
 """
 
 from __future__ import annotations
@@ -39,16 +61,25 @@ def validate_id(value: str, what: str = "id") -> str:
 class Keys:
     """Builds the keys of one rlgate deployment; `prefix` lets several share a Redis."""
 
-    __slots__ = ("prefix", "policy")
+    __slots__ = ("prefix", "policy", "expiry", "outbox", "episodes")
 
     def __init__(self, prefix: str = "rlgate") -> None:
         if not prefix or "{" in prefix or "}" in prefix:
             raise InvalidId(f"invalid key prefix {prefix!r}")
         self.prefix = prefix
         self.policy = f"{prefix}:policy"
+        self.expiry = f"{prefix}:expiry"
+        self.outbox = f"{prefix}:outbox"
+        self.episodes = f"{prefix}:episodes"
 
     def rollout(self, rollout_id: str) -> str:
         return f"{self.prefix}:rollout:{{{rollout_id}}}"
 
     def calls(self, rollout_id: str) -> str:
         return f"{self.prefix}:rollout:{{{rollout_id}}}:calls"
+
+    def rewards(self, rollout_id: str) -> str:
+        return f"{self.prefix}:rollout:{{{rollout_id}}}:rewards"
+
+    def air(self, rollout_id: str) -> str:
+        return f"{self.prefix}:rollout:{{{rollout_id}}}:air"

@@ -26,9 +26,21 @@ class _Record(BaseModel):
 
 
 class RolloutStatus(StrEnum):
-    """Where a rollout is in its life. Only `open` exists until the reward lifecycle lands (issue 3)."""
+    """Where a rollout is in its life (transitions: `episodes.keys`)."""
 
-    OPEN = "open"
+    OPEN = "open"  # the agent is working; calls are recorded
+    CLOSED = "closed"  # its final return is known; waiting for the learner
+    CONSUMED = "consumed"  # trained on and acknowledged by a learner
+    EXPIRED = "expired"  # no reward within its TTL; not trained on
+    FAILED = "failed"  # its reward job gave up; not trained on
+
+
+class FinishRequest(_Record):
+    """What `POST /rollouts/{id}/finish` asked for: the reward job computes the reward from it."""
+
+    reward_fn: str = Field(description="A registered reward function, an entry point or a dotted path.")
+    ground_truth: Any = None
+    params: dict[str, Any] = Field(default_factory=dict, description="Options of the reward function.")
 
 
 class Rollout(_Record):
@@ -37,9 +49,16 @@ class Rollout(_Record):
     schema_version: int = SCHEMA_VERSION
     rollout_id: str
     task_id: str | None = Field(None, description="The task this is a run of: the GRPO group key.")
-    status: str = RolloutStatus.OPEN
+    status: RolloutStatus = RolloutStatus.OPEN
     created_at: float = Field(description="Unix seconds.")
+    expires_at: float | None = Field(None, description="When an open rollout expires (unix seconds).")
     metadata: dict[str, Any] = Field(default_factory=dict)
+    reward: float | None = Field(None, description="The final return R, once closed.")
+    reward_metadata: dict[str, Any] | None = None
+    closed_at: float | None = None
+    consumed_at: float | None = None
+    error: str | None = Field(None, description="Why the rollout failed (its reward job's last error).")
+    finish: FinishRequest | None = Field(None, description="The reward job's request, if one was made.")
 
 
 class CallError(_Record):
@@ -106,9 +125,11 @@ class CallRecord(_Record):
 
 
 class IndexedCall(CallRecord):
-    """A call as the API shows it: the record plus its index in the rollout."""
+    """A call as the API shows it: the record, its index in the rollout and its intermediate rewards."""
 
     index: int
+    reward: float | None = Field(None, description="Intermediate reward r_t posted for this call.")
+    air_reward: float | None = Field(None, description="Automatic intermediate reward (failed tool call).")
 
 
 class RolloutView(Rollout):

@@ -44,26 +44,35 @@ async def _guard(timeout_s: float) -> AsyncIterator[None]:
 class EpisodeStore:
     """Rollouts and their calls in Redis. Safe to share between tasks and between processes."""
 
-    def __init__(self, redis: aioredis.Redis, keys: Keys | None = None, timeout_s: float = 5.0) -> None:
+    def __init__(self, redis: aioredis.Redis, keys: Keys | None = None, timeout_s: float = 5.0,
+                 rollout_ttl_s: float = 3600.0) -> None:
         self.redis = redis
         self.keys = keys or Keys()
         self.timeout_s = timeout_s
+        self.rollout_ttl_s = rollout_ttl_s
         self._create = redis.register_script(_lua.CREATE_ROLLOUT)
         self._record = ScriptBatcher(redis, _lua.RECORD_CALLS, timeout_s)
 
     @classmethod
     def from_url(
-        cls, url: str, *, prefix: str = "rlgate", timeout_s: float = 5.0, max_connections: int = 64
+        cls, url: str, *, prefix: str = "rlgate", timeout_s: float = 5.0, rollout_ttl_s: float = 3600.0,
+        max_connections: int = 64,
     ) -> EpisodeStore:
         """A store on its own connection pool. `timeout_s` bounds every operation, so a hung Redis
-        turns into `StoreUnavailable` instead of a hung call."""
+        turns into `StoreUnavailable` instead of a hung call; open rollouts expire `rollout_ttl_s` after
+        they were created."""
         client = aioredis.Redis.from_url(
             url,
             socket_connect_timeout=timeout_s,
             max_connections=max_connections,
             health_check_interval=30,
         )
-        return cls(client, Keys(prefix), timeout_s)
+        return cls(client, Keys(prefix), timeout_s, rollout_ttl_s)
+
+    def guard(self, extra_s: float = 0.0) -> Any:
+        """`async with store.guard():` bounds a Redis operation (by the store's timeout plus `extra_s`, for
+        blocking reads) and translates its failures into `StoreUnavailable`."""
+        return _guard(self.timeout_s + extra_s)
 
     async def aclose(self) -> None:
         await self.redis.aclose()
@@ -79,13 +88,17 @@ class EpisodeStore:
         validate_id(rollout_id, "rollout id")
         if task_id is not None:
             validate_id(task_id, "task id")
-        rollout = Rollout(rollout_id=rollout_id, task_id=task_id, created_at=time.time(), metadata=metadata or {})
+        now = time.time()
+        rollout = Rollout(rollout_id=rollout_id, task_id=task_id, created_at=now, metadata=metadata or {},
+                          expires_at=now + self.rollout_ttl_s)
         async with _guard(self.timeout_s):
             created = await self._create(
-                keys=[self.keys.rollout(rollout_id), self.keys.calls(rollout_id)],
-                args=[rollout_id, task_id or "", repr(rollout.created_at), SCHEMA_VERSION,
-                      orjson.dumps(rollout.metadata)],
+                keys=[self.keys.rollout(rollout_id)],
+                args=[rollout_id, task_id or "", repr(now), SCHEMA_VERSION, orjson.dumps(rollout.metadata),
+                      repr(rollout.expires_at)],
             )
+            if created:
+                await self.redis.zadd(self.keys.expiry, {rollout_id: rollout.expires_at})
         if not created:
             raise RolloutExists(f"rollout {rollout_id!r} already exists")
         return rollout
@@ -99,10 +112,21 @@ class EpisodeStore:
         """
         if not records:
             raise ValueError("record_calls needs at least one record")
-        args: list[Any] = [rollout_id, task_id or "", repr(time.time()), SCHEMA_VERSION]
+        now = time.time()
+        expires_at = now + self.rollout_ttl_s
+        args: list[Any] = [rollout_id, task_id or "", repr(now), SCHEMA_VERSION, repr(expires_at)]
         args.extend(record.model_dump_json() for record in records)
         async with _guard(self.timeout_s):
-            code, value = await self._record([self.keys.rollout(rollout_id), self.keys.calls(rollout_id)], args)
+            code, value, *created = await self._record(
+                [self.keys.rollout(rollout_id), self.keys.calls(rollout_id)], args)
+        if code == 0 and created[0]:  # a rollout born with its first call: schedule its expiry
+            try:
+                async with _guard(self.timeout_s):
+                    await self.redis.zadd(self.keys.expiry, {rollout_id: expires_at})
+            except StoreUnavailable:
+                # The call is recorded; failing it now would leave a record the agent never got. The
+                # rollout then just does not expire by itself (a reward still closes it).
+                pass
         if code == 0:
             return int(value)
         value = value.decode() if isinstance(value, bytes) else str(value)
@@ -123,17 +147,22 @@ class EpisodeStore:
         return [CallRecord.model_validate_json(item) for item in raw]
 
     async def get_rollout_view(self, rollout_id: str) -> RolloutView | None:
-        """The rollout and all its calls, read in one round trip (a MULTI of both keys)."""
+        """The rollout, its calls and their intermediate rewards, read in one round trip (a MULTI)."""
         async with _guard(self.timeout_s):
             async with self.redis.pipeline(transaction=True) as pipe:
                 pipe.hgetall(self.keys.rollout(rollout_id))
                 pipe.lrange(self.keys.calls(rollout_id), 0, -1)
-                fields, raw_calls = await pipe.execute()
+                pipe.hgetall(self.keys.rewards(rollout_id))
+                pipe.hgetall(self.keys.air(rollout_id))
+                fields, raw_calls, rewards, air = await pipe.execute()
         if not fields:
             return None
         rollout = _rollout_from_hash(fields)
+        rewards = {int(k): float(v) for k, v in rewards.items()}
+        air = {int(k): float(v) for k, v in air.items()}
         calls = [
-            IndexedCall(index=i, **CallRecord.model_validate_json(item).model_dump())
+            IndexedCall(index=i, reward=rewards.get(i), air_reward=air.get(i),
+                        **CallRecord.model_validate_json(item).model_dump())
             for i, item in enumerate(raw_calls)
         ]
         return RolloutView(**rollout.model_dump(), calls=calls)
@@ -149,13 +178,17 @@ class EpisodeStore:
             await self.redis.hset(self.keys.policy, "version", int(version))
 
 
+_JSON_FIELDS = ("metadata", "reward_metadata", "finish")
+_INTERNAL_FIELDS = ("published",)
+
+
 def _rollout_from_hash(fields: dict[bytes, bytes]) -> Rollout:
-    data = {k.decode(): v.decode() for k, v in fields.items()}
-    return Rollout(
-        schema_version=int(data["schema_version"]),
-        rollout_id=data["rollout_id"],
-        task_id=data["task_id"] or None,
-        status=data["status"],
-        created_at=float(data["created_at"]),
-        metadata=orjson.loads(data["metadata"]),
-    )
+    """A `Rollout` from its hash: JSON fields parsed, '' task id as None, bookkeeping fields dropped."""
+    data: dict[str, Any] = {k.decode(): v.decode() for k, v in fields.items()}
+    for name in _JSON_FIELDS:
+        if name in data:
+            data[name] = orjson.loads(data[name])
+    for name in _INTERNAL_FIELDS:
+        data.pop(name, None)
+    data["task_id"] = data.get("task_id") or None
+    return Rollout.model_validate(data)

@@ -1,0 +1,196 @@
+"""Episode state transitions: close (reward), intermediate rewards, fail, expire, consume, and the outbox
+that puts every closed episode on the stream. The states and keys are described in `episodes.keys`."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from episodes import _lua
+from episodes.errors import (
+    CallNotFound, RewardConflict, RolloutExpired, RolloutNotFound, RolloutNotOpen,
+)
+from episodes.records import FinishRequest
+from episodes.store import EpisodeStore
+
+
+def canonical_reward(reward: float) -> str:
+    """The one string a reward is stored as, so that 1, 1.0 and 1e0 compare equal in Lua."""
+    value = float(reward)
+    if not math.isfinite(value):
+        raise ValueError(f"a reward must be a finite number, not {reward!r}")
+    return repr(value)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+@dataclass(frozen=True, slots=True)
+class CloseResult:
+    """`closed`: this call closed the rollout. `unchanged`: it was already closed with this reward."""
+
+    outcome: str
+    reward: float
+
+
+class EpisodeLifecycle:
+    """Every transition is one Lua script on the rollout's hash: exactly once under any race."""
+
+    def __init__(self, store: EpisodeStore) -> None:
+        self.store = store
+        self.keys = store.keys
+        redis = store.redis
+        self._close = redis.register_script(_lua.CLOSE)
+        self._mark_published = redis.register_script(_lua.MARK_PUBLISHED)
+        self._expire = redis.register_script(_lua.EXPIRE)
+        self._fail = redis.register_script(_lua.FAIL)
+        self._consume = redis.register_script(_lua.CONSUME)
+        self._set_call_reward = redis.register_script(_lua.SET_CALL_REWARD)
+        self._set_finish = redis.register_script(_lua.SET_FINISH)
+
+    # ---------------------------------------------------------------------------------------------------
+    # Final return
+
+    async def close(self, rollout_id: str, reward: float, metadata: dict[str, Any] | None = None) -> CloseResult:
+        """Close an open rollout with its final return and publish it for the learners.
+
+        The same reward again is `unchanged`; another reward raises `RewardConflict`; an unknown rollout `RolloutNotFound`; an expired one
+        `RolloutExpired`; a failed one `RolloutNotOpen`.
+        """
+        value = canonical_reward(reward)
+        async with self.store.guard():
+            # intent first (NX: an entry keeps the time of the first intent, so the sweeper sees it age)
+            await self.store.redis.zadd(self.keys.outbox, {rollout_id: time.time()}, nx=True)
+            reply = await self._close(keys=[self.keys.rollout(rollout_id)],
+                                      args=[value, orjson.dumps(metadata or {}), repr(time.time())])
+        outcome = _text(reply[0])
+        if outcome == "closed":
+            await self._publish(rollout_id, _text(reply[1]) or None, value)
+            return CloseResult("closed", float(value))
+        # Only a publisher (or the sweeper, after a grace period) removes an outbox entry: another closer
+        # may be between its close and its publication right now.
+        # A closer that finds it already closed never publishes: the one that closed it does, or, if that
+        # one died, the sweeper's outbox repair. So the stream holds each episode once in normal operation.
+        if outcome == "same":
+            return CloseResult("unchanged", float(value))
+        if outcome == "conflict":
+            raise RewardConflict(rollout_id, float(_text(reply[1])))
+        if outcome == "missing":
+            raise RolloutNotFound(f"no rollout {rollout_id!r}")
+        if outcome == "expired":
+            raise RolloutExpired(f"rollout {rollout_id!r} expired before its reward arrived")
+        raise RolloutNotOpen(rollout_id, outcome)
+
+    async def _publish(self, rollout_id: str, task_id: str | None, reward: str) -> None:
+        """Put a closed episode on the stream (at least once), then clear its outbox and expiry entries."""
+        async with self.store.guard():
+            if task_id is None:
+                task_id = _text(await self.store.redis.hget(self.keys.rollout(rollout_id), "task_id") or b"")
+            await self.store.redis.xadd(self.keys.episodes,
+                                        {"rollout_id": rollout_id, "task_id": task_id, "reward": reward})
+            await self._mark_published(keys=[self.keys.rollout(rollout_id)])
+            await self._forget_intent(rollout_id)
+
+    async def _forget_intent(self, rollout_id: str) -> None:
+        async with self.store.guard(), self.store.redis.pipeline(transaction=False) as pipe:
+            pipe.zrem(self.keys.outbox, rollout_id)
+            pipe.zrem(self.keys.expiry, rollout_id)
+            await pipe.execute()
+
+    # ---------------------------------------------------------------------------------------------------
+    # Intermediate rewards, reward jobs, failure
+
+    async def set_call_reward(self, rollout_id: str, index: int, reward: float, *, automatic: bool = False) -> None:
+        """Attach an intermediate reward r_t to call `index` (webhook, or AIR when `automatic`)."""
+        target = self.keys.air(rollout_id) if automatic else self.keys.rewards(rollout_id)
+        async with self.store.guard():
+            reply = await self._set_call_reward(
+                keys=[self.keys.rollout(rollout_id), self.keys.calls(rollout_id), target],
+                args=[index, canonical_reward(reward)])
+        outcome = _text(reply[0])
+        if outcome == "ok":
+            return
+        if outcome == "missing":
+            raise RolloutNotFound(f"no rollout {rollout_id!r}")
+        if outcome == "no_call":
+            raise CallNotFound(f"rollout {rollout_id!r} has no call {index}")
+        if outcome == "expired":
+            raise RolloutExpired(f"rollout {rollout_id!r} expired")
+        raise RolloutNotOpen(rollout_id, outcome)
+
+    async def set_finish(self, rollout_id: str, finish: FinishRequest) -> None:
+        """Store the reward job's request on an open rollout."""
+        async with self.store.guard():
+            status = _text(await self._set_finish(keys=[self.keys.rollout(rollout_id)],
+                                                  args=[finish.model_dump_json()]))
+        if status == "":
+            raise RolloutNotFound(f"no rollout {rollout_id!r}")
+        if status == "expired":
+            raise RolloutExpired(f"rollout {rollout_id!r} expired")
+        if status != "open":
+            raise RolloutNotOpen(rollout_id, status)
+
+    async def fail(self, rollout_id: str, error: str) -> bool:
+        """Mark an open rollout failed (not trained on); False if it was not open any more."""
+        async with self.store.guard():
+            before = _text(await self._fail(keys=[self.keys.rollout(rollout_id)], args=[error[:2000], repr(time.time())]))
+        if before == "open":
+            await self._forget_intent(rollout_id)
+            return True
+        return False
+
+    async def consume(self, rollout_id: str) -> bool:
+        """Mark a closed rollout consumed by a learner; True only the first time."""
+        async with self.store.guard():
+            return bool(await self._consume(keys=[self.keys.rollout(rollout_id)], args=[repr(time.time())]))
+
+    # ---------------------------------------------------------------------------------------------------
+    # Sweeping: expiry and outbox repair
+
+    async def expire_due(self, fill_reward: float | None = None, limit: int = 200) -> dict[str, str]:
+        """Expire (or close with `fill_reward`) open rollouts whose TTL has passed. Returns what happened."""
+        now = time.time()
+        fill = "" if fill_reward is None else canonical_reward(fill_reward)
+        async with self.store.guard():
+            due = await self.store.redis.zrangebyscore(self.keys.expiry, "-inf", now, start=0, num=limit)
+        done: dict[str, str] = {}
+        for raw in due:
+            rollout_id = _text(raw)
+            async with self.store.guard():
+                if fill:
+                    await self.store.redis.zadd(self.keys.outbox, {rollout_id: now}, nx=True)
+                outcome = _text(await self._expire(keys=[self.keys.rollout(rollout_id)], args=[repr(now), fill]))
+            if outcome == "closed":
+                await self._publish(rollout_id, None, fill)
+            else:
+                await self._forget_intent(rollout_id)
+            done[rollout_id] = outcome or "skipped"
+        return done
+
+    async def repair_outbox(self, grace_s: float = 30.0, limit: int = 200) -> list[str]:
+        """Publish closed episodes whose closer died before publishing them. Returns their ids."""
+        async with self.store.guard():
+            stale = await self.store.redis.zrangebyscore(self.keys.outbox, "-inf", time.time() - grace_s,
+                                                         start=0, num=limit)
+        repaired = []
+        for raw in stale:
+            rollout_id = _text(raw)
+            async with self.store.guard():
+                status, published, reward = await self.store.redis.hmget(
+                    self.keys.rollout(rollout_id), "status", "published", "reward")
+            if status is not None and _text(status) in ("closed", "consumed") and published == b"0":
+                await self._publish(rollout_id, None, _text(reward))
+                repaired.append(rollout_id)
+            elif status is not None and _text(status) == "open":
+                # an intent whose close never ran: drop it, but keep the rollout's expiry
+                async with self.store.guard():
+                    await self.store.redis.zrem(self.keys.outbox, rollout_id)
+            else:
+                await self._forget_intent(rollout_id)
+        return repaired
+

@@ -1,0 +1,83 @@
+"""The closed-episode stream, read by learners through a consumer group.
+
+Delivery is at least once: an entry stays pending until a learner acknowledges it after training
+(`ack`, which also marks the rollout consumed, exactly once); entries a dead consumer left pending are
+taken over with `reclaim` (XAUTOCLAIM) once they have been idle longer than the given time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from redis import exceptions as redis_exc
+
+from episodes.lifecycle import EpisodeLifecycle
+from episodes.store import EpisodeStore
+
+
+@dataclass(frozen=True, slots=True)
+class ClosedEpisode:
+    """One stream entry: a closed rollout waiting to be trained on."""
+
+    entry_id: str
+    rollout_id: str
+    task_id: str | None
+    reward: float
+
+
+def _episode(entry_id: bytes | str, fields: dict[bytes, bytes]) -> ClosedEpisode:
+    def text(key: bytes) -> str:
+        return fields.get(key, b"").decode()
+
+    entry = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    return ClosedEpisode(entry, text(b"rollout_id"), text(b"task_id") or None, float(text(b"reward") or "nan"))
+
+
+class ClosedEpisodes:
+    """A learner's view of the stream: one consumer group, any number of consumers."""
+
+    def __init__(self, store: EpisodeStore, group: str = "learners") -> None:
+        self.store = store
+        self.group = group
+        self.key = store.keys.episodes
+        self.lifecycle = EpisodeLifecycle(store)
+
+    async def ensure_group(self) -> None:
+        """Create the consumer group (from the stream's start) unless it exists."""
+        async with self.store.guard():
+            try:
+                await self.store.redis.xgroup_create(self.key, self.group, id="0", mkstream=True)
+            except redis_exc.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+
+    async def read(self, consumer: str, count: int = 64, block_ms: int = 1000) -> list[ClosedEpisode]:
+        """New entries for `consumer` (they stay pending until acknowledged); waits up to `block_ms`."""
+        async with self.store.guard(block_ms / 1000):
+            reply = await self.store.redis.xreadgroup(self.group, consumer, {self.key: ">"}, count=count,
+                                                      block=block_ms)
+        return [_episode(entry_id, fields) for _, entries in reply or () for entry_id, fields in entries]
+
+    async def ack(self, episode: ClosedEpisode) -> bool:
+        """Acknowledge a trained-on episode: marks the rollout consumed (True the first time) and XACKs."""
+        first = await self.lifecycle.consume(episode.rollout_id)
+        async with self.store.guard():
+            await self.store.redis.xack(self.key, self.group, episode.entry_id)
+        return first
+
+    async def reclaim(self, consumer: str, min_idle_ms: int, count: int = 64) -> list[ClosedEpisode]:
+        """Take over entries other consumers left pending for at least `min_idle_ms` (dead learners)."""
+        async with self.store.guard():
+            reply = await self.store.redis.xautoclaim(self.key, self.group, consumer, min_idle_time=min_idle_ms,
+                                                      start_id="0-0", count=count)
+        entries = reply[1]
+        return [_episode(entry_id, fields) for entry_id, fields in entries if fields]
+
+    async def pending(self) -> int:
+        """How many entries are delivered but not yet acknowledged."""
+        async with self.store.guard():
+            info = await self.store.redis.xpending(self.key, self.group)
+        return int(info["pending"])
+
+
+__all__ = ["ClosedEpisode", "ClosedEpisodes"]

@@ -1,0 +1,171 @@
+"""The episode lifecycle against the real Redis: exactly-once close under races, expiry, failure, the
+outbox, and the learners' consumer group (at-least-once delivery, reclaiming a dead consumer's entries)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import redis
+
+from conftest import REDIS_URL
+from episodes import (
+    CallNotFound, CallRecord, ClosedEpisodes, EpisodeLifecycle, EpisodeStore, RewardConflict, RolloutExpired,
+    RolloutNotFound, RolloutNotOpen,
+)
+from episodes import _lua
+
+
+def _record(rollout_id: str) -> CallRecord:
+    return CallRecord(rollout_id=rollout_id, endpoint="chat.completions", policy_version=0, request={},
+                      started_at=1.0, latency_ms=1.0, prompt_token_ids=[1], completion_token_ids=[2],
+                      completion_logprobs=[-0.5])
+
+
+def run(scenario, ttl_s: float = 3600.0):
+    async def go():
+        store = EpisodeStore.from_url(REDIS_URL, prefix="t", rollout_ttl_s=ttl_s)
+        try:
+            return await scenario(store, EpisodeLifecycle(store))
+        finally:
+            await store.aclose()
+
+    return asyncio.run(go())
+
+
+def stream_rollouts(client: redis.Redis) -> list[str]:
+    return [fields[b"rollout_id"].decode() for _, fields in client.xrange("t:episodes")]
+
+
+def test_many_concurrent_closers_close_once_and_publish_once(redis_client: redis.Redis):
+    async def scenario(store, lifecycle):
+        await store.record_calls("race", "task", [_record("race")])
+        same = await asyncio.gather(*(lifecycle.close("race", 1) for _ in range(30)))
+        await store.record_calls("race2", "task", [_record("race2")])
+        mixed = await asyncio.gather(*(lifecycle.close("race2", r) for r in [0.5] * 10 + [0.25] * 10),
+                                     return_exceptions=True)
+        # late losers may have re-added an outbox intent: the sweeper clears it without publishing again
+        repaired = await lifecycle.repair_outbox(grace_s=0)
+        return same, mixed, await store.get_rollout("race"), repaired
+
+    same, mixed, rollout, repaired = run(scenario)
+    assert sorted(r.outcome for r in same) == ["closed"] + ["unchanged"] * 29
+    assert rollout.status == "closed" and rollout.reward == 1.0 and rollout.closed_at
+    winners = [r for r in mixed if not isinstance(r, Exception) and r.outcome == "closed"]
+    conflicts = [r for r in mixed if isinstance(r, RewardConflict)]
+    assert len(winners) == 1 and len(conflicts) == 10  # the losing reward's 10 posts all conflict
+    assert stream_rollouts(redis_client) == ["race", "race2"] and repaired == []
+    assert redis_client.zcard("t:outbox") == 0 and redis_client.zcard("t:expiry") == 0
+
+
+def test_close_errors_and_same_reward_again(redis_client: redis.Redis):
+    async def scenario(store, lifecycle):
+        with pytest.raises(RolloutNotFound):
+            await lifecycle.close("nobody", 1)
+        await store.create_rollout("r1", "t1")
+        first = await lifecycle.close("r1", 1)
+        again = await lifecycle.close("r1", 1.0)  # 1 and 1.0 are the same reward
+        with pytest.raises(RewardConflict) as conflict:
+            await lifecycle.close("r1", 0)
+        with pytest.raises(ValueError):
+            await lifecycle.close("r1", float("nan"))
+        with pytest.raises(RolloutNotOpen):  # a closed rollout takes no more calls
+            await store.record_calls("r1", None, [_record("r1")])
+        return first, again, conflict.value
+
+    first, again, conflict = run(scenario)
+    assert (first.outcome, again.outcome, conflict.reward) == ("closed", "unchanged", 1.0)
+    assert stream_rollouts(redis_client) == ["r1"]
+
+
+def test_expiry_and_fill_reward(redis_client: redis.Redis):
+    async def scenario(store, lifecycle):
+        await store.create_rollout("old")
+        await store.record_calls("old-filled", None, [_record("old-filled")])
+        await store.create_rollout("young")
+        redis_client.zadd("t:expiry", {"young": time.time() + 3600})
+        redis_client.hset("t:rollout:{young}", "expires_at", time.time() + 3600)
+        await asyncio.sleep(0.3)
+        first = await lifecycle.expire_due(limit=1)  # one at a time: "old" first (earliest)
+        second = await lifecycle.expire_due(fill_reward=-1.0)
+        with pytest.raises(RolloutExpired):
+            await lifecycle.close("old", 1)
+        with pytest.raises(RolloutNotOpen):
+            await store.record_calls("old", None, [_record("old")])
+        return first, second, await store.get_rollout("old-filled"), await store.get_rollout("young")
+
+    first, second, filled, young = run(scenario, ttl_s=0.2)
+    assert first == {"old": "expired"} and second == {"old-filled": "closed"}
+    assert filled.status == "closed" and filled.reward == -1.0 and filled.reward_metadata == {"filled": True}
+    assert young.status == "open"
+    assert stream_rollouts(redis_client) == ["old-filled"]
+
+
+def test_outbox_repair_publishes_what_a_dead_closer_left(redis_client: redis.Redis):
+    async def scenario(store, lifecycle):
+        await store.create_rollout("orphan", "t9")
+        # a closer that wrote its intent and closed, then died before publishing
+        redis_client.zadd("t:outbox", {"orphan": time.time() - 60})
+        redis_client.eval(_lua.CLOSE, 1, "t:rollout:{orphan}", "0.75", "{}", repr(time.time()))
+        assert stream_rollouts(redis_client) == []
+        unchanged = await lifecycle.close("orphan", 0.75)  # a retry of the same post does not publish
+        assert stream_rollouts(redis_client) == []
+        repaired = await lifecycle.repair_outbox(grace_s=10)
+        again = await lifecycle.repair_outbox(grace_s=0)
+        return unchanged, repaired, again
+
+    unchanged, repaired, again = run(scenario)
+    assert unchanged.outcome == "unchanged" and repaired == ["orphan"] and again == []
+    [(_, fields)] = redis_client.xrange("t:episodes")
+    assert fields == {b"rollout_id": b"orphan", b"task_id": b"t9", b"reward": b"0.75"}
+
+
+def test_intermediate_rewards_and_failure(redis_client: redis.Redis):
+    async def scenario(store, lifecycle):
+        await store.record_calls("r2", None, [_record("r2"), _record("r2")])
+        await lifecycle.set_call_reward("r2", 1, 0.5)
+        await lifecycle.set_call_reward("r2", 0, -0.1, automatic=True)
+        with pytest.raises(CallNotFound):
+            await lifecycle.set_call_reward("r2", 2, 0.5)
+        with pytest.raises(RolloutNotFound):
+            await lifecycle.set_call_reward("nobody", 0, 0.5)
+        view = await store.get_rollout_view("r2")
+        failed = await lifecycle.fail("r2", "reward job raised ValueError")
+        failed_again = await lifecycle.fail("r2", "again")
+        with pytest.raises(RolloutNotOpen):
+            await lifecycle.close("r2", 1)
+        return view, failed, failed_again, await store.get_rollout("r2")
+
+    view, failed, failed_again, rollout = run(scenario)
+    assert [(c.reward, c.air_reward) for c in view.calls] == [(None, -0.1), (0.5, None)]
+    assert failed and not failed_again
+    assert rollout.status == "failed" and rollout.error == "reward job raised ValueError"
+    assert stream_rollouts(redis_client) == []
+
+
+def test_consumer_group_acks_and_reclaims_a_dead_consumers_entries(redis_client: redis.Redis):
+    async def scenario(store, lifecycle):
+        closed = ClosedEpisodes(store)
+        await closed.ensure_group()
+        await closed.ensure_group()  # idempotent
+        for i in range(4):
+            await store.record_calls(f"e{i}", "task", [_record(f"e{i}")])
+            await lifecycle.close(f"e{i}", i / 4)
+        dead = await closed.read("learner-dead", count=3, block_ms=100)  # reads, then dies without acking
+        alive = await closed.read("learner-alive", count=10, block_ms=100)
+        too_early = await closed.reclaim("learner-alive", min_idle_ms=60_000)
+        acks = [await closed.ack(e) for e in alive]  # the live learner trains and acknowledges its own
+        await asyncio.sleep(0.25)
+        taken = await closed.reclaim("learner-alive", min_idle_ms=200)
+        acks += [await closed.ack(e) for e in taken]
+        duplicate = await closed.ack(taken[0])
+        return dead, alive, too_early, taken, acks, duplicate, await closed.pending(), \
+            [(await store.get_rollout(f"e{i}")).status for i in range(4)]
+
+    dead, alive, too_early, taken, acks, duplicate, pending, statuses = run(scenario)
+    assert [e.rollout_id for e in dead] == ["e0", "e1", "e2"] and [e.rollout_id for e in alive] == ["e3"]
+    assert dead[1].reward == 0.25 and dead[1].task_id == "task"
+    assert too_early == [] and [e.rollout_id for e in taken] == ["e0", "e1", "e2"]
+    assert acks == [True] * 4 and duplicate is False and pending == 0
+    assert statuses == ["consumed"] * 4
