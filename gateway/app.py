@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 import structlog
+from fastapi import APIRouter
 
 from episodes import EpisodeStore
 from gateway import errors
@@ -63,11 +66,20 @@ class Gateway:
         self.settings = settings
         self.metrics = GatewayMetrics()
         self.store = EpisodeStore.from_url(settings.redis_url, prefix=settings.key_prefix,
-                                           timeout_s=settings.redis_timeout_s)
+                                           timeout_s=settings.redis_timeout_s, rollout_ttl_s=settings.rollout_ttl_s)
         self.upstream = Upstream(settings)
         self.proxy = Proxy(settings, self.store, self.upstream, self.metrics)
         self.api = build_api(self)
-        self._poller: asyncio.Task[None] | None = None
+        self._background: list[Callable[[], Awaitable[None]]] = [self.proxy.poll_policy_version]
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def add_routes(self, router: APIRouter) -> None:
+        """Serve more routes next to the management API (how `rlgate gateway` adds the reward webhook)."""
+        self.api.include_router(router)
+
+    def add_background(self, job: Callable[[EpisodeStore], Awaitable[None]]) -> None:
+        """Run `job(store)` for the app's lifetime (how `rlgate gateway` runs the sweeper)."""
+        self._background.append(partial(job, self.store))
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http":
@@ -135,15 +147,16 @@ class Gateway:
 
     async def startup(self) -> None:
         await self.upstream.start()
-        self._poller = asyncio.create_task(self.proxy.poll_policy_version())
+        self._tasks = [asyncio.create_task(job()) for job in self._background]
         log.info("gateway_started", upstream=_redact(self.settings.upstream_url), upstream_kind=self.settings.upstream_kind,
                  redis=_redact(self.settings.redis_url), key_prefix=self.settings.key_prefix)
 
     async def shutdown(self) -> None:
-        if self._poller is not None:
-            self._poller.cancel()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._poller
+                await task
         await self.upstream.aclose()
         await self.store.aclose()
 

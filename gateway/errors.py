@@ -1,6 +1,6 @@
 """The gateway's errors: a shallow tree, each class with its HTTP status and OpenAI error `type`.
 
-Handlers raise; `error_body` renders the OpenAI error shape `{"error": {message, type, param, code}}`.
+Handlers raise; `error_body` (shared, `episodes.api_error`) renders the OpenAI error shape `{"error": {message, type, param, code}}`.
 Client faults are 4xx; only trouble on our side or upstream is 5xx.
 """
 
@@ -10,28 +10,22 @@ from typing import Any
 
 import orjson
 
+from episodes.api_error import ApiError, error_body
 
-class GatewayError(Exception):
-    status: int = 500
-    type: str = "internal_error"
-    code: str | None = None
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        if code is not None:
-            self.code = code
-        self.headers = headers or {}
-
-    def body(self) -> bytes:
-        return error_body(self.message, self.type, self.param, self.code)
+class GatewayError(ApiError):
+    """Base of the gateway's errors (the shape and rendering are shared: `episodes.api_error`)."""
 
 
 class BadRequest(GatewayError):
     status = 400
     type = "invalid_request_error"
+
+
+class Unauthorized(GatewayError):
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
 
 
 class NotFound(GatewayError):
@@ -82,10 +76,6 @@ class StoreUnavailable(GatewayError):
     status = 503
     type = "service_unavailable_error"
     code = "store_unavailable"
-
-
-def error_body(message: str, type_: str, param: str | None = None, code: Any = None) -> bytes:
-    return orjson.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}})
 
 
 def upstream_error_payload(status: int, raw: bytes) -> dict[str, Any]:

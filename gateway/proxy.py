@@ -10,6 +10,7 @@ binding them with structlog's contextvars (measured: 3% of the gateway's CPU per
 from __future__ import annotations
 
 import asyncio
+import hmac
 import time
 import uuid
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ import structlog
 import episodes
 from episodes import CallError, CallRecord, Endpoint, EpisodeStore
 from gateway import capture, errors
+from gateway.air import AutomaticRewards
 from gateway.metrics import GatewayMetrics
 from gateway.settings import GatewaySettings
 from gateway.streaming import DONE, RESPONSES_FINAL, StreamAssembler, event_data, split_events, strip_chunk
@@ -70,6 +72,10 @@ class Proxy:
         self.metrics = metrics
         self.inject = settings.upstream_kind == "vllm"
         self.policy_version = 0
+        self.api_keys = [k.strip().encode() for k in (settings.api_keys or "").split(",") if k.strip()]
+        self.air = (AutomaticRewards(store, settings.air_reward, settings.air_error_patterns)
+                    if settings.air else None)
+        self._background: set[asyncio.Task[Any]] = set()
 
     async def poll_policy_version(self) -> None:
         """Keep `policy_version` current; the learner sets it in Redis after each weight push."""
@@ -99,6 +105,7 @@ class Proxy:
                    rollout_id: str | None, task_id: str | None) -> None:
         started_at, t0 = time.time(), time.perf_counter()
         agent_name = None
+        authorization = b""
         for name, value in scope["headers"]:
             if name == b"x-rollout-id":
                 rollout_id = rollout_id or value.decode("latin-1")
@@ -106,6 +113,10 @@ class Proxy:
                 task_id = task_id or value.decode("latin-1")
             elif name == b"x-agent-name":
                 agent_name = value.decode("utf-8", "replace")
+            elif name == b"authorization":
+                authorization = value
+        if self.api_keys:
+            self._authenticate(authorization)
         try:
             if rollout_id is None:
                 if self.settings.require_rollout_id:
@@ -124,6 +135,12 @@ class Proxy:
                     (b"x-rollout-id", rollout_id.encode()))
         upstream_body, injected = (capture.inject(endpoint, body) if self.inject
                                    else (body, capture.Injected()))
+        if self.air is not None:
+            failed_tool_calls = self.air.failed_tool_calls(body)
+            if failed_tool_calls:  # the earlier calls are committed already; off the answer's path
+                task = asyncio.create_task(self.air.apply(rollout_id, failed_tool_calls))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
         # Resolves when the agent hangs up: its call is then recorded as failed (it never saw the answer)
         # and a stream stops reading upstream, which makes vLLM abort the request.
         disconnect = asyncio.ensure_future(_disconnected(receive))
@@ -142,6 +159,14 @@ class Proxy:
             raise
         finally:
             disconnect.cancel()
+
+    def _authenticate(self, authorization: bytes) -> None:
+        """The agent's bearer token must be one of the configured API keys (compared in constant time)."""
+        scheme, _, token = authorization.partition(b" ")
+        token = token.strip()
+        valid = scheme.lower() == b"bearer" and token != b""
+        if not (valid and any(hmac.compare_digest(token, key) for key in self.api_keys)):
+            raise errors.Unauthorized("missing or invalid API key (Authorization: Bearer KEY)")
 
     # -----------------------------------------------------------------------------------------------------
     # Non-streaming

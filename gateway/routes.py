@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import episodes
 from episodes import RolloutView
+from episodes.api_error import ApiError
 from gateway import errors
 
 if TYPE_CHECKING:
@@ -49,8 +50,8 @@ def build_api(gateway: Gateway) -> FastAPI:
     api = FastAPI(title="rlgate gateway", docs_url=None, redoc_url=None)
     store = gateway.store
 
-    @api.exception_handler(errors.GatewayError)
-    async def _gateway_error(request: Request, exc: errors.GatewayError) -> Response:
+    @api.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> Response:
         return _json(exc.status, exc.body(), exc.headers)
 
     @api.exception_handler(episodes.StoreUnavailable)

@@ -9,9 +9,10 @@ from gateway.app import Gateway
 from gateway.settings import GatewaySettings
 
 
-def serve(settings: GatewaySettings) -> None:
+def serve(settings: GatewaySettings, app: Gateway | None = None) -> None:
+    """Serve `app` (default: a plain `Gateway(settings)`) until interrupted."""
     config = uvicorn.Config(
-        Gateway(settings), host=settings.host, port=settings.port, loop="uvloop", http="httptools",
+        app or Gateway(settings), host=settings.host, port=settings.port, loop="uvloop", http="httptools",
         lifespan="on", access_log=False, log_config=None, log_level=settings.log_level,
         timeout_keep_alive=75, server_header=False, date_header=False, proxy_headers=False,
     )

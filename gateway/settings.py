@@ -40,6 +40,23 @@ class GatewaySettings(BaseSettings):
         description="Base URL agents reach this gateway at, used in the base_url that POST /rollouts "
         "returns. Default: taken from the request's Host header.",
     )
+    rollout_ttl_s: float = Field(3600.0, description="Open rollouts expire this long after they were created.")
+    api_keys: str | None = Field(
+        None,
+        description="Comma-separated API keys agents must send (Authorization: Bearer KEY) on the completion "
+        "endpoints. These keys cannot post rewards: those need the webhook secret.",
+    )
+    air: bool = Field(
+        False,
+        description="Automatic intermediate rewards: when a tool result sent back to the model reports an "
+        "error, give the call that made the tool call the reward `air_reward`.",
+    )
+    air_reward: float = Field(-0.1, description="The automatic intermediate reward of a failed tool call.")
+    air_error_patterns: list[str] = Field(
+        [r"^\s*(error|exception)\b", r"Traceback \(most recent call last\)"],
+        description="Regular expressions (case-insensitive, JSON list) that mark a tool result as an error; "
+        'a JSON object with an "error" key always does.',
+    )
     require_rollout_id: bool = Field(
         False, description="Reject calls without a rollout id (400) instead of recording them under a new one."
     )

@@ -1,0 +1,43 @@
+"""Errors of the reward hooks, in the OpenAI error shape (`episodes.api_error`)."""
+
+from __future__ import annotations
+
+from episodes.api_error import ApiError
+
+
+class WebhookError(ApiError):
+    pass
+
+
+class Unauthorized(WebhookError):
+    status = 401
+    type = "authentication_error"
+    code = "invalid_signature"
+
+
+class NotFound(WebhookError):
+    status = 404
+    type = "not_found_error"
+
+
+class Conflict(WebhookError):
+    status = 409
+    type = "conflict_error"
+
+
+class Gone(WebhookError):
+    status = 410
+    type = "gone_error"
+    code = "rollout_expired"
+
+
+class Unprocessable(WebhookError):
+    status = 422
+    type = "invalid_request_error"
+    code = "validation_error"
+
+
+class StoreUnavailable(WebhookError):
+    status = 503
+    type = "service_unavailable_error"
+    code = "store_unavailable"

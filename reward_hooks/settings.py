@@ -1,0 +1,30 @@
+"""Settings of the reward hooks (webhook routes, reward worker, sweeper): flags or `RLGATE_*` variables."""
+
+from __future__ import annotations
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class RewardSettings(BaseSettings):
+    """Run the reward worker: an rq worker that computes rewards and closes episodes."""
+
+    model_config = SettingsConfigDict(env_prefix="RLGATE_", cli_kebab_case=True, extra="ignore")
+
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis holding rollouts, calls and the queue.")
+    key_prefix: str = Field("rlgate", description="Prefix of every Redis key (lets deployments share a Redis).")
+    redis_timeout_s: float = Field(5.0, description="Time limit of one Redis operation.")
+    webhook_secret: SecretStr | None = Field(
+        None,
+        description="When set, every reward request must carry X-Signature-256: sha256=<hex HMAC-SHA256 of "
+        "the raw body with this secret> (GitHub's webhook convention).",
+    )
+    reward_queue: str = Field("rlgate-rewards", description="The rq queue reward jobs go through.")
+    reward_job_retries: int = Field(3, description="Retries of a reward job that raises, before the episode fails.")
+    reward_job_backoff_s: list[int] = Field(
+        [2, 10, 30], description="Waits before each retry (JSON list; needs the worker's scheduler).")
+    reward_job_timeout_s: int = Field(300, description="Time limit of one reward job.")
+    expired_fill_reward: float | None = Field(
+        None, description="Close expired rollouts with this reward instead of marking them expired.")
+    sweep_interval_s: float = Field(2.0, description="How often open rollouts are checked for expiry.")
+    outbox_grace_s: float = Field(30.0, description="Age after which an unpublished closed episode is republished.")
