@@ -1,0 +1,215 @@
+"""The reward webhook, reward jobs on a real rq worker, the sweeper and AIR, through real gateway processes."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+import uuid
+
+import httpx
+import openai
+import pytest
+import redis
+from rq import Queue, SimpleWorker
+from rq.serializers import JSONSerializer
+
+from conftest import REDIS_URL, ROOT, Proc, start_gateway
+from reward_hooks.client import RewardRejected, post_reward
+from reward_hooks.signing import sign
+from test_gateway_errors import assert_openai_error
+from test_gateway_proxy import MESSAGES, MODEL, TOOLS, rollout
+
+SECRET = "whsec-test-" + "ab" * 16
+
+
+def agent_call(gateway: Proc, rid: str, task: str = "task-r", **kw) -> None:
+    client = openai.OpenAI(base_url=f"{gateway.url}/tasks/{task}/rollouts/{rid}/v1", api_key=kw.pop("key", "x"),
+                           max_retries=0)
+    client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, **kw)
+
+
+def stream_entries(client: redis.Redis) -> list[str]:
+    return [f[b"rollout_id"].decode() for _, f in client.xrange("rlgate:episodes")]
+
+
+def wait_for(predicate, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+def test_reward_closes_exactly_once(gateway: Proc, redis_client: redis.Redis):
+    rid = uuid.uuid4().hex
+    agent_call(gateway, rid)
+    url = f"{gateway.url}/rollouts/{rid}/reward"
+    with concurrent.futures.ThreadPoolExecutor(max_workers=20) as pool:
+        answers = list(pool.map(lambda _: httpx.post(url, json={"reward": 1, "metadata": {"judge": "test"}}),
+                                range(40)))
+    assert [a.status_code for a in answers] == [200] * 40
+    outcomes = sorted(a.json()["outcome"] for a in answers)
+    assert outcomes == ["closed"] + ["unchanged"] * 39
+    assert answers[0].json()["reward"] == 1.0 and answers[0].json()["status"] == "closed"
+    conflict = httpx.post(url, json={"reward": 0.5})
+    assert assert_openai_error(conflict, 409)["code"] == "reward_conflict"
+    stored = rollout(gateway, rid)
+    assert stored["status"] == "closed" and stored["reward"] == 1.0 and stored["reward_metadata"] == {"judge": "test"}
+    assert stream_entries(redis_client) == [rid]
+    # the closed rollout takes no more calls: 409, nothing recorded
+    with pytest.raises(openai.ConflictError):
+        agent_call(gateway, rid)
+    assert len(rollout(gateway, rid)["calls"]) == 1
+
+
+def test_bad_reward_posts_change_nothing(gateway: Proc, redis_client: redis.Redis):
+    rid = uuid.uuid4().hex
+    agent_call(gateway, rid)
+    url = f"{gateway.url}/rollouts/{rid}/reward"
+    for body in (b'{"reward": NaN}', b'{"reward": Infinity}', b'{"reward": 1e999}', b'{"reward": "1"}',
+                 b'{"reward": true}', b'{}', b'{"reward": 1, "extra": 2}', b'not json'):
+        response = httpx.post(url, content=body, headers={"content-type": "application/json"})
+        assert assert_openai_error(response, 422)["code"] == "validation_error", body
+    assert_openai_error(httpx.post(f"{gateway.url}/rollouts/nobody/reward", json={"reward": 1}), 404)
+    assert rollout(gateway, rid)["status"] == "open" and stream_entries(redis_client) == []
+
+
+def test_intermediate_rewards(gateway: Proc, redis_client: redis.Redis):
+    rid = uuid.uuid4().hex
+    agent_call(gateway, rid)
+    agent_call(gateway, rid)
+    response = httpx.post(f"{gateway.url}/rollouts/{rid}/calls/1/reward", json={"reward": 0.25})
+    assert response.status_code == 200 and response.json() == {"rollout_id": rid, "index": 1, "reward": 0.25}
+    error = assert_openai_error(httpx.post(f"{gateway.url}/rollouts/{rid}/calls/2/reward", json={"reward": 1}), 404)
+    assert error["code"] == "call_not_found"
+    calls = rollout(gateway, rid)["calls"]
+    assert [c["reward"] for c in calls] == [None, 0.25]
+    assert rollout(gateway, rid)["status"] == "open"  # an intermediate reward does not close the episode
+
+
+def test_signed_webhooks_and_api_keys(fake_vllm: Proc, tmp_path, redis_client: redis.Redis):
+    proc = start_gateway(tmp_path, fake_vllm.url, webhook_secret=SECRET, api_keys="agent-key-1, agent-key-2")
+    try:
+        rid = uuid.uuid4().hex
+        with pytest.raises(openai.AuthenticationError):
+            agent_call(proc, rid, key="wrong")
+        agent_call(proc, rid, key="agent-key-2")
+        url = f"{proc.url}/rollouts/{rid}/reward"
+        body = json.dumps({"reward": 1}).encode()
+        unsigned = httpx.post(url, content=body, headers={"Authorization": "Bearer agent-key-2"})
+        assert assert_openai_error(unsigned, 401)["code"] == "invalid_signature"  # an agent key is not enough
+        wrong = httpx.post(url, content=body, headers={"X-Signature-256": sign(body, "not-the-secret")})
+        assert_openai_error(wrong, 401)
+        tampered = httpx.post(url, content=b'{"reward": 0}', headers={"X-Signature-256": sign(body, SECRET)})
+        assert_openai_error(tampered, 401)
+        assert rollout(proc, rid)["status"] == "open"
+        # the CLI signs with RLGATE_WEBHOOK_SECRET
+        env = {**os.environ, "RLGATE_WEBHOOK_SECRET": SECRET}
+        out = subprocess.run([sys.executable, "-m", "rlgate", "reward", rid, "0.5", "--gateway-url", proc.url],
+                             env=env, cwd=ROOT, capture_output=True, text=True, check=True)
+        assert json.loads(out.stdout)["outcome"] == "closed"
+        # and the Python helper, which also reports rejections
+        assert post_reward(proc.url, rid, 0.5, secret=SECRET)["outcome"] == "unchanged"
+        with pytest.raises(RewardRejected) as rejected:
+            post_reward(proc.url, rid, 0.75, secret=SECRET)
+        assert rejected.value.status == 409
+    finally:
+        proc.kill()
+    assert SECRET not in proc.log()
+
+
+def test_expiry_by_the_gateways_sweeper(fake_vllm: Proc, tmp_path, redis_client: redis.Redis):
+    proc = start_gateway(tmp_path, fake_vllm.url, rollout_ttl_s="0.3", sweep_interval_s="0.1")
+    try:
+        rid = uuid.uuid4().hex
+        agent_call(proc, rid)
+        wait_for(lambda: rollout(proc, rid)["status"] == "expired")
+        gone = assert_openai_error(httpx.post(f"{proc.url}/rollouts/{rid}/reward", json={"reward": 1}), 410)
+        assert gone["code"] == "rollout_expired"
+        with pytest.raises(openai.ConflictError):
+            agent_call(proc, rid)
+        assert stream_entries(redis_client) == []
+    finally:
+        proc.kill()
+
+
+def run_worker(client: redis.Redis) -> None:
+    SimpleWorker([Queue("rlgate-rewards", connection=client, serializer=JSONSerializer)], connection=client,
+                 serializer=JSONSerializer).work(burst=True)
+
+
+def test_finish_runs_a_reward_job_on_a_real_worker(gateway: Proc, redis_client: redis.Redis):
+    rid = uuid.uuid4().hex
+    client = openai.OpenAI(base_url=f"{gateway.url}/rollouts/{rid}/v1", api_key="x")
+    answer = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12).choices[0].message.content
+    response = httpx.post(f"{gateway.url}/rollouts/{rid}/finish",
+                          json={"reward_fn": "exact_match", "ground_truth": answer.upper()})
+    assert response.status_code == 202 and response.json()["rollout_id"] == rid
+    assert rollout(gateway, rid)["status"] == "open"
+    run_worker(redis_client)
+    stored = rollout(gateway, rid)
+    assert stored["status"] == "closed" and stored["reward"] == 1.0
+    assert stored["reward_metadata"] == {"reward_fn": "exact_match"}
+    assert stream_entries(redis_client) == [rid]
+    error = assert_openai_error(httpx.post(f"{gateway.url}/rollouts/{rid}/finish", json={"reward_fn": "nope"}), 422)
+    assert error["param"] == "reward_fn"
+
+
+def test_a_reward_job_that_keeps_raising_fails_the_episode(fake_vllm: Proc, tmp_path, redis_client: redis.Redis):
+    database = tmp_path / "gold.sqlite"
+    with sqlite3.connect(database) as db:
+        db.execute("CREATE TABLE t (x INTEGER)")
+    proc = start_gateway(tmp_path, fake_vllm.url, reward_job_retries="1", reward_job_backoff_s="[0]")
+    try:
+        rid = uuid.uuid4().hex
+        agent_call(proc, rid)
+        body = {"reward_fn": "sql_execution_match", "ground_truth": "SELEC broken gold", "params": {
+            "db_path": str(database)}}
+        assert httpx.post(f"{proc.url}/rollouts/{rid}/finish", json=body).status_code == 202
+        run_worker(redis_client)  # runs, fails, is retried at once, fails again
+        stored = rollout(proc, rid)
+        assert stored["status"] == "failed" and "ValueError" in stored["error"]
+        assert stream_entries(redis_client) == []
+        assert_openai_error(httpx.post(f"{proc.url}/rollouts/{rid}/reward", json={"reward": 1}), 409)
+    finally:
+        proc.kill()
+
+
+def test_rlgate_worker_command(gateway: Proc, redis_client: redis.Redis):
+    rid = uuid.uuid4().hex
+    agent_call(gateway, rid)
+    httpx.post(f"{gateway.url}/rollouts/{rid}/finish", json={"reward_fn": "f1", "ground_truth": "zzz"})
+    env = {**os.environ, "RLGATE_REDIS_URL": REDIS_URL}
+    subprocess.run([sys.executable, "-m", "rlgate", "worker", "--burst", "true"], env=env, cwd=ROOT, check=True,
+                   capture_output=True, timeout=60)
+    stored = rollout(gateway, rid)
+    assert stored["status"] == "closed" and stored["reward"] == 0.0
+
+
+def test_automatic_intermediate_rewards_for_failed_tool_calls(fake_vllm: Proc, tmp_path, redis_client):
+    proc = start_gateway(tmp_path, fake_vllm.url, air="true", air_reward="-0.2")
+    try:
+        rid = uuid.uuid4().hex
+        client = openai.OpenAI(base_url=f"{proc.url}/rollouts/{rid}/v1", api_key="x")
+        first = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=64)
+        second = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=64)
+        history = MESSAGES + [first.choices[0].message.model_dump(exclude_none=True),
+                              {"role": "tool", "tool_call_id": first.choices[0].message.tool_calls[0].id,
+                               "content": json.dumps({"error": "division by zero"})}]
+        client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, max_tokens=16)
+        ok_history = MESSAGES + [second.choices[0].message.model_dump(exclude_none=True),
+                                 {"role": "tool", "tool_call_id": second.choices[0].message.tool_calls[0].id,
+                                  "content": "42"}]
+        client.chat.completions.create(model=MODEL, messages=ok_history, tools=TOOLS, max_tokens=16)
+        calls = wait_for(lambda: (c := rollout(proc, rid)["calls"]) and c[0]["air_reward"] is not None and c)
+        assert [c["air_reward"] for c in calls] == [-0.2, None, None, None]
+        assert all(c["reward"] is None for c in calls)  # kept apart from webhook rewards
+    finally:
+        proc.kill()
