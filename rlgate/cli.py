@@ -3,17 +3,20 @@
     rlgate gateway --upstream-url http://127.0.0.1:8000/v1 --port 8100
     rlgate worker
     rlgate reward ROLLOUT_ID 1.0
+    rlgate export episodes.parquet --format parquet --min-reward 0.5
 
 This module is where the services meet: the gateway serves the reward webhook routes and runs the
 sweeper, but neither package imports the other.
 
-`serve`, `learner`, `demo` and `export` arrive with the issues that build them.
+`serve`, `learner` and `demo` arrive with the issues that build them.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, CliApp, CliPositionalArg, CliSubCommand, SettingsConfigDict
@@ -83,6 +86,41 @@ class RewardCommand(BaseSettings):
         print(json.dumps(answer))
 
 
+class ExportCommand(BaseSettings):
+    """Export episodes as training data: one row per LLM call (JSONL or Parquet, loadable with HF datasets),
+    or chat-format rows for supervised fine-tuning (--format sft)."""
+
+    model_config = SettingsConfigDict(env_prefix="RLGATE_", cli_kebab_case=True, extra="ignore")
+
+    out: CliPositionalArg[Path] = Field(description="File to write.")
+    format: Literal["jsonl", "parquet", "sft"] = Field("jsonl", description="jsonl, parquet or sft (JSONL).")
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis holding the episodes.")
+    key_prefix: str = Field("rlgate", description="Prefix of every Redis key.")
+    status: list[str] = Field(["closed", "consumed"], description="Episode statuses to export (JSON list).")
+    since: float | None = Field(None, description="Only episodes closed at or after (unix seconds).")
+    until: float | None = Field(None, description="Only episodes closed before (unix seconds).")
+    task: str | None = Field(None, description="Only this task.")
+    agent: str | None = Field(None, description="Only the calls of this agent (X-Agent-Name).")
+    min_reward: float | None = Field(None, description="Only episodes whose final return is at least this.")
+
+    def cli_cmd(self) -> None:
+        import asyncio
+
+        from episodes import EpisodeStore
+        from episodes.export import ExportFilter, export
+
+        async def run() -> int:
+            store = EpisodeStore.from_url(self.redis_url, prefix=self.key_prefix)
+            try:
+                flt = ExportFilter(tuple(self.status), self.since, self.until, self.task, self.agent, self.min_reward)
+                return await export(store, self.out, self.format, flt)
+            finally:
+                await store.aclose()
+
+        rows = asyncio.run(run())
+        print(json.dumps({"rows": rows, "path": str(self.out), "format": self.format}))
+
+
 class Rlgate(BaseSettings):
     """rlgate: any agent gets better through reinforcement learning by pointing OPENAI_BASE_URL at it."""
 
@@ -91,6 +129,7 @@ class Rlgate(BaseSettings):
     gateway: CliSubCommand[GatewayCommand] = Field(description="Run the recording gateway (and reward webhook).")
     worker: CliSubCommand[WorkerCommand] = Field(description="Run the reward worker (rq).")
     reward: CliSubCommand[RewardCommand] = Field(description="Post an episode's reward to the gateway.")
+    export: CliSubCommand[ExportCommand] = Field(description="Export episodes as training data.")
 
     def cli_cmd(self) -> None:
         CliApp.run_subcommand(self)

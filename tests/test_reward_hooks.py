@@ -213,3 +213,48 @@ def test_automatic_intermediate_rewards_for_failed_tool_calls(fake_vllm: Proc, t
         assert all(c["reward"] is None for c in calls)  # kept apart from webhook rewards
     finally:
         proc.kill()
+
+
+def test_export_loads_with_datasets(gateway: Proc, tmp_path, redis_client: redis.Redis):
+    import datasets
+
+    rids = []
+    for i, reward in enumerate((1.0, 0.0)):
+        rid = f"export-{i}-{uuid.uuid4().hex[:6]}"
+        client = openai.OpenAI(base_url=f"{gateway.url}/tasks/t-exp/rollouts/{rid}/v1", api_key="x",
+                               default_headers={"X-Agent-Name": "solver" if i == 0 else "critic"})
+        first = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=64)
+        history = MESSAGES + [first.choices[0].message.model_dump(exclude_none=True),
+                              {"role": "tool", "tool_call_id": first.choices[0].message.tool_calls[0].id,
+                               "content": "42"}]
+        client.chat.completions.create(model=MODEL, messages=history, max_tokens=8)
+        httpx.post(f"{gateway.url}/rollouts/{rid}/reward", json={"reward": reward})
+        rids.append(rid)
+    agent_call(gateway, "still-open")  # open episodes are not exported
+
+    def export(name: str, *args: str) -> tuple[dict, str]:
+        path = str(tmp_path / name)
+        out = subprocess.run([sys.executable, "-m", "rlgate", "export", path, *args],
+                             env={**os.environ, "RLGATE_REDIS_URL": REDIS_URL}, cwd=ROOT, check=True,
+                             capture_output=True, text=True)
+        return json.loads(out.stdout), path
+
+    summary, path = export("all.jsonl")
+    rows = datasets.load_dataset("json", data_files=path, split="train")
+    assert summary["rows"] == 4 and len(rows) == 4
+    assert sorted(set(rows["rollout_id"])) == sorted(rids)
+    stored = rollout(gateway, rids[0])["calls"]
+    row = next(r for r in rows if r["rollout_id"] == rids[0] and r["index"] == 1)
+    assert row["prompt_token_ids"] == stored[1]["prompt_token_ids"]
+    assert row["completion_token_ids"] == stored[1]["completion_token_ids"]
+    assert row["reward"] == 1.0 and row["agent_name"] == "solver" and row["task_id"] == "t-exp"
+
+    summary, path = export("good.parquet", "--format", "parquet", "--min-reward", "0.5")
+    table = datasets.load_dataset("parquet", data_files=path, split="train")
+    assert summary["rows"] == 2 and set(table["rollout_id"]) == {rids[0]}
+    assert json.loads(table[0]["messages"])[1]["content"] == MESSAGES[1]["content"]
+
+    summary, path = export("critic.sft.jsonl", "--format", "sft", "--agent", "critic")
+    sft = datasets.load_dataset("json", data_files=path, split="train")
+    assert summary["rows"] == 2 and set(sft["rollout_id"]) == {rids[1]}
+    assert sft[0]["messages"][-1]["role"] == "assistant" and sft[0]["messages"][0] == MESSAGES[0]

@@ -1,0 +1,118 @@
+"""Export episodes as training data: one row per transition (LLM call), JSONL or Parquet, loadable with HF
+`datasets`; or, for supervised fine-tuning, chat-format rows.
+
+A transition row carries the exact token ids and log-probs the server returned, the messages (or prompt)
+it was sampled from, the episode's final return, its intermediate rewards, and who made it (task, agent,
+policy version). Calls that failed are not transitions and are left out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import orjson
+
+from episodes.records import RolloutStatus, RolloutView
+from episodes.store import EpisodeStore
+
+Format = Literal["jsonl", "parquet", "sft"]
+
+
+@dataclass(frozen=True, slots=True)
+class ExportFilter:
+    """Which episodes and calls to export; `None` means no limit."""
+
+    statuses: tuple[str, ...] = (RolloutStatus.CLOSED, RolloutStatus.CONSUMED)
+    since: float | None = None  # closed_at >= since (unix seconds)
+    until: float | None = None  # closed_at < until
+    task_id: str | None = None
+    agent_name: str | None = None
+    min_reward: float | None = None
+
+    def keeps(self, view: RolloutView) -> bool:
+        closed_at = view.closed_at if view.closed_at is not None else view.created_at
+        return (view.status in self.statuses
+                and (self.since is None or closed_at >= self.since)
+                and (self.until is None or closed_at < self.until)
+                and (self.task_id is None or view.task_id == self.task_id)
+                and (self.min_reward is None or (view.reward is not None and view.reward >= self.min_reward)))
+
+
+async def rollout_ids(store: EpisodeStore) -> AsyncIterator[str]:
+    """Every rollout id in the store (SCAN over the rollout hashes; an offline operation)."""
+    prefix = f"{store.keys.prefix}:rollout:{{"
+    async with store.guard(600):
+        async for key in store.redis.scan_iter(match=f"{prefix}*", count=1000):
+            key = key.decode()
+            if key.endswith("}"):
+                yield key[len(prefix):-1]
+
+
+def transition_rows(view: RolloutView, agent_name: str | None = None) -> Iterable[dict[str, Any]]:
+    for call in view.calls:
+        if call.error is not None or (agent_name is not None and call.agent_name != agent_name):
+            continue
+        response = call.response
+        yield {
+            "rollout_id": view.rollout_id, "task_id": view.task_id, "index": call.index,
+            "agent_name": call.agent_name, "policy_version": call.policy_version, "endpoint": call.endpoint,
+            "model": call.model, "status": view.status.value,
+            "messages": call.request.get("messages"), "prompt": _prompt(call.request),
+            "tools": call.request.get("tools"),
+            "response_message": response.message if response else None,
+            "response_text": response.text if response else None,
+            "finish_reason": response.finish_reason if response else None,
+            "prompt_token_ids": call.prompt_token_ids, "completion_token_ids": call.completion_token_ids,
+            "completion_logprobs": call.completion_logprobs,
+            "reward": view.reward, "call_reward": call.reward, "air_reward": call.air_reward,
+            "created_at": view.created_at, "closed_at": view.closed_at,
+        }
+
+
+def sft_rows(view: RolloutView, agent_name: str | None = None) -> Iterable[dict[str, Any]]:
+    """Chat rows: the messages a call saw plus the assistant message it produced (completions: prompt and
+    completion)."""
+    for row in transition_rows(view, agent_name):
+        meta = {"rollout_id": row["rollout_id"], "task_id": row["task_id"], "reward": row["reward"]}
+        if row["messages"] is not None and row["response_message"] is not None:
+            assistant = {k: v for k, v in row["response_message"].items() if v is not None and k != "reasoning"}
+            yield {"messages": [*row["messages"], assistant], "tools": row["tools"], **meta}
+        elif row["prompt"] is not None and row["response_text"] is not None:
+            yield {"prompt": row["prompt"], "completion": row["response_text"], **meta}
+
+
+def _prompt(request: dict[str, Any]) -> str | None:
+    prompt = request.get("prompt", request.get("input"))
+    return prompt if isinstance(prompt, str) else None
+
+
+async def export(store: EpisodeStore, path: Path, fmt: Format = "jsonl", flt: ExportFilter | None = None) -> int:
+    """Write the filtered episodes' rows to `path`; returns the number of rows."""
+    flt = flt or ExportFilter()
+    rows: list[dict[str, Any]] = []
+    make_rows = sft_rows if fmt == "sft" else transition_rows
+    async for rollout_id in rollout_ids(store):
+        view = await store.get_rollout_view(rollout_id)
+        if view is not None and flt.keeps(view):
+            rows.extend(make_rows(view, flt.agent_name))
+    rows.sort(key=lambda r: (r.get("closed_at") or 0, r["rollout_id"], r.get("index", 0)))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if fmt == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        # nested JSON values (messages, tools) as JSON strings: their shapes vary from call to call
+        flat = [{k: orjson.dumps(v).decode() if isinstance(v, (dict, list)) and k in _JSON_COLUMNS else v
+                 for k, v in row.items()} for row in rows]
+        pq.write_table(pa.Table.from_pylist(flat), path)
+    else:
+        with path.open("wb") as out:
+            for row in rows:
+                out.write(orjson.dumps(row) + b"\n")
+    return len(rows)
+
+
+_JSON_COLUMNS = ("messages", "tools", "response_message")
