@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from importlib.metadata import entry_points
 from typing import Any
 
 import orjson
@@ -24,7 +25,8 @@ import episodes
 from episodes import EpisodeLifecycle, EpisodeStore, FinishRequest
 from reward_hooks import errors, signing
 from reward_hooks.queue import RewardQueue
-from reward_hooks.rewards import UnknownRewardFn, get_reward_fn
+from reward_hooks.rewards import BUILTINS, UnknownRewardFn, get_reward_fn
+from reward_hooks.rewards.registry import ENTRY_POINT_GROUP
 from reward_hooks.settings import RewardSettings
 
 
@@ -94,6 +96,10 @@ def build_router(store: EpisodeStore, settings: RewardSettings, queue: RewardQue
     @router.post("/rollouts/{rollout_id}/finish", status_code=202)
     async def post_finish(rollout_id: str, request: Request) -> Response:
         body: FinishPost = await parse(request, FinishPost, rollout_id)
+        if not _allowed(body.reward_fn, settings.reward_fn_modules):
+            raise errors.Unprocessable(
+                f"reward function {body.reward_fn!r} is not a builtin or an entry point, and its module is not "
+                "in RLGATE_REWARD_FN_MODULES", param="reward_fn")
         try:
             get_reward_fn(body.reward_fn)
         except UnknownRewardFn as exc:
@@ -107,6 +113,14 @@ def build_router(store: EpisodeStore, settings: RewardSettings, queue: RewardQue
                         media_type="application/json")
 
     return router
+
+
+def _allowed(name: str, modules: list[str]) -> bool:
+    """Builtins and entry points always; a dotted path only inside the configured modules."""
+    if name in BUILTINS or entry_points(group=ENTRY_POINT_GROUP, name=name):
+        return True
+    module = name.partition(":")[0] if ":" in name else name.rpartition(".")[0]
+    return any(module == allowed or module.startswith(allowed + ".") for allowed in modules)
 
 
 @contextmanager

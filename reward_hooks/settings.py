@@ -19,6 +19,12 @@ class RewardSettings(BaseSettings):
         description="When set, every reward request must carry X-Signature-256: sha256=<hex HMAC-SHA256 of "
         "the raw body with this secret> (GitHub's webhook convention).",
     )
+    reward_fn_modules: list[str] = Field(
+        [],
+        description="Modules whose functions a finish request may name by dotted path (JSON list, e.g. "
+        '["mypkg.rewards"]). Builtins and rlgate.rewards entry points are always allowed; any other path is '
+        "refused, so a reward request cannot make the worker call arbitrary code.",
+    )
     reward_queue: str = Field("rlgate-rewards", description="The rq queue reward jobs go through.")
     reward_job_retries: int = Field(3, description="Retries of a reward job that raises, before the episode fails.")
     reward_job_backoff_s: list[int] = Field(

@@ -258,3 +258,19 @@ def test_export_loads_with_datasets(gateway: Proc, tmp_path, redis_client: redis
     sft = datasets.load_dataset("json", data_files=path, split="train")
     assert summary["rows"] == 2 and set(sft["rollout_id"]) == {rids[1]}
     assert sft[0]["messages"][-1]["role"] == "assistant" and sft[0]["messages"][0] == MESSAGES[0]
+
+
+def test_dotted_reward_functions_only_from_allowed_modules(fake_vllm: Proc, tmp_path, redis_client):
+    proc = start_gateway(tmp_path, fake_vllm.url, reward_fn_modules='["reward_hooks.rewards"]')
+    try:
+        rid = uuid.uuid4().hex
+        agent_call(proc, rid)
+        refused = httpx.post(f"{proc.url}/rollouts/{rid}/finish", json={"reward_fn": "os:system"})
+        assert assert_openai_error(refused, 422)["param"] == "reward_fn"
+        allowed = httpx.post(f"{proc.url}/rollouts/{rid}/finish",
+                             json={"reward_fn": "reward_hooks.rewards.text:f1", "ground_truth": "x"})
+        assert allowed.status_code == 202
+        run_worker(redis_client)
+        assert rollout(proc, rid)["status"] == "closed"
+    finally:
+        proc.kill()

@@ -1,0 +1,403 @@
+"""Reward functions: table tests with hand-computed values, SQL on a real SQLite file, the LLM judge against
+a local OpenAI-compatible server, and the registry's name lookup."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pydantic
+import pytest
+
+from reward_hooks.rewards import BUILTINS, RewardInput, UnknownRewardFn, get_reward_fn, register
+from reward_hooks.rewards import registry
+from reward_hooks.rewards.judge import DEFAULT_RUBRIC, parse_score
+from reward_hooks.rewards.text import exact_match, f1
+
+
+def score(name: str, answer: str, ground_truth: Any = None, question: str | None = None, **params: Any):
+    """The named reward, looked up like a reward job does."""
+    inp = RewardInput(answer=answer, ground_truth=ground_truth, question=question, params=params)
+    return get_reward_fn(name)(inp)
+
+
+@pytest.mark.parametrize("answer, truth, expected", [
+    ("Paris", "paris", 1.0),
+    ("The Eiffel Tower!", "eiffel tower", 1.0),  # article, punctuation, case
+    ("the theater", "theater", 1.0),
+    ("theater", "ater", 0.0),  # "the" is dropped only as a word
+    ("Paris, France", "Paris", 0.0),
+    ("  new   york ", "New York", 1.0),
+    ("", "", 1.0),
+    ("", "Paris", 0.0),
+    ("NYC", ["New York City", "NYC"], 1.0),
+    ("Boston", ["New York City", "NYC"], 0.0),
+    ("\u201cZ\u00fcrich\u201d", "z\u00fcrich", 1.0),  # curly quotes are punctuation; umlaut kept
+    ("Zu\u0308rich", "Z\u00fcrich", 1.0),  # decomposed vs composed umlaut (NFKC)
+    ("\uff34\uff4f\uff4b\uff59\uff4f", "tokyo", 1.0),  # full-width letters (NFKC)
+    ("Tokyo \u2014 Japan", "tokyo japan", 1.0),  # em dash
+])
+def test_exact_match(answer, truth, expected):
+    assert score("exact_match", answer, truth) == expected
+
+
+@pytest.mark.parametrize("answer, truth, expected", [
+    ("the cat sat", "cat sat on mat", 2 / 3),  # P = 2/2, R = 2/4
+    ("cat cat cat", "cat", 0.5),  # overlap counted once: P = 1/3, R = 1
+    ("Paris", "Paris", 1.0),
+    ("London", "Paris", 0.0),
+    ("a", "the", 1.0),  # both empty after normalization
+    ("", "Paris", 0.0),
+    ("Paris", "", 0.0),
+    ("new york", ["New York City", "york"], 0.8),  # max of 0.8 (P 1, R 2/3) and 2/3 (P 1/2, R 1)
+    ("S\u00e3o Paulo Brazil", "s\u00e3o paulo", 0.8),  # P = 2/3, R = 1
+])
+def test_f1(answer, truth, expected):
+    assert score("f1", answer, truth) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("answer, truth, params, expected", [
+    ("<answer>Paris</answer>", "Paris", {}, 1.0),
+    ("I think <answer>the city of Paris</answer>", "Paris", {}, 0.55),  # F1 0.5 (P 1/3, R 1)
+    ("<answer>London</answer>", "Paris", {}, 0.1),  # format only
+    ("Paris", "Paris", {}, 0.0),  # no tags: nothing is graded
+    ("<answer>  </answer>", "Paris", {}, 0.0),
+    ("<answer>Paris", "Paris", {}, 0.0),  # unclosed
+    ("<answer>London</answer> no, <answer>Paris</answer>", "Paris", {}, 1.0),  # the last pair counts
+    ("<answer>\nParis\n</answer>", "Paris", {}, 1.0),
+    ("<answer>NYC</answer>", ["New York", "NYC"], {}, 1.0),
+    ("[[Paris]]", "Paris", {"answer_tags": ["[[", "]]"]}, 1.0),
+    ("<answer>Paris</answer>", "Paris", {"answer_tags": ["[[", "]]"]}, 0.0),
+])
+def test_format_and_f1(answer, truth, params, expected):
+    assert score("format_and_f1", answer, truth, **params) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("name, truth, params", [
+    ("exact_match", None, {}), ("exact_match", [], {}), ("f1", 42, {}), ("f1", ["ok", 1], {}),
+    ("format_and_f1", "x", {"answer_tags": ["<a>"]}), ("format_and_f1", "x", {"answer_tags": ["", "</a>"]}),
+])
+def test_text_rewards_reject_bad_configuration(name, truth, params):
+    with pytest.raises(ValueError):
+        score(name, "<answer>x</answer>", truth, **params)
+
+
+@pytest.mark.parametrize("answer, truth, params, expected", [
+    ("The answer is 42.", 42, {}, 1.0),
+    ("42", "42", {}, 1.0),
+    ("First 41, corrected: 42", 42, {}, 1.0),  # the last number counts
+    ("42, no wait, 41", 42, {}, 0.0),
+    ("\\boxed{\\frac{3}{4}}", 0.75, {}, 1.0),
+    ("\\boxed{-\\dfrac{1}{2}}", "-0.5", {}, 1.0),
+    ("3/4", "0.75", {}, 1.0),
+    ("3/0", 3, {}, 0.0),  # a zero denominator is no number
+    ("The total is $1,234.50.", 1234.5, {}, 1.0),
+    ("1,234,567", 1234567, {}, 1.0),
+    ("-17", -17, {}, 1.0),
+    ("\u221217", -17, {}, 1.0),  # Unicode minus
+    ("It is 17", -17, {}, 0.0),
+    ("10-3=7", 7, {}, 1.0),  # "-3" in "10-3" is not negative
+    ("50%", 0.5, {}, 1.0),
+    ("50 %", 50, {}, 1.0),
+    ("50", 0.5, {}, 0.0),  # no percent sign, no second reading
+    ("\\boxed{12} and later 13", 12, {}, 1.0),  # boxed wins over the last number
+    ("\\boxed{A}, 12", 12, {}, 0.0),  # a boxed answer without a number
+    ("\\boxed{x = \\{1\\} + 4}", 4, {}, 1.0),  # nested braces
+    ("\\boxed{1{,}000}", 1000, {}, 1.0),
+    ("5 + 3 = 8\n#### 8", 8, {}, 1.0),
+    ("#### 72", "48/2 = 24 clips in May, 48 + 24 = 72\n#### 72", {}, 1.0),  # a GSM8K solution as truth
+    ("\u7b54\u6848\u662f42", 42, {}, 1.0),  # digits right after CJK text
+    ("\uff14\uff12", 42, {}, 1.0),  # full-width digits
+    ("H2O", 2, {}, 0.0),
+    ("3.3333333", "10/3", {}, 1.0),  # relative error 1e-8
+    ("3.33", "10/3", {}, 0.0),
+    ("3.33", "10/3", {"rel_tol": 0.01}, 1.0),
+    ("0.1", 0.1, {"rel_tol": 0}, 1.0),  # exact: the float's decimal, not its binary value
+    ("0.0000001", 0, {}, 0.0),  # relative tolerance around 0 is 0
+    ("12345678901234567891", 12345678901234567891, {"rel_tol": 0}, 1.0),
+    ("7", [5, "7"], {}, 1.0),
+    ("I don't know", 5, {}, 0.0),
+    ("", 5, {}, 0.0),
+])
+def test_math_answer(answer, truth, params, expected):
+    assert score("math_answer", answer, truth, **params) == expected
+
+
+@pytest.mark.parametrize("truth, params", [
+    (None, {}), ("no number here", {}), (True, {}), (float("nan"), {}), ([], {}),
+    (1, {"rel_tol": -1}), (1, {"rel_tol": "0.1"}), (1, {"rel_tol": float("nan")}),
+])
+def test_math_answer_rejects_bad_configuration(truth, params):
+    with pytest.raises(ValueError):
+        score("math_answer", "1", truth, **params)
+
+
+@pytest.fixture
+def singer_db(tmp_path: Path) -> Path:
+    path = tmp_path / "concert singer.db"  # a space, to exercise URI quoting
+    with sqlite3.connect(path) as db:
+        db.execute("CREATE TABLE singer (id INTEGER PRIMARY KEY, name TEXT, country TEXT, age INTEGER)")
+        rows = [(1, "Ann", "US", 30), (2, "Bob", "UK", 25), (3, "Cid", "US", 41), (4, "Dee", "FR", 25)]
+        db.executemany("INSERT INTO singer VALUES (?, ?, ?, ?)", rows)
+    db.close()
+    return path
+
+
+US_NAMES = "SELECT name FROM singer WHERE country = 'US'"
+
+
+@pytest.mark.parametrize("predicted, gold, expected", [
+    (US_NAMES, US_NAMES, 1.0),
+    ("SELECT name FROM singer WHERE age > 29 AND country = 'US'", US_NAMES, 1.0),
+    ("SELECT name FROM singer WHERE country = 'US' ORDER BY name DESC;", US_NAMES, 1.0),  # order free
+    ("SELECT name FROM singer WHERE country = 'UK'", US_NAMES, 0.0),
+    ("SELECT name, age FROM singer WHERE country = 'US'", US_NAMES, 0.0),
+    ("SELECT name FROM singer ORDER BY age, name", "SELECT name FROM singer ORDER BY age, name", 1.0),
+    ("SELECT name FROM singer ORDER BY age DESC, name", "SELECT name FROM singer ORDER BY age, name", 0.0),
+    ("SELECT name FROM singer ORDER BY age DESC, name", "SELECT name FROM singer", 1.0),
+    ("SELECT DISTINCT age FROM singer", "SELECT age FROM singer", 0.0),  # duplicates count
+    ("SELECT age FROM singer ORDER BY name DESC", "SELECT age FROM singer", 1.0),
+    ("SELECT 30.0", "SELECT age FROM singer WHERE id = 1", 1.0),  # 30 == 30.0
+    ("Here:\n```sql\nSELECT count(*) FROM singer\n```\nDone.", "SELECT COUNT(*) FROM singer", 1.0),
+    ("```sql\nSELECT 1\n```\nbetter:\n```\nSELECT count(*) FROM singer\n```", "SELECT 4", 1.0),
+    ("SELEC name FROM singer", US_NAMES, 0.0),  # syntax error
+    ("SELECT nickname FROM singer", US_NAMES, 0.0),  # no such column
+    ("SELECT name FROM singer; SELECT 1", US_NAMES, 0.0),  # two statements
+    ("", "SELECT name FROM singer WHERE age > 100", 0.0),  # no rows either way, but no query
+    ("-- nothing", "SELECT name FROM singer WHERE age > 100", 0.0),
+    ("SELECT name FROM singer WHERE age > 99", "SELECT name FROM singer WHERE age > 100", 1.0),
+])
+def test_sql_execution_match(singer_db, predicted, gold, expected):
+    assert score("sql_execution_match", predicted, gold, db_path=str(singer_db)) == expected
+
+
+RUNAWAY = "WITH RECURSIVE r(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM r) SELECT count(*) FROM r"
+
+
+def test_sql_runaway_query_hits_the_time_limit(singer_db):
+    started = time.monotonic()
+    assert score("sql_execution_match", RUNAWAY, "SELECT 1", db_path=str(singer_db), timeout_s=0.3) == 0.0
+    assert time.monotonic() - started < 3
+
+
+def test_sql_row_limit(singer_db):
+    cross = "SELECT * FROM singer a, singer b"  # 16 rows
+    assert score("sql_execution_match", cross, cross, db_path=str(singer_db)) == 1.0
+    assert score("sql_execution_match", cross, "SELECT 1", db_path=str(singer_db), max_rows=10) == 0.0
+
+
+@pytest.mark.parametrize("predicted", [
+    "DROP TABLE singer", "DELETE FROM singer", "UPDATE singer SET age = 0",
+    "INSERT INTO singer VALUES (5, 'Eve', 'US', 20)", "ATTACH DATABASE '{tmp}/evil.db' AS evil",
+    "PRAGMA journal_mode = DELETE",
+])
+def test_sql_answers_cannot_change_anything(singer_db, predicted):
+    predicted = predicted.format(tmp=singer_db.parent)
+    before = singer_db.read_bytes()
+    assert score("sql_execution_match", predicted, US_NAMES, db_path=str(singer_db)) == 0.0
+    assert singer_db.read_bytes() == before
+    assert not (singer_db.parent / "evil.db").exists()
+    with sqlite3.connect(singer_db) as db:
+        assert db.execute("SELECT count(*), sum(age) FROM singer").fetchone() == (4, 121)
+    db.close()
+
+
+@pytest.mark.parametrize("gold, params", [
+    ("SELECT nope FROM singer", {}),  # a broken gold query
+    (RUNAWAY, {"timeout_s": 0.2}),  # a gold query that runs out of time
+    (None, {}), ("  ", {}),
+    (US_NAMES, {"db_path": None}), (US_NAMES, {"db_path": "/nonexistent/x.db"}),
+    (US_NAMES, {"timeout_s": 0}),
+])
+def test_sql_rejects_bad_gold_or_configuration(singer_db, gold, params):
+    params = {"db_path": str(singer_db), **params}
+    with pytest.raises(ValueError):
+        score("sql_execution_match", US_NAMES, gold, **params)
+
+
+class JudgeServer:
+    """A real OpenAI-compatible HTTP server that answers every chat completion with `reply` and keeps
+    each request it got."""
+
+    def __init__(self) -> None:
+        self.reply = "The answer matches.\nSCORE: 0.8"
+        self.requests: list[dict[str, Any]] = []
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                headers = {key.lower(): value for key, value in self.headers.items()}
+                server.requests.append({"path": self.path, "headers": headers, "body": body})
+                payload = json.dumps({
+                    "id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": body["model"],
+                    "choices": [{"index": 0, "finish_reason": "stop",
+                                 "message": {"role": "assistant", "content": server.reply}}],
+                    "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15},
+                }).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+
+
+@pytest.fixture(scope="module")
+def judge_server() -> Iterator[JudgeServer]:
+    server = JudgeServer()
+    thread = threading.Thread(target=server.httpd.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.httpd.shutdown()
+    server.httpd.server_close()
+
+
+def judge(server: JudgeServer, reply: str, **params: Any) -> float:
+    server.reply = reply
+    server.requests.clear()
+    params = {"model": "openai/judge-model", "api_base": server.url, "api_key": "judge-key", **params}
+    return score("llm_judge", "It is Paris.", "Paris", question="What is the capital of France?", **params)
+
+
+def test_llm_judge_scores_through_a_real_server(judge_server):
+    rubric = "Full marks only for the exact city name."
+    assert judge(judge_server, "The answer matches.\nSCORE: 0.8", rubric=rubric) == 0.8
+    [request] = judge_server.requests
+    assert request["path"] == "/v1/chat/completions"
+    assert request["headers"]["authorization"] == "Bearer judge-key"
+    body = request["body"]
+    assert body["model"] == "judge-model" and body["temperature"] == 0
+    prompt = "\n".join(message["content"] for message in body["messages"])
+    for part in (rubric, "What is the capital of France?", "It is Paris.", "## Reference answer\nParis",
+                 "SCORE: <number between 0 and 1>"):
+        assert part in prompt
+    assert DEFAULT_RUBRIC not in prompt
+
+
+def test_llm_judge_default_rubric_and_no_ground_truth(judge_server):
+    judge_server.reply = "SCORE: 1"
+    assert score("llm_judge", "Hi", model="openai/judge-model", api_base=judge_server.url,
+                 api_key="judge-key") == 1.0
+    prompt = judge_server.requests[-1]["body"]["messages"][1]["content"]
+    assert DEFAULT_RUBRIC in prompt and "Reference answer" not in prompt and "Question" not in prompt
+
+
+@pytest.mark.parametrize("reply", ["Looks right to me.", "SCORE: high", ""])
+def test_llm_judge_unparsable_reply_raises(judge_server, reply):
+    with pytest.raises(ValueError, match="SCORE"):
+        judge(judge_server, reply)
+    assert len(judge_server.requests) == 1
+
+
+@pytest.mark.parametrize("reply, expected", [
+    ("SCORE: 0.8", 0.8),
+    ("First SCORE: 0.2, on reflection\nSCORE: 0.9", 0.9),  # the last one counts
+    ("**SCORE:** 0.25", 0.25),
+    ("score: .5", 0.5),
+    ("SCORE: 1.7", 1.0),  # clamped
+    ("SCORE: -0.3", 0.0),
+    ("SCORE: 1e-1", 0.1),
+])
+def test_parse_score(reply, expected):
+    assert parse_score(reply) == pytest.approx(expected)
+
+
+def test_llm_judge_needs_a_model():
+    with pytest.raises(ValueError, match="model"):
+        score("llm_judge", "x")
+
+
+USER_MODULE = '''
+def always_half(inp):
+    return 0.5
+
+class Scorers:
+    @staticmethod
+    def length(inp):
+        return float(len(inp.answer))
+'''
+
+
+@pytest.fixture
+def user_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """An importable module of user reward functions, with an installed distribution that names one of
+    them as an `rlgate.rewards` entry point, and one module whose own import fails."""
+    (tmp_path / "rlgate_user_rewards.py").write_text(USER_MODULE)
+    (tmp_path / "rlgate_broken_rewards.py").write_text("import rlgate_missing_dependency\n")
+    dist = tmp_path / "rlgate_user_rewards-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: rlgate-user-rewards\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[rlgate.rewards]\nhalf = rlgate_user_rewards:always_half\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "rlgate_user_rewards"
+    for name in ("rlgate_user_rewards", "rlgate_broken_rewards"):
+        sys.modules.pop(name, None)
+
+
+def test_builtins_by_name():
+    assert set(BUILTINS) == {"exact_match", "f1", "format_and_f1", "math_answer", "sql_execution_match",
+                             "llm_judge"}
+    assert get_reward_fn("f1") is f1
+    assert all(get_reward_fn(name) is fn for name, fn in BUILTINS.items())
+
+
+@pytest.mark.parametrize("name, answer, expected", [
+    ("rlgate_user_rewards:always_half", "x", 0.5),
+    ("rlgate_user_rewards.always_half", "x", 0.5),
+    ("rlgate_user_rewards:Scorers.length", "four", 4.0),
+    ("half", "x", 0.5),  # the entry point
+    ("reward_hooks.rewards.text:exact_match", "x", 1.0),
+])
+def test_user_functions_by_dotted_path_and_entry_point(user_module, name, answer, expected):
+    assert get_reward_fn(name)(RewardInput(answer=answer, ground_truth="x")) == expected
+
+
+def test_register(monkeypatch):
+    monkeypatch.setattr(registry, "_registered", {})
+    register("always_one", lambda inp: 1.0)
+    assert score("always_one", "anything") == 1.0
+    register("always_one", lambda inp: 0.0)  # a later registration replaces it
+    assert score("always_one", "anything") == 0.0
+    with pytest.raises(ValueError, match="builtin"):
+        register("f1", lambda inp: 1.0)
+    with pytest.raises(TypeError):
+        register("not_a_function", 1.0)  # type: ignore[arg-type]
+    assert get_reward_fn("exact_match") is exact_match
+
+
+@pytest.mark.parametrize("name, message", [
+    ("no_such_reward", "unknown reward function 'no_such_reward'"),
+    ("rlgate_no_such_module:fn", "no module named 'rlgate_no_such_module'"),
+    ("rlgate_no_such_package.sub.fn", "no module named 'rlgate_no_such_package.sub'"),
+    ("rlgate_user_rewards:missing", "has no 'missing'"),
+    ("reward_hooks.rewards.text:DEFAULT_ANSWER_TAGS", "not callable"),
+    (":fn", "needs a module and an attribute"),
+])
+def test_unknown_names(user_module, name, message):
+    with pytest.raises(UnknownRewardFn, match=message) as caught:
+        get_reward_fn(name)
+    assert isinstance(caught.value, LookupError)
+
+
+def test_a_user_module_with_a_missing_dependency_is_not_unknown(user_module):
+    with pytest.raises(ModuleNotFoundError, match="rlgate_missing_dependency"):
+        get_reward_fn("rlgate_broken_rewards:fn")
+
+
+def test_reward_input_is_strict():
+    with pytest.raises(pydantic.ValidationError):
+        RewardInput(answer="x", rollout_id="r1")
+    assert RewardInput(answer="x").params == {}
