@@ -88,7 +88,7 @@ def inject(endpoint: Endpoint, body: dict[str, Any]) -> tuple[dict[str, Any], In
 
 
 def strip_response(endpoint: Endpoint, payload: dict[str, Any], injected: Injected) -> None:
-    """Null the injected fields of a non-streaming answer in place, as plain vLLM serializes them."""
+    """Null the injected fields of an answer or a stream chunk in place, as plain vLLM serializes them."""
     if injected.token_ids and "prompt_token_ids" in payload:
         payload["prompt_token_ids"] = None
     for choice in payload.get("choices") or ():

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from episodes import CallError, CallResponse, Endpoint
-from gateway.capture import Injected, Transition, sampled_logprobs
+from gateway.capture import Injected, Transition, sampled_logprobs, strip_response
 
 DONE = b"data: [DONE]"
 # Events of a `responses` stream after which the response is complete.
@@ -36,23 +36,15 @@ def event_data(event: bytes) -> bytes | None:
 
 
 def strip_chunk(endpoint: Endpoint, chunk: dict[str, Any], injected: Injected) -> bool:
-    """Null injected fields of a stream chunk in place, as plain vLLM sends them (present, `null`).
+    """Null injected fields of a stream chunk in place, as plain vLLM sends them (present, `null`, exactly
+    as in non-streaming answers).
 
     Returns False for a chunk plain vLLM would not have sent at all: with neither `logprobs` nor
     `return_token_ids` requested, vLLM skips tokens its tool parser holds back, but with either on it
     sends them as `delta: {}` without a finish reason (docs/vllm-wire-format.md, section 4).
     """
-    if injected.token_ids and chunk.get("prompt_token_ids") is not None:
-        chunk["prompt_token_ids"] = None
+    strip_response(endpoint, chunk, injected)
     choices = chunk.get("choices") or ()
-    for choice in choices:
-        if injected.token_ids:
-            if "token_ids" in choice:
-                choice["token_ids"] = None
-            if endpoint == "completions" and "prompt_token_ids" in choice:
-                choice["prompt_token_ids"] = None
-        if injected.logprobs and "logprobs" in choice:
-            choice["logprobs"] = None
     if (endpoint == "chat.completions" and injected.token_ids and injected.logprobs and len(choices) == 1
             and choices[0].get("delta") == {} and choices[0].get("finish_reason") is None):
         return False
