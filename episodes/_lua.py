@@ -80,22 +80,23 @@ return 0
 # Expires an open rollout whose time has passed, or closes it with a fill reward.
 # KEYS[1] rollout hash
 # ARGV[1] now, ARGV[2] fill reward (canonical repr, '' for none)
-# Returns 'expired', 'closed' (filled), or '' when there was nothing to do.
+# Returns {'expired'}, {'closed'} (filled), {'not_due', expires_at} or {'not_open'}. A rollout with a
+# pending reward job (a `finish` request) is never filled: its job failed or never ran.
 EXPIRE = """
 if redis.call('HGET', KEYS[1], 'status') ~= 'open' then
-  return ''
+  return {'not_open'}
 end
-local expires_at = tonumber(redis.call('HGET', KEYS[1], 'expires_at') or '0')
-if expires_at > tonumber(ARGV[1]) then
-  return ''
+local expires_at = redis.call('HGET', KEYS[1], 'expires_at') or '0'
+if tonumber(expires_at) > tonumber(ARGV[1]) then
+  return {'not_due', expires_at}
 end
-if ARGV[2] ~= '' then
+if ARGV[2] ~= '' and redis.call('HEXISTS', KEYS[1], 'finish') == 0 then
   redis.call('HSET', KEYS[1], 'status', 'closed', 'reward', ARGV[2], 'closed_at', ARGV[1],
              'reward_metadata', '{"filled": true}', 'published', '0')
-  return 'closed'
+  return {'closed'}
 end
 redis.call('HSET', KEYS[1], 'status', 'expired', 'closed_at', ARGV[1])
-return 'expired'
+return {'expired'}
 """
 
 # Marks an open rollout failed (its reward job gave up).

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,8 +20,8 @@ from episodes.store import EpisodeStore
 
 
 def canonical_reward(reward: float) -> str:
-    """The one string a reward is stored as, so that 1, 1.0 and 1e0 compare equal in Lua."""
-    value = float(reward)
+    """The one string a reward is stored as, so that 1, 1.0, 1e0 (and -0.0, 0.0) compare equal in Lua."""
+    value = float(reward) + 0.0  # + 0.0 turns -0.0 into 0.0
     if not math.isfinite(value):
         raise ValueError(f"a reward must be a finite number, not {reward!r}")
     return repr(value)
@@ -28,6 +29,11 @@ def canonical_reward(reward: float) -> str:
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _intent(rollout_id: str) -> str:
+    """An outbox member of one closer: each has its own, so nobody removes another's intent."""
+    return f"{rollout_id}|{uuid.uuid4().hex[:16]}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,23 +65,28 @@ class EpisodeLifecycle:
     async def close(self, rollout_id: str, reward: float, metadata: dict[str, Any] | None = None) -> CloseResult:
         """Close an open rollout with its final return and publish it for the learners.
 
-        The same reward again is `unchanged`; another reward raises `RewardConflict`; an unknown rollout `RolloutNotFound`; an expired one
-        `RolloutExpired`; a failed one `RolloutNotOpen`.
+        The same reward again is `unchanged`; another reward raises `RewardConflict`; an unknown rollout
+        `RolloutNotFound`; an expired one `RolloutExpired`; a failed one `RolloutNotOpen`; a reward that is
+        not finite or metadata that is not JSON `ValueError`. Only the close itself changes anything.
         """
         value = canonical_reward(reward)
+        try:
+            metadata_json = orjson.dumps(metadata or {})
+        except TypeError as exc:
+            raise ValueError(f"metadata is not JSON (integers must fit in 64 bits): {exc}") from exc
+        intent = _intent(rollout_id)
         async with self.store.guard():
-            # intent first (NX: an entry keeps the time of the first intent, so the sweeper sees it age)
-            await self.store.redis.zadd(self.keys.outbox, {rollout_id: time.time()}, nx=True)
+            await self.store.redis.zadd(self.keys.outbox, {intent: time.time()})  # before the close
             reply = await self._close(keys=[self.keys.rollout(rollout_id)],
-                                      args=[value, orjson.dumps(metadata or {}), repr(time.time())])
+                                      args=[value, metadata_json, repr(time.time())])
         outcome = _text(reply[0])
         if outcome == "closed":
-            await self._publish(rollout_id, _text(reply[1]) or None, value)
+            await self._publish(rollout_id, _text(reply[1]) or None, value, intent)
             return CloseResult("closed", float(value))
-        # Only a publisher (or the sweeper, after a grace period) removes an outbox entry: another closer
-        # may be between its close and its publication right now.
-        # A closer that finds it already closed never publishes: the one that closed it does, or, if that
-        # one died, the sweeper's outbox repair. So the stream holds each episode once in normal operation.
+        # Not ours to publish: the closer that closed it does, or, if that one died, the sweeper finds its
+        # intent. So the stream holds each episode once in normal operation.
+        async with self.store.guard():
+            await self.store.redis.zrem(self.keys.outbox, intent)
         if outcome == "same":
             return CloseResult("unchanged", float(value))
         if outcome == "conflict":
@@ -86,21 +97,18 @@ class EpisodeLifecycle:
             raise RolloutExpired(f"rollout {rollout_id!r} expired before its reward arrived")
         raise RolloutNotOpen(rollout_id, outcome)
 
-    async def _publish(self, rollout_id: str, task_id: str | None, reward: str) -> None:
-        """Put a closed episode on the stream (at least once), then clear its outbox and expiry entries."""
+    async def _publish(self, rollout_id: str, task_id: str | None, reward: str, intent: str) -> None:
+        """Put a closed episode on the stream (at least once), then clear the intent and its expiry."""
         async with self.store.guard():
             if task_id is None:
                 task_id = _text(await self.store.redis.hget(self.keys.rollout(rollout_id), "task_id") or b"")
             await self.store.redis.xadd(self.keys.episodes,
                                         {"rollout_id": rollout_id, "task_id": task_id, "reward": reward})
             await self._mark_published(keys=[self.keys.rollout(rollout_id)])
-            await self._forget_intent(rollout_id)
-
-    async def _forget_intent(self, rollout_id: str) -> None:
-        async with self.store.guard(), self.store.redis.pipeline(transaction=False) as pipe:
-            pipe.zrem(self.keys.outbox, rollout_id)
-            pipe.zrem(self.keys.expiry, rollout_id)
-            await pipe.execute()
+            async with self.store.redis.pipeline(transaction=False) as pipe:
+                pipe.zrem(self.keys.outbox, intent)
+                pipe.zrem(self.keys.expiry, rollout_id)
+                await pipe.execute()
 
     # ---------------------------------------------------------------------------------------------------
     # Intermediate rewards, reward jobs, failure
@@ -138,11 +146,11 @@ class EpisodeLifecycle:
     async def fail(self, rollout_id: str, error: str) -> bool:
         """Mark an open rollout failed (not trained on); False if it was not open any more."""
         async with self.store.guard():
-            before = _text(await self._fail(keys=[self.keys.rollout(rollout_id)], args=[error[:2000], repr(time.time())]))
-        if before == "open":
-            await self._forget_intent(rollout_id)
-            return True
-        return False
+            before = _text(await self._fail(keys=[self.keys.rollout(rollout_id)],
+                                            args=[error[:2000], repr(time.time())]))
+            if before == "open":
+                await self.store.redis.zrem(self.keys.expiry, rollout_id)
+        return before == "open"
 
     async def consume(self, rollout_id: str) -> bool:
         """Mark a closed rollout consumed by a learner; True only the first time."""
@@ -161,36 +169,47 @@ class EpisodeLifecycle:
         done: dict[str, str] = {}
         for raw in due:
             rollout_id = _text(raw)
+            intent = _intent(rollout_id)
             async with self.store.guard():
                 if fill:
-                    await self.store.redis.zadd(self.keys.outbox, {rollout_id: now}, nx=True)
-                outcome = _text(await self._expire(keys=[self.keys.rollout(rollout_id)], args=[repr(now), fill]))
+                    await self.store.redis.zadd(self.keys.outbox, {intent: now})
+                reply = await self._expire(keys=[self.keys.rollout(rollout_id)], args=[repr(now), fill])
+            outcome = _text(reply[0])
             if outcome == "closed":
-                await self._publish(rollout_id, None, fill)
+                await self._publish(rollout_id, None, fill, intent)
             else:
-                await self._forget_intent(rollout_id)
-            done[rollout_id] = outcome or "skipped"
+                async with self.store.guard(), self.store.redis.pipeline(transaction=False) as pipe:
+                    if fill:
+                        pipe.zrem(self.keys.outbox, intent)
+                    if outcome == "not_due":  # its deadline moved: keep it scheduled at the real one
+                        pipe.zadd(self.keys.expiry, {rollout_id: float(_text(reply[1]))})
+                    else:  # expired now, or no longer open (its closer clears what else is left)
+                        pipe.zrem(self.keys.expiry, rollout_id)
+                    await pipe.execute()
+            done[rollout_id] = outcome
         return done
 
     async def repair_outbox(self, grace_s: float = 30.0, limit: int = 200) -> list[str]:
-        """Publish closed episodes whose closer died before publishing them. Returns their ids."""
+        """Publish closed episodes whose closer died (or failed) before publishing them; drop intents that
+        led nowhere. Only intents older than `grace_s` are looked at: younger ones belong to live closers.
+        Returns the ids of the episodes published here."""
         async with self.store.guard():
             stale = await self.store.redis.zrangebyscore(self.keys.outbox, "-inf", time.time() - grace_s,
                                                          start=0, num=limit)
         repaired = []
         for raw in stale:
-            rollout_id = _text(raw)
+            intent = _text(raw)
+            rollout_id = intent.partition("|")[0]
             async with self.store.guard():
                 status, published, reward = await self.store.redis.hmget(
                     self.keys.rollout(rollout_id), "status", "published", "reward")
-            if status is not None and _text(status) in ("closed", "consumed") and published == b"0":
-                await self._publish(rollout_id, None, _text(reward))
+            if status == b"closed" and published == b"0":
+                await self._publish(rollout_id, None, _text(reward), intent)
                 repaired.append(rollout_id)
-            elif status is not None and _text(status) == "open":
-                # an intent whose close never ran: drop it, but keep the rollout's expiry
-                async with self.store.guard():
-                    await self.store.redis.zrem(self.keys.outbox, rollout_id)
-            else:
-                await self._forget_intent(rollout_id)
+                continue
+            async with self.store.guard():
+                if status == b"consumed" and published == b"0":
+                    # on the stream already (a learner consumed it) though the flag was never set
+                    await self._mark_published(keys=[self.keys.rollout(rollout_id)])
+                await self.store.redis.zrem(self.keys.outbox, intent)
         return repaired
-

@@ -66,12 +66,21 @@ class ClosedEpisodes:
         return first
 
     async def reclaim(self, consumer: str, min_idle_ms: int, count: int = 64) -> list[ClosedEpisode]:
-        """Take over entries other consumers left pending for at least `min_idle_ms` (dead learners)."""
-        async with self.store.guard():
-            reply = await self.store.redis.xautoclaim(self.key, self.group, consumer, min_idle_time=min_idle_ms,
-                                                      start_id="0-0", count=count)
-        entries = reply[1]
-        return [_episode(entry_id, fields) for entry_id, fields in entries if fields]
+        """Take over up to `count` entries other consumers left pending for at least `min_idle_ms` (dead
+        learners), following XAUTOCLAIM's cursor through the whole pending list."""
+        claimed: list[ClosedEpisode] = []
+        cursor: bytes | str = "0-0"
+        while len(claimed) < count:
+            async with self.store.guard():
+                reply = await self.store.redis.xautoclaim(self.key, self.group, consumer,
+                                                          min_idle_time=min_idle_ms, start_id=cursor,
+                                                          count=count - len(claimed))
+            cursor, entries = reply[0], reply[1]
+            # entries deleted from the stream meanwhile come back without fields; XAUTOCLAIM drops them
+            claimed.extend(_episode(entry_id, fields) for entry_id, fields in entries if fields)
+            if cursor in (b"0-0", "0-0"):
+                break
+        return claimed
 
     async def pending(self) -> int:
         """How many entries are delivered but not yet acknowledged."""

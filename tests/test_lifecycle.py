@@ -169,3 +169,81 @@ def test_consumer_group_acks_and_reclaims_a_dead_consumers_entries(redis_client:
     assert too_early == [] and [e.rollout_id for e in taken] == ["e0", "e1", "e2"]
     assert acks == [True] * 4 and duplicate is False and pending == 0
     assert statuses == ["consumed"] * 4
+
+
+def test_a_closed_but_unpublished_episode_survives_expiry_sweeps(redis_client: redis.Redis):
+    """Regression: a closer (webhook or the fill sweeper) that closed and then failed to publish. Later
+    sweeps see the rollout is no longer open; they must leave its intent for the outbox repair."""
+    async def scenario(store, lifecycle):
+        await store.create_rollout("webhook-died", "t")
+        await store.create_rollout("filler-died", "t")
+        await asyncio.sleep(0.25)  # both are past their TTL now
+        old = time.time() - 60
+        redis_client.zadd("t:outbox", {"webhook-died|a1": old, "filler-died|b2": old})
+        redis_client.eval(_lua.CLOSE, 1, "t:rollout:{webhook-died}", "1.0", "{}", repr(time.time()))
+        redis_client.eval(_lua.EXPIRE, 1, "t:rollout:{filler-died}", repr(time.time()), "-1.0")
+        retried = await lifecycle.close("webhook-died", 1)  # the client retries its post: unchanged
+        swept = await lifecycle.expire_due(fill_reward=-1.0)
+        assert stream_rollouts(redis_client) == []
+        repaired = await lifecycle.repair_outbox(grace_s=10)
+        return retried, swept, repaired
+
+    retried, swept, repaired = run(scenario, ttl_s=0.2)
+    assert retried.outcome == "unchanged"
+    assert swept == {"webhook-died": "not_open", "filler-died": "not_open"}
+    assert sorted(repaired) == ["filler-died", "webhook-died"]
+    assert sorted(stream_rollouts(redis_client)) == ["filler-died", "webhook-died"]
+    assert redis_client.zcard("t:outbox") == 0 and redis_client.zcard("t:expiry") == 0
+
+
+def test_failed_posts_change_nothing_and_rewards_are_canonical(redis_client: redis.Redis):
+    async def scenario(store, lifecycle):
+        await store.create_rollout("c1")
+        await store.create_rollout("c2")
+        before = {k: redis_client.dump(k) for k in redis_client.keys("*")}
+        with pytest.raises(RolloutNotFound):
+            await lifecycle.close("ghost", 1)
+        with pytest.raises(ValueError):
+            await lifecycle.close("c1", 1, {"huge": 2**70})
+        with pytest.raises(ValueError):
+            await lifecycle.close("c1", float("inf"))
+        after = {k: redis_client.dump(k) for k in redis_client.keys("*")}
+        zero = await lifecycle.close("c2", 0.0)
+        negative_zero = await lifecycle.close("c2", -0.0)
+        with pytest.raises(RewardConflict):
+            await lifecycle.close("c2", 0.5)
+        return before, after, zero, negative_zero
+
+    before, after, zero, negative_zero = run(scenario)
+    assert after == before
+    assert (zero.outcome, negative_zero.outcome) == ("closed", "unchanged")
+    assert redis_client.zcard("t:outbox") == 0
+
+
+def test_repair_never_republishes_a_consumed_episode(redis_client: redis.Redis):
+    async def scenario(store, lifecycle):
+        await store.create_rollout("done")
+        # published and consumed, but the closer died before setting the flag
+        redis_client.eval(_lua.CLOSE, 1, "t:rollout:{done}", "1.0", "{}", repr(time.time()))
+        redis_client.xadd("t:episodes", {"rollout_id": "done", "task_id": "", "reward": "1.0"})
+        await lifecycle.consume("done")
+        redis_client.zadd("t:outbox", {"done|c3": time.time() - 60})
+        return await lifecycle.repair_outbox(grace_s=10)
+
+    assert run(scenario) == []
+    assert stream_rollouts(redis_client) == ["done"]
+    assert redis_client.hget("t:rollout:{done}", "published") == b"1" and redis_client.zcard("t:outbox") == 0
+
+
+def test_a_rollout_waiting_for_its_reward_job_is_not_filled(redis_client: redis.Redis):
+    from episodes import FinishRequest
+
+    async def scenario(store, lifecycle):
+        await store.create_rollout("judged")
+        await lifecycle.set_finish("judged", FinishRequest(reward_fn="f1", ground_truth="x"))
+        await asyncio.sleep(0.25)
+        return await lifecycle.expire_due(fill_reward=0.0), await store.get_rollout("judged")
+
+    swept, rollout = run(scenario, ttl_s=0.2)
+    assert swept == {"judged": "expired"} and rollout.status == "expired"
+    assert stream_rollouts(redis_client) == []
