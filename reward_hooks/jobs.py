@@ -1,8 +1,10 @@
 """Reward jobs, run by `rlgate worker` (rq). A job gets a rollout id, loads the episode and its finish
 request from the store, computes the reward with the named function and closes the episode.
 
-A job that raises is retried with backoff (rq's Retry); when no retry is left the rollout is marked
-`failed` with the error, visible in `GET /rollouts/{id}`, and it is never trained on.
+A job that raises is retried with backoff (rq's Retry); when no retry is left, or the error is one a retry
+cannot fix (an unknown reward function, a forbidden file), the rollout is marked `failed` with the error,
+visible in `GET /rollouts/{id}`, and it is never trained on. A rollout that was closed or expired
+meanwhile ends the job quietly.
 """
 
 from __future__ import annotations
@@ -10,48 +12,58 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import redis.asyncio as aioredis
 import structlog
 from rq import get_current_job
 
-from episodes import EpisodeLifecycle, EpisodeStore, Keys, RolloutView
-from reward_hooks.rewards import RewardInput, get_reward_fn
+import episodes
+from episodes import EpisodeLifecycle, EpisodeStore, RolloutView
+from reward_hooks.rewards import RewardInput, UnknownRewardFn, get_allowed_reward_fn
+from reward_hooks.settings import RewardSettings
 
 log = structlog.get_logger("rlgate.reward")
 
 
-def compute_reward(rollout_id: str, key_prefix: str) -> float:
-    """The rq job. Uses the worker's own Redis connection: the queue and the episodes share one Redis."""
+# Outcomes a retry cannot change: the job ends without retrying (and without failing a closed episode).
+_FINAL = (episodes.RewardConflict, episodes.RolloutExpired, episodes.RolloutNotOpen, episodes.RolloutNotFound)
+_NOT_RETRIED = (UnknownRewardFn, PermissionError, LookupError)
+MAX_TIMEOUT_S = 60.0  # the most a request may ask a reward function to wait (timeout_s)
+
+
+def compute_reward(rollout_id: str, key_prefix: str) -> float | None:
+    """The rq job. Its settings (Redis, allowed modules, data directory, judge) are the worker's own,
+    from RLGATE_* variables: a request cannot point the worker elsewhere."""
     job = get_current_job()
-    assert job is not None, "compute_reward runs inside an rq worker"
-    kwargs = dict(job.connection.connection_pool.connection_kwargs)
+    settings = RewardSettings()
     try:
-        return asyncio.run(_compute(rollout_id, key_prefix, kwargs))
+        return asyncio.run(_compute(rollout_id, key_prefix, settings))
+    except _FINAL as exc:
+        log.info("reward_job_moot", rollout_id=rollout_id, outcome=type(exc).__name__, detail=str(exc))
+        return None
     except Exception as exc:
-        if job.retries_left:  # rq will run it again
+        if job is not None and job.retries_left and not isinstance(exc, _NOT_RETRIED):
             log.warning("reward_job_retry", rollout_id=rollout_id, error=repr(exc), retries_left=job.retries_left)
             raise
-        asyncio.run(_fail(rollout_id, key_prefix, kwargs, f"{type(exc).__name__}: {exc}"))
+        asyncio.run(_fail(rollout_id, key_prefix, settings, f"{type(exc).__name__}: {exc}"))
         log.error("reward_job_failed", rollout_id=rollout_id, error=repr(exc))
         raise
 
 
-def _store(key_prefix: str, connection_kwargs: dict[str, Any]) -> EpisodeStore:
-    allowed = ("host", "port", "db", "username", "password", "unix_socket_path", "ssl")
-    client = aioredis.Redis(**{k: v for k, v in connection_kwargs.items() if k in allowed and v is not None})
-    return EpisodeStore(client, Keys(key_prefix))
+def _store(key_prefix: str, settings: RewardSettings) -> EpisodeStore:
+    return EpisodeStore.from_url(settings.redis_url, prefix=key_prefix, timeout_s=settings.redis_timeout_s)
 
 
-async def _compute(rollout_id: str, key_prefix: str, connection_kwargs: dict[str, Any]) -> float:
-    store = _store(key_prefix, connection_kwargs)
+async def _compute(rollout_id: str, key_prefix: str, settings: RewardSettings) -> float:
+    store = _store(key_prefix, settings)
     try:
         view = await store.get_rollout_view(rollout_id)
         if view is None:
-            raise LookupError(f"no rollout {rollout_id!r}")
+            raise episodes.RolloutNotFound(f"no rollout {rollout_id!r}")
         if view.finish is None:
             raise LookupError(f"rollout {rollout_id!r} has no finish request")
-        reward_fn = get_reward_fn(view.finish.reward_fn)
-        reward = float(reward_fn(reward_input(view)))
+        reward_fn = get_allowed_reward_fn(view.finish.reward_fn, settings.reward_fn_modules)
+        inp = reward_input(view)
+        inp.params = worker_params(inp.params, settings)
+        reward = float(reward_fn(inp))
         result = await EpisodeLifecycle(store).close(rollout_id, reward, {"reward_fn": view.finish.reward_fn})
         log.info("reward_job_done", rollout_id=rollout_id, task_id=view.task_id, reward=reward,
                  reward_fn=view.finish.reward_fn, outcome=result.outcome)
@@ -60,12 +72,34 @@ async def _compute(rollout_id: str, key_prefix: str, connection_kwargs: dict[str
         await store.aclose()
 
 
-async def _fail(rollout_id: str, key_prefix: str, connection_kwargs: dict[str, Any], error: str) -> None:
-    store = _store(key_prefix, connection_kwargs)
+async def _fail(rollout_id: str, key_prefix: str, settings: RewardSettings, error: str) -> None:
+    store = _store(key_prefix, settings)
     try:
         await EpisodeLifecycle(store).fail(rollout_id, error)
     finally:
         await store.aclose()
+
+
+def worker_params(params: dict[str, Any], settings: RewardSettings) -> dict[str, Any]:
+    """A request's reward options, made safe: the judge's model, URL and key are the worker's (a request
+    naming its own URL would receive the worker's provider key); files only inside the data directory;
+    time limits capped."""
+    params = {k: v for k, v in params.items() if k not in ("model", "api_base", "api_key")}
+    if settings.judge_model:
+        params["model"] = settings.judge_model
+    if settings.judge_api_base:
+        params["api_base"] = settings.judge_api_base
+    if "db_path" in params:
+        if settings.reward_data_dir is None:
+            raise PermissionError("reward requests may not name files unless RLGATE_REWARD_DATA_DIR is set")
+        root = settings.reward_data_dir.resolve()
+        path = (root / str(params["db_path"])).resolve()
+        if not path.is_relative_to(root):
+            raise PermissionError(f"db_path {params['db_path']!r} is outside RLGATE_REWARD_DATA_DIR")
+        params["db_path"] = str(path)
+    if isinstance(params.get("timeout_s"), (int, float)):
+        params["timeout_s"] = min(float(params["timeout_s"]), MAX_TIMEOUT_S)
+    return params
 
 
 def reward_input(view: RolloutView) -> RewardInput:

@@ -12,21 +12,20 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from importlib.metadata import entry_points
 from typing import Any
 
 import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from redis.exceptions import RedisError
 from starlette.concurrency import run_in_threadpool
 
 import episodes
 from episodes import EpisodeLifecycle, EpisodeStore, FinishRequest
 from reward_hooks import errors, signing
 from reward_hooks.queue import RewardQueue
-from reward_hooks.rewards import BUILTINS, UnknownRewardFn, get_reward_fn
-from reward_hooks.rewards.registry import ENTRY_POINT_GROUP
+from reward_hooks.rewards import UnknownRewardFn, get_allowed_reward_fn
 from reward_hooks.settings import RewardSettings
 
 
@@ -79,7 +78,10 @@ def build_router(store: EpisodeStore, settings: RewardSettings, queue: RewardQue
     async def post_reward(rollout_id: str, request: Request) -> Response:
         body: RewardPost = await parse(request, RewardPost, rollout_id)
         with _store_errors():
-            result = await lifecycle.close(rollout_id, body.reward, body.metadata)
+            try:
+                result = await lifecycle.close(rollout_id, body.reward, body.metadata)
+            except ValueError as exc:  # metadata that is not JSON (e.g. integers over 64 bits)
+                raise errors.Unprocessable(str(exc), param="metadata") from exc
         answer = RewardAccepted(rollout_id=rollout_id, status="closed", reward=result.reward, outcome=result.outcome)
         return Response(answer.model_dump_json(), media_type="application/json")
 
@@ -96,31 +98,22 @@ def build_router(store: EpisodeStore, settings: RewardSettings, queue: RewardQue
     @router.post("/rollouts/{rollout_id}/finish", status_code=202)
     async def post_finish(rollout_id: str, request: Request) -> Response:
         body: FinishPost = await parse(request, FinishPost, rollout_id)
-        if not _allowed(body.reward_fn, settings.reward_fn_modules):
-            raise errors.Unprocessable(
-                f"reward function {body.reward_fn!r} is not a builtin or an entry point, and its module is not "
-                "in RLGATE_REWARD_FN_MODULES", param="reward_fn")
         try:
-            get_reward_fn(body.reward_fn)
+            get_allowed_reward_fn(body.reward_fn, settings.reward_fn_modules)
         except UnknownRewardFn as exc:
             raise errors.Unprocessable(str(exc), param="reward_fn") from exc
         if queue is None:
             raise errors.StoreUnavailable("no reward queue is configured", code="no_reward_queue")
         with _store_errors():
             await lifecycle.set_finish(rollout_id, FinishRequest(**body.model_dump()))
-        job_id = await run_in_threadpool(queue.enqueue, rollout_id)
+        try:
+            job_id = await run_in_threadpool(queue.enqueue, rollout_id)
+        except RedisError as exc:
+            raise errors.StoreUnavailable(f"the reward job could not be queued: {exc}") from exc
         return Response(orjson.dumps({"rollout_id": rollout_id, "job_id": job_id}), status_code=202,
                         media_type="application/json")
 
     return router
-
-
-def _allowed(name: str, modules: list[str]) -> bool:
-    """Builtins and entry points always; a dotted path only inside the configured modules."""
-    if name in BUILTINS or entry_points(group=ENTRY_POINT_GROUP, name=name):
-        return True
-    module = name.partition(":")[0] if ":" in name else name.rpartition(".")[0]
-    return any(module == allowed or module.startswith(allowed + ".") for allowed in modules)
 
 
 @contextmanager

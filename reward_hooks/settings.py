@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -31,6 +33,16 @@ class RewardSettings(BaseSettings):
         [2, 10, 30], description="Waits before each retry (JSON list; needs the worker's scheduler).")
     reward_job_timeout_s: int = Field(300, description="Time limit of one reward job.")
     expired_fill_reward: float | None = Field(
-        None, description="Close expired rollouts with this reward instead of marking them expired.")
+        None, allow_inf_nan=False,
+        description="Close expired rollouts with this reward instead of marking them expired.")
+    reward_data_dir: Path | None = Field(
+        None,
+        description="Directory a reward job may read data files from (sql_execution_match's db_path is "
+        "resolved inside it); without it, no reward request may name a file.")
+    judge_model: str | None = Field(
+        None, description="llm_judge: the judge model (a litellm model name). Set here, never by a request.")
+    judge_api_base: str | None = Field(
+        None, description="llm_judge: the judge's API base URL (its key comes from the provider's usual "
+        "environment variable, e.g. OPENAI_API_KEY).")
     sweep_interval_s: float = Field(2.0, description="How often open rollouts are checked for expiry.")
     outbox_grace_s: float = Field(30.0, description="Age after which an unpublished closed episode is republished.")

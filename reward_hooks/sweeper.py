@@ -31,4 +31,6 @@ async def sweep_forever(store: EpisodeStore, settings: RewardSettings) -> None:
             await sweep_once(lifecycle, settings)
         except StoreUnavailable as exc:
             log.warning("sweep_failed", error=str(exc))
+        except Exception:  # a sweeper that dies silently would stop expiry and repair for good
+            log.exception("sweep_crashed")
         await asyncio.sleep(settings.sweep_interval_s)

@@ -140,9 +140,20 @@ def test_expiry_by_the_gateways_sweeper(fake_vllm: Proc, tmp_path, redis_client:
         proc.kill()
 
 
-def run_worker(client: redis.Redis) -> None:
-    SimpleWorker([Queue("rlgate-rewards", connection=client, serializer=JSONSerializer)], connection=client,
-                 serializer=JSONSerializer).work(burst=True)
+def run_worker(client: redis.Redis, **settings: str) -> None:
+    """A real rq worker in this process, in burst mode, with the worker's settings in RLGATE_* variables."""
+    env = {"RLGATE_REDIS_URL": REDIS_URL, **{f"RLGATE_{k.upper()}": v for k, v in settings.items()}}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        SimpleWorker([Queue("rlgate-rewards", connection=client, serializer=JSONSerializer)], connection=client,
+                     serializer=JSONSerializer).work(burst=True)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def test_finish_runs_a_reward_job_on_a_real_worker(gateway: Proc, redis_client: redis.Redis):
@@ -163,7 +174,7 @@ def test_finish_runs_a_reward_job_on_a_real_worker(gateway: Proc, redis_client: 
 
 
 def test_a_reward_job_that_keeps_raising_fails_the_episode(fake_vllm: Proc, tmp_path, redis_client: redis.Redis):
-    database = tmp_path / "gold.sqlite"
+    database = tmp_path / "gold.sqlite"  # the worker's data directory is tmp_path
     with sqlite3.connect(database) as db:
         db.execute("CREATE TABLE t (x INTEGER)")
     proc = start_gateway(tmp_path, fake_vllm.url, reward_job_retries="1", reward_job_backoff_s="[0]")
@@ -171,13 +182,25 @@ def test_a_reward_job_that_keeps_raising_fails_the_episode(fake_vllm: Proc, tmp_
         rid = uuid.uuid4().hex
         agent_call(proc, rid)
         body = {"reward_fn": "sql_execution_match", "ground_truth": "SELEC broken gold", "params": {
-            "db_path": str(database)}}
+            "db_path": "gold.sqlite"}}
         assert httpx.post(f"{proc.url}/rollouts/{rid}/finish", json=body).status_code == 202
-        run_worker(redis_client)  # runs, fails, is retried at once, fails again
+        run_worker(redis_client, reward_data_dir=str(tmp_path))  # runs, fails, is retried at once, fails again
         stored = rollout(proc, rid)
         assert stored["status"] == "failed" and "ValueError" in stored["error"]
         assert stream_entries(redis_client) == []
         assert_openai_error(httpx.post(f"{proc.url}/rollouts/{rid}/reward", json={"reward": 1}), 409)
+        queue = Queue("rlgate-rewards", connection=redis_client, serializer=JSONSerializer)
+        [job_id] = queue.failed_job_registry.get_job_ids()
+        assert queue.fetch_job(job_id).retries_left == 0  # it was retried before it failed the episode
+
+        # a file outside the worker's data directory: refused at once, no retry
+        rid = uuid.uuid4().hex
+        agent_call(proc, rid)
+        body["params"]["db_path"] = "../../etc/passwd"
+        httpx.post(f"{proc.url}/rollouts/{rid}/finish", json=body)
+        run_worker(redis_client, reward_data_dir=str(tmp_path))
+        stored = rollout(proc, rid)
+        assert stored["status"] == "failed" and stored["error"].startswith("PermissionError")
     finally:
         proc.kill()
 
@@ -265,12 +288,29 @@ def test_dotted_reward_functions_only_from_allowed_modules(fake_vllm: Proc, tmp_
     try:
         rid = uuid.uuid4().hex
         agent_call(proc, rid)
-        refused = httpx.post(f"{proc.url}/rollouts/{rid}/finish", json={"reward_fn": "os:system"})
-        assert assert_openai_error(refused, 422)["param"] == "reward_fn"
+        for name in ("os:system", "reward_hooks.rewards.judge:os.system", "reward_hooks.rewards.text:re.compile"):
+            refused = httpx.post(f"{proc.url}/rollouts/{rid}/finish", json={"reward_fn": name})
+            assert assert_openai_error(refused, 422)["param"] == "reward_fn", name
         allowed = httpx.post(f"{proc.url}/rollouts/{rid}/finish",
                              json={"reward_fn": "reward_hooks.rewards.text:f1", "ground_truth": "x"})
         assert allowed.status_code == 202
-        run_worker(redis_client)
+        run_worker(redis_client, reward_fn_modules='["reward_hooks.rewards"]')  # the worker checks again
         assert rollout(proc, rid)["status"] == "closed"
     finally:
         proc.kill()
+
+
+def test_worker_params_keep_requests_away_from_the_workers_secrets(tmp_path):
+    from reward_hooks.jobs import worker_params
+    from reward_hooks.settings import RewardSettings
+
+    settings = RewardSettings(judge_model="openai/judge", judge_api_base="http://judge.internal/v1",
+                              reward_data_dir=tmp_path)
+    params = worker_params({"model": "evil", "api_base": "http://attacker", "api_key": "x", "rubric": "r",
+                            "timeout_s": 10_000, "db_path": "a/b.sqlite"}, settings)
+    assert params == {"model": "openai/judge", "api_base": "http://judge.internal/v1", "rubric": "r",
+                      "timeout_s": 60.0, "db_path": str(tmp_path.resolve() / "a/b.sqlite")}
+    with pytest.raises(PermissionError):
+        worker_params({"db_path": "/etc/passwd"}, settings)
+    with pytest.raises(PermissionError):
+        worker_params({"db_path": "x.sqlite"}, RewardSettings())

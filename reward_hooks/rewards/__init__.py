@@ -9,8 +9,10 @@ from reward_hooks.rewards.registry import (
     RewardFn,
     RewardInput,
     UnknownRewardFn,
+    get_allowed_reward_fn,
     get_reward_fn,
     register,
 )
 
-__all__ = ["BUILTINS", "RewardFn", "RewardInput", "UnknownRewardFn", "get_reward_fn", "register"]
+__all__ = ["BUILTINS", "RewardFn", "RewardInput", "UnknownRewardFn", "get_allowed_reward_fn", "get_reward_fn",
+           "register"]

@@ -18,7 +18,7 @@ reward jobs must find belong in an entry point or a dotted path.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from importlib.metadata import entry_points
 from types import MappingProxyType
 from typing import Any
@@ -122,3 +122,23 @@ def _import_dotted(path: str) -> Any:
         except AttributeError as exc:
             raise UnknownRewardFn(f"reward function {path!r}: {module_name!r} has no {attr_path!r}") from exc
     return obj
+
+
+def get_allowed_reward_fn(name: str, modules: Sequence[str]) -> RewardFn:
+    """`get_reward_fn` for names that come from requests: builtins, registered functions and entry points
+    always; a dotted path only when the function it resolves to is defined in one of `modules` (checked on
+    the function itself, so `allowed.mod:os.system` does not pass)."""
+    if name in BUILTINS or name in _registered or entry_points(group=ENTRY_POINT_GROUP, name=name):
+        return get_reward_fn(name)
+    module = name.partition(":")[0] if ":" in name else name.rpartition(".")[0]
+    if not _within(module, modules):
+        raise UnknownRewardFn(f"reward function {name!r} is not a builtin or an entry point, and its module is "
+                              "not in RLGATE_REWARD_FN_MODULES")
+    fn = get_reward_fn(name)
+    if not _within(getattr(fn, "__module__", None) or "", modules):
+        raise UnknownRewardFn(f"reward function {name!r} resolves to {fn!r}, defined outside the allowed modules")
+    return fn
+
+
+def _within(module: str, modules: Sequence[str]) -> bool:
+    return any(module == allowed or module.startswith(allowed + ".") for allowed in modules)
