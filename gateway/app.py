@@ -105,7 +105,7 @@ class Gateway:
             if endpoint == "models":
                 if scope["method"] != "GET":
                     raise _method_not_allowed(scope, "GET")
-                await self.proxy.models(tracked_send)
+                await self.proxy.models(scope, tracked_send)
             else:
                 if scope["method"] != "POST":
                     raise _method_not_allowed(scope, "POST")

@@ -93,7 +93,9 @@ class Proxy:
     # -----------------------------------------------------------------------------------------------------
     # Entry points
 
-    async def models(self, send: Any) -> None:
+    async def models(self, scope: dict[str, Any], send: Any) -> None:
+        if self.api_keys:
+            self._authenticate(next((v for k, v in scope["headers"] if k == b"authorization"), b""))
         async with self.upstream.request("GET", "/models") as response:
             body = await response.read()
             status = response.status
@@ -135,18 +137,14 @@ class Proxy:
                     (b"x-rollout-id", rollout_id.encode()))
         upstream_body, injected = (capture.inject(endpoint, body) if self.inject
                                    else (body, capture.Injected()))
-        if self.air is not None:
-            failed_tool_calls = self.air.failed_tool_calls(body)
-            if failed_tool_calls:  # the earlier calls are committed already; off the answer's path
-                task = asyncio.create_task(self.air.apply(rollout_id, failed_tool_calls))
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
         # Resolves when the agent hangs up: its call is then recorded as failed (it never saw the answer)
         # and a stream stops reading upstream, which makes vLLM abort the request.
         disconnect = asyncio.ensure_future(_disconnected(receive))
         serve = self._stream if call.stream else self._unary
         try:
             await serve(call, orjson.dumps(upstream_body), injected, send, disconnect)
+            if self.air is not None:  # only for a call that was recorded: the rollout takes rewards
+                self._automatic_rewards(rollout_id, body)
         except errors.UpstreamError as exc:
             # Unreachable or timed out before any answer: the agent gets 502/504, the call is kept.
             exc.headers.setdefault("x-rollout-id", rollout_id)
@@ -159,6 +157,15 @@ class Proxy:
             raise
         finally:
             disconnect.cancel()
+
+    def _automatic_rewards(self, rollout_id: str, request: dict[str, Any]) -> None:
+        """AIR for the tool calls whose failed results this request sends back; off the answer's path."""
+        assert self.air is not None
+        failed_tool_calls = self.air.failed_tool_calls(request)
+        if failed_tool_calls:
+            task = asyncio.create_task(self.air.apply(rollout_id, failed_tool_calls))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
     def _authenticate(self, authorization: bytes) -> None:
         """The agent's bearer token must be one of the configured API keys (compared in constant time)."""

@@ -98,7 +98,8 @@ def build_api(gateway: Gateway) -> FastAPI:
         view = await store.get_rollout_view(rollout_id)
         if view is None:
             raise errors.NotFound(f"no rollout {rollout_id!r}", code="rollout_not_found")
-        return _json(200, view.model_dump_json().encode())
+        # the finish request's ground truth and options are for the reward job, not for agents
+        return _json(200, view.model_dump_json(exclude={"finish": {"ground_truth", "params"}}).encode())
 
     @api.get("/healthz")
     async def healthz() -> Response:

@@ -38,6 +38,13 @@ class GatewayCommand(GatewaySettings, RewardSettings):
         from reward_hooks.sweeper import sweep_forever
 
         configure_logging(self.log_level, self.log_format)
+        if self.api_keys and self.webhook_secret is None:
+            import structlog
+
+            structlog.get_logger("rlgate").warning(
+                "unsigned_reward_webhook",
+                problem="RLGATE_API_KEYS is set but RLGATE_WEBHOOK_SECRET is not: anyone who reaches the "
+                "gateway, agents included, can post rewards")
         gateway_settings = GatewaySettings.model_validate(self.model_dump())
         reward_settings = RewardSettings.model_validate(self.model_dump())
         app = Gateway(gateway_settings)  # the store the webhook routes share is the gateway's own
@@ -73,13 +80,15 @@ class RewardCommand(BaseSettings):
     rollout_id: CliPositionalArg[str] = Field(description="The rollout to close.")
     value: CliPositionalArg[float] = Field(description="Its final reward.")
     gateway_url: str = Field("http://127.0.0.1:8100", description="The gateway's base URL.")
-    webhook_secret: str | None = Field(None, description="The webhook secret (better: RLGATE_WEBHOOK_SECRET).")
 
     def cli_cmd(self) -> None:
         from reward_hooks.client import RewardRejected, post_reward
 
+        # the secret only from the environment: a command-line flag would show in the process list
+        secret = RewardSettings().webhook_secret
         try:
-            answer = post_reward(self.gateway_url, self.rollout_id, self.value, secret=self.webhook_secret)
+            answer = post_reward(self.gateway_url, self.rollout_id, self.value,
+                                 secret=secret.get_secret_value() if secret is not None else None)
         except RewardRejected as exc:
             print(exc.body, file=sys.stderr)
             raise SystemExit(1) from exc

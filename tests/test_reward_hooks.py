@@ -100,6 +100,8 @@ def test_signed_webhooks_and_api_keys(fake_vllm: Proc, tmp_path, redis_client: r
         rid = uuid.uuid4().hex
         with pytest.raises(openai.AuthenticationError):
             agent_call(proc, rid, key="wrong")
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{proc.url}/v1", api_key="wrong").models.list()
         agent_call(proc, rid, key="agent-key-2")
         url = f"{proc.url}/rollouts/{rid}/reward"
         body = json.dumps({"reward": 1}).encode()
@@ -234,6 +236,13 @@ def test_automatic_intermediate_rewards_for_failed_tool_calls(fake_vllm: Proc, t
         calls = wait_for(lambda: (c := rollout(proc, rid)["calls"]) and c[0]["air_reward"] is not None and c)
         assert [c["air_reward"] for c in calls] == [-0.2, None, None, None]
         assert all(c["reward"] is None for c in calls)  # kept apart from webhook rewards
+        # a call refused because the episode is closed gives no automatic reward either
+        httpx.post(f"{proc.url}/rollouts/{rid}/reward", json={"reward": 1})
+        ok_history[-1]["content"] = "Error: timeout"
+        with pytest.raises(openai.ConflictError):
+            client.chat.completions.create(model=MODEL, messages=ok_history, tools=TOOLS, max_tokens=16)
+        time.sleep(0.3)
+        assert [c["air_reward"] for c in rollout(proc, rid)["calls"]] == [-0.2, None, None, None]
     finally:
         proc.kill()
 
@@ -314,3 +323,11 @@ def test_worker_params_keep_requests_away_from_the_workers_secrets(tmp_path):
         worker_params({"db_path": "/etc/passwd"}, settings)
     with pytest.raises(PermissionError):
         worker_params({"db_path": "x.sqlite"}, RewardSettings())
+
+
+def test_inspection_hides_the_ground_truth(gateway: Proc, redis_client: redis.Redis):
+    rid = uuid.uuid4().hex
+    agent_call(gateway, rid)
+    httpx.post(f"{gateway.url}/rollouts/{rid}/finish", json={"reward_fn": "exact_match", "ground_truth": "SECRET"})
+    stored = httpx.get(f"{gateway.url}/rollouts/{rid}")
+    assert stored.json()["finish"] == {"reward_fn": "exact_match"} and "SECRET" not in stored.text
