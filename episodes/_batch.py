@@ -44,7 +44,7 @@ class ScriptBatcher:
                 except Exception as exc:  # Redis failed: every caller of this batch learns it
                     _fail(batch, exc)
                     continue
-                for (_, future), reply in zip(batch, replies):
+                for (_, future), reply in zip(batch, replies, strict=True):
                     if future.done():
                         continue
                     if isinstance(reply, Exception):
@@ -67,7 +67,7 @@ class ScriptBatcher:
         if missing:  # Redis restarted or flushed its script cache: load the script and retry those
             await self._redis.script_load(self._script.script)
             again = await self._pipeline([batch[i] for i in missing])
-            for i, reply in zip(missing, again):
+            for i, reply in zip(missing, again, strict=True):
                 replies[i] = reply
         return replies
 

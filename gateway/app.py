@@ -23,6 +23,7 @@ import structlog
 from fastapi import APIRouter
 
 from episodes import EpisodeStore
+from episodes.api_error import error_body
 from gateway import errors
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import Proxy
@@ -125,7 +126,7 @@ class Gateway:
             log.exception("call_crashed", path=scope["path"])
             self.metrics.errors.labels("internal").inc()
             if not started:
-                body = errors.error_body("internal gateway error", "internal_error")
+                body = error_body("internal gateway error", "internal_error")
                 await send({"type": "http.response.start", "status": 500,
                             "headers": [(b"content-type", b"application/json")]})
                 await send({"type": "http.response.body", "body": body})

@@ -10,7 +10,7 @@ from typing import Any
 
 import orjson
 
-from episodes.api_error import ApiError, error_body
+from episodes.api_error import ApiError
 
 
 class GatewayError(ApiError):

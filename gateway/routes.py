@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import episodes
 from episodes import RolloutView
-from episodes.api_error import ApiError
+from episodes.api_error import ApiError, error_body
 from gateway import errors
 
 if TYPE_CHECKING:
@@ -56,20 +56,20 @@ def build_api(gateway: Gateway) -> FastAPI:
 
     @api.exception_handler(episodes.StoreUnavailable)
     async def _store_error(request: Request, exc: episodes.StoreUnavailable) -> Response:
-        return _json(503, errors.error_body(str(exc), errors.StoreUnavailable.type, code="store_unavailable"))
+        return _json(503, error_body(str(exc), errors.StoreUnavailable.type, code="store_unavailable"))
 
     @api.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
         first = exc.errors()[0] if exc.errors() else {}
         loc = ".".join(str(part) for part in first.get("loc", ()) if part != "body") or None
         message = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in exc.errors())
-        return _json(422, errors.error_body(message, "invalid_request_error", loc, "validation_error"))
+        return _json(422, error_body(message, "invalid_request_error", loc, "validation_error"))
 
     @api.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
         type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         message = f"{request.method} {request.url.path}: {exc.detail}"
-        return _json(exc.status_code, errors.error_body(message, type_, None, exc.status_code))
+        return _json(exc.status_code, error_body(message, type_, None, exc.status_code))
 
     @api.post("/rollouts", status_code=201, response_model=RolloutCreated)
     async def create_rollout(body: CreateRollout, request: Request) -> Response:

@@ -5,7 +5,6 @@ aiohttp was chosen over httpx and httpcore by measurement: scripts/bench_http_cl
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -54,7 +53,7 @@ class Upstream:
         try:
             async with self._session.request(method, self.url(path), data=body, timeout=timeout) as response:
                 yield response
-        except asyncio.TimeoutError as exc:
+        except TimeoutError as exc:
             raise UpstreamTimeout(f"the inference server did not answer within its time limit ({path})") from exc
         except aiohttp.ClientError as exc:
             raise UpstreamError(f"the inference server failed: {type(exc).__name__}: {exc}") from exc
@@ -65,7 +64,7 @@ class Upstream:
         try:
             async for data in response.content.iter_any():
                 yield data
-        except asyncio.TimeoutError as exc:
+        except TimeoutError as exc:
             raise UpstreamTimeout("the inference server's stream exceeded its time limit") from exc
         except aiohttp.ClientError as exc:
             raise UpstreamError(f"the inference server's stream broke: {type(exc).__name__}: {exc}") from exc

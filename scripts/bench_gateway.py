@@ -263,7 +263,7 @@ def main() -> None:
 
         cells = [(stream, conc) for stream in (False, True) for conc in (1, 32)]
         results: dict[tuple[str, bool, int], dict[str, list[float]]] = {}
-        for name, (url, _) in targets.items():  # warm-up
+        for url, _ in targets.values():  # warm-up
             for stream, conc in cells:
                 asyncio.run(drive(f"{url}/chat/completions", stream, conc, 200))
         for r in range(args.rounds):

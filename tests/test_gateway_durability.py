@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import REDIS_URL, Proc, free_port, start_fake_vllm, start_gateway
+from conftest import Proc, free_port, start_fake_vllm, start_gateway
 from test_gateway_errors import assert_openai_error
 from test_gateway_proxy import MESSAGES, MODEL, rollout
 

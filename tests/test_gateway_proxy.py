@@ -12,7 +12,6 @@ from typing import Any
 
 import httpx
 import openai
-import pytest
 
 from conftest import Proc
 

@@ -165,7 +165,7 @@ def test_record_survives_a_flushed_script_cache(redis_client: redis.Redis):
 
 def test_a_failed_batch_fails_every_caller_and_none_hangs():
     async def go():
-        store = EpisodeStore.from_url(f"redis://127.0.0.1:1/0", timeout_s=0.5)
+        store = EpisodeStore.from_url("redis://127.0.0.1:1/0", timeout_s=0.5)
         try:
             results = await asyncio.wait_for(asyncio.gather(
                 *(store.record_calls(f"r{i}", None, [_record(f"r{i}")]) for i in range(20)),
