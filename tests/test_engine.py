@@ -1,0 +1,107 @@
+"""The CPU sampling engine against a direct forward pass of a real (tiny, random) transformers model."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from inference.engine import Engine, SamplingParams, processed_logits  # noqa: E402
+
+VOCAB, PAD, EOS = 300, 0, 1
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                      tie_word_embeddings=True)
+    return transformers.Qwen2ForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    return Engine(model, pad_token_id=PAD, eos_token_ids=(EOS,))
+
+
+PROMPTS = [[5, 17, 42, 99, 7, 3], [250, 11], [8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]]
+
+
+def direct_logprobs(model, prompt, completion, params):
+    """log p(token) of each completion token from one unpadded forward pass over prompt + completion."""
+    ids = torch.tensor([prompt + completion[:-1]])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0]
+    out = []
+    for i, token in enumerate(completion):
+        z = processed_logits(logits[len(prompt) - 1 + i], params)
+        out.append(float(torch.log_softmax(z, -1)[token]))
+    return out
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=8, temperature=0.7, seed=1),
+    SamplingParams(max_tokens=8, temperature=1.3, top_k=7, top_p=0.8, seed=2, logit_bias={12: 3.0, 40: -2.0}),
+    SamplingParams(max_tokens=8, temperature=0, seed=3),
+])
+def test_logprobs_are_those_of_the_sampled_distribution(model, engine, params):
+    outs = engine.generate(PROMPTS, [params] * len(PROMPTS))
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        assert len(out.token_ids) == len(out.logprobs) > 0
+        expected = direct_logprobs(model, prompt, out.token_ids, params)
+        assert out.logprobs == pytest.approx(expected, abs=2e-4)
+
+
+def test_a_row_does_not_depend_on_its_batch(engine):
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=7)
+    alone = engine.generate([PROMPTS[1]], [params])[0]
+    batched = engine.generate(PROMPTS, [SamplingParams(max_tokens=10, seed=s) for s in (1, 7, 3)])[1]
+    assert batched.token_ids == alone.token_ids
+    assert batched.logprobs == pytest.approx(alone.logprobs, abs=2e-4)
+    again = engine.generate([PROMPTS[1]], [params])[0]
+    assert again.token_ids == alone.token_ids  # seeded: reproducible
+    other = engine.generate([PROMPTS[1]], [SamplingParams(max_tokens=10, temperature=1.0, seed=8)])[0]
+    assert other.token_ids != alone.token_ids
+
+
+def test_greedy_matches_transformers_generate(model, engine):
+    out = engine.generate([PROMPTS[0]], [SamplingParams(max_tokens=12, temperature=0)])[0]
+    reference = model.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=12, do_sample=False,
+                               eos_token_id=EOS, pad_token_id=PAD)[0, len(PROMPTS[0]):].tolist()
+    assert out.token_ids == reference
+
+
+def test_logit_bias_stops_and_lengths(engine):
+    forced = engine.generate([PROMPTS[0]], [SamplingParams(max_tokens=5, logit_bias={77: 100.0}, seed=0)])[0]
+    assert forced.token_ids == [77] * 5 and forced.finish_reason == "length"
+    assert forced.logprobs == pytest.approx([0.0] * 5, abs=1e-6)
+    stopped = engine.generate([PROMPTS[0]], [SamplingParams(max_tokens=5, logit_bias={EOS: 100.0})])[0]
+    assert stopped.token_ids == [EOS] and stopped.finish_reason == "stop" and stopped.stop_token_id == EOS
+    custom = engine.generate([PROMPTS[0]], [SamplingParams(max_tokens=5, logit_bias={9: 100.0},
+                                                           stop_token_ids=(9,))])[0]
+    assert custom.token_ids == [9] and custom.finish_reason == "stop"
+    never = engine.generate([PROMPTS[0]], [SamplingParams(max_tokens=20, temperature=0,
+                                                          logit_bias={t: -100.0 for t in range(100, 300)})])[0]
+    assert all(t < 100 for t in never.token_ids)
+
+
+def test_top_logprobs(engine):
+    out = engine.generate([PROMPTS[2]], [SamplingParams(max_tokens=4, top_logprobs=3, seed=5)])[0]
+    for token, logprob, top in zip(out.token_ids, out.logprobs, out.top_logprobs, strict=True):
+        assert top[0] == (token, pytest.approx(logprob)) and len(top) == 3
+        assert [lp for _, lp in top[1:]] == sorted((lp for _, lp in top[1:]), reverse=True)
+
+
+def test_top_k_and_top_p_truncate():
+    logits = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0])
+    z = processed_logits(logits, SamplingParams(top_k=2))
+    assert torch.isinf(z[2:]).all() and torch.isfinite(z[:2]).all()
+    probs = torch.softmax(logits, -1)  # 0.636, 0.234, 0.086, ...: the top two reach 0.87
+    z = processed_logits(logits, SamplingParams(top_p=0.8))
+    assert torch.isfinite(z[:2]).all() and torch.isinf(z[2:]).all() and probs[:2].sum() > 0.8
+    z = processed_logits(logits, SamplingParams(top_p=0.5))
+    assert torch.isfinite(z[0]) and torch.isinf(z[1:]).all()
+    with pytest.raises(ValueError):
+        SamplingParams(top_p=0)
