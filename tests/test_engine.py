@@ -105,3 +105,26 @@ def test_top_k_and_top_p_truncate():
     assert torch.isfinite(z[0]) and torch.isinf(z[1:]).all()
     with pytest.raises(ValueError):
         SamplingParams(top_p=0)
+
+
+def test_scheduler_batches_concurrent_requests(engine):
+    import asyncio
+
+    from inference.scheduler import Scheduler
+
+    params = [SamplingParams(max_tokens=6, seed=i) for i in range(12)]
+    prompts = [PROMPTS[i % 3] for i in range(12)]
+
+    async def go():
+        scheduler = Scheduler(engine, window_s=0.01)
+        scheduler.start()
+        try:
+            results = await asyncio.gather(*(scheduler.generate(p, q) for p, q in zip(prompts, params, strict=True)))
+        finally:
+            await scheduler.aclose()
+        return results, scheduler.batches
+
+    results, batches = asyncio.run(go())
+    assert batches < 12  # they shared forward passes
+    direct = engine.generate(prompts, params)
+    assert [r.token_ids for r in results] == [d.token_ids for d in direct]

@@ -1,0 +1,78 @@
+"""Batches concurrent generation requests for the engine: a short collection window, then one batch.
+
+Requests that arrive within `window_s` of the first waiting one (or until `max_batch` rows are waiting)
+run together in one `Engine.generate` call on a worker thread, so 16-32 parallel agents share one forward
+pass per token instead of queueing behind each other. One batch runs at a time; requests that arrive
+meanwhile form the next one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from inference.engine import Completion, Engine, SamplingParams
+
+
+@dataclass
+class _Pending:
+    prompt: list[int]
+    params: SamplingParams
+    future: asyncio.Future[Completion]
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, *, window_s: float = 0.003, max_batch: int = 64) -> None:
+        self.engine = engine
+        self.window_s = window_s
+        self.max_batch = max_batch
+        self._pending: list[_Pending] = []
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.batches = 0  # how many engine batches ran (for tests and metrics)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        for pending in self._pending:
+            if not pending.future.done():
+                pending.future.set_exception(RuntimeError("the inference server is shutting down"))
+
+    async def generate(self, prompt: list[int], params: SamplingParams) -> Completion:
+        """Queue one row and wait for its completion."""
+        future: asyncio.Future[Completion] = asyncio.get_running_loop().create_future()
+        self._pending.append(_Pending(prompt, params, future))
+        self._wake.set()
+        return await future
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            if len(self._pending) < self.max_batch:
+                await asyncio.sleep(self.window_s)  # let the rest of a burst arrive
+            batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch:]
+            if not self._pending:
+                self._wake.clear()
+            batch = [p for p in batch if not p.future.cancelled()]
+            if not batch:
+                continue
+            try:
+                results = await asyncio.to_thread(self.engine.generate, [p.prompt for p in batch],
+                                                  [p.params for p in batch])
+            except Exception as exc:  # a bad batch fails its requests, not the server
+                for pending in batch:
+                    if not pending.future.done():
+                        pending.future.set_exception(exc)
+                continue
+            finally:
+                self.batches += 1
+            for pending, result in zip(batch, results, strict=True):
+                if not pending.future.done():
+                    pending.future.set_result(result)
