@@ -8,7 +8,7 @@
 This module is where the services meet: the gateway serves the reward webhook routes and runs the
 sweeper, but neither package imports the other.
 
-`serve`, `learner` and `demo` arrive with the issues that build them.
+`serve`, `learner` and `demo` arrive with the issues that build them (`make-tiny-model` is issue 4's first part).
 """
 
 from __future__ import annotations
@@ -130,6 +130,30 @@ class ExportCommand(BaseSettings):
         print(json.dumps({"rows": rows, "path": str(self.out), "format": self.format}))
 
 
+class MakeTinyModelCommand(BaseSettings):
+    """Build, deterministically from a seed, a tiny causal LM (Qwen2 architecture) with a byte-level
+    tokenizer and a ChatML chat template with hermes-style tool calls, as a normal Hugging Face folder."""
+
+    model_config = SettingsConfigDict(cli_kebab_case=True)
+
+    directory: CliPositionalArg[Path] = Field(description="Folder to create (must not exist or be empty).")
+    seed: int = Field(0, description="Seed of the random initialisation.")
+    hidden_size: int = Field(64, description="Width of the model.")
+    num_layers: int = Field(2, description="Transformer layers.")
+    num_heads: int = Field(4, description="Attention heads.")
+
+    def cli_cmd(self) -> None:
+        from inference.tiny_model import build_tiny_model
+
+        try:
+            path = build_tiny_model(self.directory, seed=self.seed, hidden_size=self.hidden_size,
+                                    num_layers=self.num_layers, num_heads=self.num_heads)
+        except FileExistsError as exc:
+            print(f"rlgate make-tiny-model: {exc}", file=sys.stderr)
+            raise SystemExit(1) from exc
+        print(json.dumps({"path": str(path)}))
+
+
 class Rlgate(BaseSettings):
     """rlgate: any agent gets better through reinforcement learning by pointing OPENAI_BASE_URL at it."""
 
@@ -139,6 +163,8 @@ class Rlgate(BaseSettings):
     worker: CliSubCommand[WorkerCommand] = Field(description="Run the reward worker (rq).")
     reward: CliSubCommand[RewardCommand] = Field(description="Post an episode's reward to the gateway.")
     export: CliSubCommand[ExportCommand] = Field(description="Export episodes as training data.")
+    make_tiny_model: CliSubCommand[MakeTinyModelCommand] = Field(
+        description="Build a tiny model and tokenizer in code (for the CPU server and tests).")
 
     def cli_cmd(self) -> None:
         CliApp.run_subcommand(self)

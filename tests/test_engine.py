@@ -128,3 +128,25 @@ def test_scheduler_batches_concurrent_requests(engine):
     assert batches < 12  # they shared forward passes
     direct = engine.generate(prompts, params)
     assert [r.token_ids for r in results] == [d.token_ids for d in direct]
+
+
+def test_engine_on_the_tiny_model_built_by_the_cli(tmp_path):
+    import subprocess
+    import sys
+
+    path = tmp_path / "tiny"
+    subprocess.run([sys.executable, "-m", "rlgate", "make-tiny-model", str(path), "--seed", "3"], check=True,
+                   capture_output=True)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    engine = Engine(model, pad_token_id=tokenizer.pad_token_id, eos_token_ids=(tokenizer.eos_token_id,))
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                         tokenize=False)
+    assert text.endswith("<|im_start|>assistant\n")
+    prompt = tokenizer.encode(text)
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    [out] = engine.generate([prompt], [SamplingParams(max_tokens=4, logit_bias={end: 100.0})])
+    assert out.token_ids == [end] and out.finish_reason == "stop"
+    [free] = engine.generate([prompt], [SamplingParams(max_tokens=6, seed=0)])
+    assert len(free.token_ids) >= 1 and len(free.logprobs) == len(free.token_ids)
+    assert free.logprobs == pytest.approx(direct_logprobs(model, prompt, free.token_ids, SamplingParams()), abs=2e-4)
