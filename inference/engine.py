@@ -15,7 +15,9 @@ from, in vLLM's order:
 The reported log-prob of a sampled token is log p(token): the distribution actually sampled from (after
 bias, temperature and truncation), so a learner's importance ratios compare like with like. With
 temperature 0 it is log softmax(z + logit_bias) (no scaling, no truncation). `top_logprobs` come from the
-same distribution (tokens outside the truncated set have -inf and are not listed).
+same distribution (tokens outside the truncated set have -inf and are not listed). Behind vLLM, which
+log-probs it reports is its `--logprobs-mode` (raw or processed); the learner must be told which
+(checked against a real vLLM: not yet, no GPU here).
 """
 
 from __future__ import annotations
