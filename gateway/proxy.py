@@ -22,6 +22,7 @@ import structlog
 import episodes
 from episodes import CallError, CallRecord, Endpoint, EpisodeStore
 from gateway import capture, errors
+from gateway._asgi import disconnected, error_event, read_json, send_body
 from gateway.air import AutomaticRewards
 from gateway.metrics import GatewayMetrics
 from gateway.settings import GatewaySettings
@@ -101,7 +102,7 @@ class Proxy:
             status = response.status
         if status != 200:
             body = orjson.dumps({"error": errors.upstream_error_payload(status, body)})
-        await _send_body(send, status, body, [_JSON])
+        await send_body(send, status, body, [_JSON])
 
     async def call(self, scope: dict[str, Any], receive: Any, send: Any, endpoint: Endpoint,
                    rollout_id: str | None, task_id: str | None) -> None:
@@ -132,14 +133,14 @@ class Proxy:
                 episodes.validate_id(task_id, "task id")
         except episodes.InvalidId as exc:
             raise errors.BadRequest(str(exc), code="invalid_id") from exc
-        body = await _read_json(receive, self.settings.max_body_bytes)
+        body = await read_json(receive, self.settings.max_body_bytes)
         call = Call(rollout_id, task_id, agent_name, endpoint, body, self.policy_version, started_at, t0,
                     (b"x-rollout-id", rollout_id.encode()))
         upstream_body, injected = (capture.inject(endpoint, body) if self.inject
                                    else (body, capture.Injected()))
         # Resolves when the agent hangs up: its call is then recorded as failed (it never saw the answer)
         # and a stream stops reading upstream, which makes vLLM abort the request.
-        disconnect = asyncio.ensure_future(_disconnected(receive))
+        disconnect = asyncio.ensure_future(disconnected(receive))
         serve = self._stream if call.stream else self._unary
         try:
             await serve(call, orjson.dumps(upstream_body), injected, send, disconnect)
@@ -206,7 +207,7 @@ class Proxy:
             capture.strip_response(call.endpoint, payload, injected)
             raw = orjson.dumps(payload)
         await self._commit(call, records, "ok")
-        await _send_body(send, 200, raw, [_JSON, call.rollout_header])
+        await send_body(send, 200, raw, [_JSON, call.rollout_header])
 
     async def _upstream_failed(self, call: Call, status: int, raw: bytes, send: Any) -> None:
         """An upstream error answer: recorded as a failed call, passed on with its status."""
@@ -215,7 +216,7 @@ class Proxy:
                           message=str(payload.get("message") or ""), code=_code(payload.get("code")))
         latency_ms = (time.perf_counter() - call.t0) * 1000
         await self._commit(call, self._records(call, [], error, latency_ms, None), "upstream_error")
-        await _send_body(send, status, orjson.dumps({"error": payload}), [_JSON, call.rollout_header])
+        await send_body(send, status, orjson.dumps({"error": payload}), [_JSON, call.rollout_header])
 
     # -----------------------------------------------------------------------------------------------------
     # Streaming: chunks pass through as they arrive; the final event waits for the commit.
@@ -289,13 +290,13 @@ class Proxy:
             await self._commit(call, records, outcome)
         except errors.GatewayError as exc:
             # The agent has the content but not the end of the stream: it sees an error, never a success.
-            await send({"type": "http.response.body", "body": _error_event(endpoint, exc.status, exc.type,
+            await send({"type": "http.response.body", "body": error_event(endpoint, exc.status, exc.type,
                                                                            exc.message, exc.code)})
             return
         if client_gone:
             return
         if failure is not None:  # recorded as failed; the agent learns it the way vLLM would tell it
-            tail = _error_event(endpoint, failure.status, failure.type, failure.message, failure.code)
+            tail = error_event(endpoint, failure.status, failure.type, failure.message, failure.code)
             if endpoint != "responses":
                 tail += DONE + b"\n\n"
         else:
@@ -370,42 +371,6 @@ class Proxy:
                  prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
 
 
-async def _read_json(receive: Any, limit: int) -> dict[str, Any]:
-    chunks = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise errors.BadRequest("the client disconnected before sending its request")
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise errors.PayloadTooLarge(f"request body larger than {limit} bytes")
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            break
-    raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise errors.BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
-    if not isinstance(body, dict):
-        raise errors.BadRequest("request body must be a JSON object", code="invalid_json")
-    return body
-
-
-async def _send_body(send: Any, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [*headers, (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
-
-
-async def _disconnected(receive: Any) -> None:
-    """Returns when the client disconnects (the request body has been read already)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
 def _client_gone() -> CallError:
     return CallError(status=499, type="client_disconnected",
                      message="the client closed the connection before the answer was complete")
@@ -413,12 +378,3 @@ def _client_gone() -> CallError:
 
 def _code(value: Any) -> str | int | None:
     return value if value is None or isinstance(value, (str, int)) else str(value)
-
-
-def _error_event(endpoint: Endpoint, status: int, type_: str, message: str, code: Any) -> bytes:
-    """An SSE error event in the stream's own dialect (vLLM's for chat/completions, OpenAI's for responses)."""
-    if endpoint == "responses":
-        return b"event: error\ndata: " + orjson.dumps(
-            {"type": "error", "code": str(code or status), "message": message, "param": None}) + b"\n\n"
-    return b"data: " + orjson.dumps(
-        {"error": {"message": message, "type": type_, "param": None, "code": status}}) + b"\n\n"
