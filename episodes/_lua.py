@@ -80,8 +80,9 @@ return 0
 # Expires an open rollout whose time has passed, or closes it with a fill reward.
 # KEYS[1] rollout hash
 # ARGV[1] now, ARGV[2] fill reward (canonical repr, '' for none)
-# Returns {'expired'}, {'closed'} (filled), {'not_due', expires_at} or {'not_open'}. A rollout with a
-# pending reward job (a `finish` request) is never filled: its job failed or never ran.
+# Returns {'expired'}, {'closed'} (filled), {'failed'}, {'not_due', expires_at} or {'not_open'}. A
+# rollout with a pending reward job (a `finish` request) is never filled: its job died (say, a killed
+# worker) or never ran, so it is `failed`, with that as its error.
 EXPIRE = """
 if redis.call('HGET', KEYS[1], 'status') ~= 'open' then
   return {'not_open'}
@@ -90,7 +91,12 @@ local expires_at = redis.call('HGET', KEYS[1], 'expires_at') or '0'
 if tonumber(expires_at) > tonumber(ARGV[1]) then
   return {'not_due', expires_at}
 end
-if ARGV[2] ~= '' and redis.call('HEXISTS', KEYS[1], 'finish') == 0 then
+if redis.call('HEXISTS', KEYS[1], 'finish') == 1 then
+  redis.call('HSET', KEYS[1], 'status', 'failed', 'closed_at', ARGV[1],
+             'error', 'the reward job did not close the episode before its TTL')
+  return {'failed'}
+end
+if ARGV[2] ~= '' then
   redis.call('HSET', KEYS[1], 'status', 'closed', 'reward', ARGV[2], 'closed_at', ARGV[1],
              'reward_metadata', '{"filled": true}', 'published', '0')
   return {'closed'}

@@ -28,7 +28,8 @@ many gateways, webhooks or workers race on it):
 
     open --reward--> closed --learner ack--> consumed
     open --TTL passed--> expired          (or closed with the configured fill reward)
-    open --reward job gave up--> failed
+    open --reward job gave up--> failed   (also at the TTL, if a reward job was asked for and never
+                                           closed it: a killed worker)
 
 Closed episodes reach learners through the `episodes` stream with an outbox, since the stream and the
 rollout live in different slots: a closer first adds the rollout to `outbox`, then runs the close

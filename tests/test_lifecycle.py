@@ -235,7 +235,7 @@ def test_repair_never_republishes_a_consumed_episode(redis_client: redis.Redis):
     assert redis_client.hget("t:rollout:{done}", "published") == b"1" and redis_client.zcard("t:outbox") == 0
 
 
-def test_a_rollout_waiting_for_its_reward_job_is_not_filled(redis_client: redis.Redis):
+def test_a_rollout_whose_reward_job_never_closed_it_fails_at_its_ttl(redis_client: redis.Redis):
     from episodes import FinishRequest
 
     async def scenario(store, lifecycle):
@@ -245,5 +245,6 @@ def test_a_rollout_waiting_for_its_reward_job_is_not_filled(redis_client: redis.
         return await lifecycle.expire_due(fill_reward=0.0), await store.get_rollout("judged")
 
     swept, rollout = run(scenario, ttl_s=0.2)
-    assert swept == {"judged": "expired"} and rollout.status == "expired"
+    assert swept == {"judged": "failed"} and rollout.status == "failed"
+    assert rollout.error == "the reward job did not close the episode before its TTL"
     assert stream_rollouts(redis_client) == []
