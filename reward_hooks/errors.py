@@ -31,6 +31,12 @@ class Gone(WebhookError):
     code = "rollout_expired"
 
 
+class PayloadTooLarge(WebhookError):
+    status = 413
+    type = "invalid_request_error"
+    code = "payload_too_large"
+
+
 class Unprocessable(WebhookError):
     status = 422
     type = "invalid_request_error"

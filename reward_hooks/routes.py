@@ -29,6 +29,9 @@ from reward_hooks.rewards import UnknownRewardFn, get_allowed_reward_fn
 from reward_hooks.settings import RewardSettings
 
 
+MAX_BODY_BYTES = 1 << 20
+
+
 class RewardPost(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -60,7 +63,13 @@ def build_router(store: EpisodeStore, settings: RewardSettings, queue: RewardQue
     secret = settings.webhook_secret.get_secret_value() if settings.webhook_secret is not None else None
 
     async def parse(request: Request, model: type[BaseModel], rollout_id: str) -> Any:
-        raw = await request.body()
+        chunks, size = [], 0
+        async for chunk in request.stream():  # bounded before anything is hashed or parsed
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise errors.PayloadTooLarge(f"reward requests are limited to {MAX_BODY_BYTES} bytes")
+            chunks.append(chunk)
+        raw = b"".join(chunks)
         if secret is not None and not signing.verify(raw, secret, request.headers.get(signing.HEADER)):
             raise errors.Unauthorized(f"missing or wrong {signing.HEADER} signature")
         try:

@@ -78,6 +78,8 @@ def test_bad_reward_posts_change_nothing(gateway: Proc, redis_client: redis.Redi
         response = httpx.post(url, content=body, headers={"content-type": "application/json"})
         assert assert_openai_error(response, 422)["code"] == "validation_error", body
     assert_openai_error(httpx.post(f"{gateway.url}/rollouts/nobody/reward", json={"reward": 1}), 404)
+    big = {"reward": 1, "metadata": {"x": "y" * (2 << 20)}}
+    assert assert_openai_error(httpx.post(url, json=big), 413)["code"] == "payload_too_large"
     assert rollout(gateway, rid)["status"] == "open" and stream_entries(redis_client) == []
 
 
