@@ -1,8 +1,9 @@
-"""The embedded CPU inference backend of `rlgate serve` (issue 4): the tiny model built in code; the server
-arrives next.
+"""The embedded CPU inference backend of `rlgate serve` (issue 4).
 
-`build_tiny_model` writes a tiny Qwen2 causal LM with a byte-level tokenizer and a Hermes-style ChatML
-chat template to a Hugging Face folder; `build_tokenizer` gives that tokenizer in memory.
+`tiny_model` builds a tiny Qwen2 causal LM with a byte-level tokenizer and a Hermes-style ChatML chat
+template in code; `engine` samples batches on the CPU with the log-probs of the distribution sampled from;
+`scheduler` batches concurrent requests; `model`, `endpoints` and `server` answer in vLLM's wire format
+(`server` documents the contract and the differences).
 """
 
 from inference.tiny_model import CHAT_TEMPLATE, build_tiny_model, build_tokenizer

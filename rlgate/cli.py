@@ -4,11 +4,12 @@
     rlgate worker
     rlgate reward ROLLOUT_ID 1.0
     rlgate export episodes.parquet --format parquet --min-reward 0.5
+    rlgate make-tiny-model runs/tiny && rlgate serve --model runs/tiny --port 8000
 
 This module is where the services meet: the gateway serves the reward webhook routes and runs the
 sweeper, but neither package imports the other.
 
-`serve`, `learner` and `demo` arrive with the issues that build them (`make-tiny-model` is issue 4's first part).
+`learner` and `demo` arrive with the issues that build them.
 """
 
 from __future__ import annotations
@@ -130,6 +131,32 @@ class ExportCommand(BaseSettings):
         print(json.dumps({"rows": rows, "path": str(self.out), "format": self.format}))
 
 
+class ServeCommand(BaseSettings):
+    """Serve a local Hugging Face causal LM on the CPU through an OpenAI-compatible API in vLLM's wire format
+    (token ids, log-probs, hermes tool calls): the embedded inference backend, for small models. Prints
+    READY <port> once listening. Needs `pip install rlgate[serve]`."""
+
+    model_config = SettingsConfigDict(env_prefix="RLGATE_SERVE_", cli_kebab_case=True, extra="ignore")
+
+    model: Path = Field(description="A local Hugging Face causal LM folder (rlgate make-tiny-model builds one).")
+    host: str = Field("127.0.0.1", description="Interface to listen on.")
+    port: int = Field(8000, description="Port to listen on (0: any free port).")
+    served_model_name: str | None = Field(None, description="The model name clients use (default: --model).")
+    batch_window_ms: float = Field(3.0, description="How long a batch waits for concurrent requests to join.")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
+    log_format: Literal["auto", "json", "console"] = Field("auto", description="auto, json or console.")
+
+    def cli_cmd(self) -> None:
+        from inference.server import serve
+
+        configure_logging(self.log_level, self.log_format)
+        try:
+            serve(self.model, self.host, self.port, served_model_name=self.served_model_name,
+                  batch_window_s=self.batch_window_ms / 1000)
+        except KeyboardInterrupt:
+            pass
+
+
 class MakeTinyModelCommand(BaseSettings):
     """Build, deterministically from a seed, a tiny causal LM (Qwen2 architecture) with a byte-level
     tokenizer and a ChatML chat template with hermes-style tool calls, as a normal Hugging Face folder."""
@@ -163,6 +190,7 @@ class Rlgate(BaseSettings):
     worker: CliSubCommand[WorkerCommand] = Field(description="Run the reward worker (rq).")
     reward: CliSubCommand[RewardCommand] = Field(description="Post an episode's reward to the gateway.")
     export: CliSubCommand[ExportCommand] = Field(description="Export episodes as training data.")
+    serve: CliSubCommand[ServeCommand] = Field(description="Serve a small model on the CPU, in vLLM's wire format.")
     make_tiny_model: CliSubCommand[MakeTinyModelCommand] = Field(
         description="Build a tiny model and tokenizer in code (for the CPU server and tests).")
 

@@ -1,0 +1,168 @@
+"""`rlgate serve`: an OpenAI-compatible HTTP server on the CPU engine that answers in vLLM 0.33's wire format.
+
+Endpoints (docs/vllm-wire-format.md has the field-by-field contract): `POST /v1/chat/completions`,
+`POST /v1/completions` (both with `stream`), `GET /v1/models`, `GET /health`, `POST /tokenize`,
+`POST /detokenize`. Tools are parsed hermes-style (`inference.tools`), as `vllm serve
+--enable-auto-tool-choice --tool-call-parser hermes`.
+
+How it differs from vLLM, on purpose or not yet:
+- Streams are generated first, then sent as vLLM's chunk sequence (one chunk per token): the first chunk
+  arrives only when the whole completion is done. Token-by-token streaming needs an engine step API.
+- Stop strings are applied after generation: the tokens up to and including the one that completed the
+  stop string are kept (as vLLM keeps them), the text ends before it; the engine keeps sampling up to
+  max_tokens (or EOS) and those extra tokens are dropped: wasted compute, not a wire difference. An engine
+  stop callback would end the row there.
+- Streamed tool calls follow vLLM's hermes deltas (name first, then argument fragments), but only when the
+  whole text parses as tool calls; otherwise the text streams as content, as the non-streaming answer has it
+  (vLLM's parser may send partial call deltas for a call it cannot finish).
+- `tool_choice` "required" or a named function is not enforced by constrained decoding.
+- Text is decoded with `errors="replace"` (`inference.detokenize`); token ids are the record.
+- Sampling defaults come from the model's generation_config.json (temperature, top_p, top_k), as vLLM's
+  `--generation-config auto`; penalties, min_p, min_tokens and ignore_eos are a 400 unless neutral.
+- Completions `echo` with `logprobs` reports log-probs of the completion tokens only (no prompt log-probs).
+- `system_fingerprint` is `rlgate-<hash8 of the model path>`.
+
+Entry points: `build_app(model_dir, ...)` (a FastAPI app) and `serve(model_dir, host, port, ...)`, which
+`rlgate serve --model DIR --port N` runs; it prints `READY <port>` once listening.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import orjson
+import structlog
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from pydantic import BaseModel, ValidationError
+
+from inference.endpoints import Server
+from inference.model import Model
+from inference.protocol import (
+    BadRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ServeError,
+    TokenizeRequest,
+)
+
+log = structlog.get_logger("rlgate.serve")
+
+
+async def _parse(request: Request, model_cls: type[BaseModel]) -> Any:
+    """The body as `model_cls`, with vLLM's 400s for a wrong content type, bad JSON, or invalid fields."""
+    if request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
+        raise BadRequest("1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed",
+                         type="Bad Request")
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        pos = getattr(exc, "pos", 0)
+        raise BadRequest(f"1 validation error:\n  {{'type': 'json_invalid', 'loc': 'body.{pos}', 'msg': 'JSON decode "
+                         f"error', 'input': '<dict of 0 items>', 'ctx': {{'error': '{getattr(exc, 'msg', exc)}'}}}}",
+                         param=f"body.{pos}", type="Bad Request") from exc
+    if not isinstance(body, dict):
+        raise BadRequest("1 validation error:\n  Input should be a valid dictionary", param="body", type="Bad Request")
+    try:
+        return model_cls.model_validate(body)
+    except ValidationError as exc:
+        errors = exc.errors()
+        for error in errors:  # a validator's own BadRequest keeps its message and param
+            if isinstance((error.get("ctx") or {}).get("error"), BadRequest):
+                raise error["ctx"]["error"] from exc
+        first = errors[0]
+        lines = "\n  ".join(str({"type": e["type"], "loc": ("body", *e["loc"]), "msg": e["msg"]}) for e in errors)
+        count = len(errors)
+        raise BadRequest(f"{count} validation error{'s' if count > 1 else ''}:\n  {lines}",
+                         param=".".join(["body", *map(str, first["loc"])]), type="Bad Request") from exc
+
+
+def build_app(model_dir: Path | str, *, served_model_name: str | None = None,
+              batch_window_s: float = 0.003) -> FastAPI:
+    """The FastAPI app of `rlgate serve` for the Hugging Face causal LM folder `model_dir` (float32, CPU).
+    The model loads now; the scheduler starts with the app (lifespan)."""
+    model = Model(Path(model_dir), served_model_name, batch_window_s)
+    server = Server(model)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        model.scheduler.start()
+        try:
+            yield
+        finally:
+            await model.scheduler.aclose()
+
+    app = FastAPI(title="rlgate serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = server
+
+    @app.exception_handler(ServeError)
+    async def serve_error(request: Request, exc: ServeError) -> Response:
+        return Response(orjson.dumps(exc.body()), status_code=exc.status, media_type="application/json")
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> Response:  # vLLM's 500 body, never a bare text
+        log.error("request failed", path=request.url.path, exc_info=exc)
+        body = {"error": {"message": "Internal server error", "type": "InternalServerError", "param": None,
+                          "code": 500}}
+        return Response(orjson.dumps(body), status_code=500, media_type="application/json")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await server.chat(await _parse(request, ChatCompletionRequest))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await server.completions(await _parse(request, CompletionRequest))
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return Response(orjson.dumps(server.models()), media_type="application/json")
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return Response(orjson.dumps(server.tokenize(await _parse(request, TokenizeRequest))),
+                        media_type="application/json")
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return Response(orjson.dumps(server.detokenize(await _parse(request, DetokenizeRequest))),
+                        media_type="application/json")
+
+    return app
+
+
+async def _serve(app: FastAPI, host: str, port: int, announce: bool) -> None:
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        if task.done():
+            await task  # startup failed: raise its error
+            return
+        await asyncio.sleep(0.01)
+    if announce:
+        print(f"READY {sock.getsockname()[1]}", flush=True)
+    await task
+
+
+def serve(model_dir: Path | str, host: str = "127.0.0.1", port: int = 8000, *, served_model_name: str | None = None,
+          batch_window_s: float = 0.003, announce: bool = True) -> None:
+    """Load the model and serve it until interrupted; prints `READY <port>` once listening (port 0 picks one)."""
+    app = build_app(model_dir, served_model_name=served_model_name, batch_window_s=batch_window_s)
+    asyncio.run(_serve(app, host, port, announce))
