@@ -205,3 +205,33 @@ def test_a_hung_redis_times_out_for_every_caller_and_never_stalls_the_batcher():
     results = run(go())
     listener.close()
     assert len(results) == 7 and all(isinstance(r, StoreUnavailable) for r in results), results
+
+
+def test_a_cancelled_store_call_stays_cancelled(redis_client: redis.Redis):
+    """redis-py turns a cancellation in the middle of a command into ConnectionError; the store must not
+    turn that into StoreUnavailable, or a cancelled background loop (the gateway's shutdown) never ends."""
+    import random
+
+    async def go():
+        stuck = 0
+        for _ in range(60):
+            store = EpisodeStore.from_url(REDIS_URL, prefix="t")
+
+            async def poll():
+                while True:
+                    try:
+                        await store.policy_version()
+                    except StoreUnavailable:
+                        pass
+
+            task = asyncio.create_task(poll())
+            await asyncio.sleep(random.random() * 0.003)
+            task.cancel()
+            done, _ = await asyncio.wait({task}, timeout=1)
+            if not done:
+                stuck += 1
+                task.cancel()
+            await store.aclose()
+        return stuck
+
+    assert run(go()) == 0

@@ -1,0 +1,94 @@
+"""Benchmark `rlgate serve` on the tiny model: short chat completions per second and latency by concurrency.
+
+Builds the tiny model (`rlgate make-tiny-model`) into a temporary folder, starts `rlgate serve` on it, and
+drives POST /v1/chat/completions (one user message, `max_tokens` 8, temperature 1) from `concurrency`
+workers for a fixed number of requests per cell, after a warm-up. The server and the load generator share
+the machine's cores. LoRA loads and full-weight updates are not built yet, so they are not measured.
+
+Run:  .venv/bin/python scripts/bench_serve.py [--requests 400] [--concurrency 1 16 32] [--max-tokens 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def drive(url: str, body: bytes, concurrency: int, n: int) -> tuple[float, list[float], int]:
+    latencies: list[float] = []
+    tokens = 0
+    remaining = n
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector, headers={"content-type": "application/json"}) as s:
+        async def worker() -> None:
+            nonlocal remaining, tokens
+            while remaining > 0:
+                remaining -= 1
+                t0 = time.perf_counter()
+                async with s.post(url, data=body) as response:
+                    answer = await response.json()
+                    if response.status != 200:
+                        raise RuntimeError(f"HTTP {response.status}: {answer}")
+                latencies.append(time.perf_counter() - t0)
+                tokens += answer["usage"]["completion_tokens"]
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return time.perf_counter() - start, latencies, tokens
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=400, help="requests per cell")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 32])
+    ap.add_argument("--max-tokens", type=int, default=8)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="rlgate-bench-serve-") as tmp:
+        model = Path(tmp) / "tiny"
+        subprocess.run([sys.executable, "-m", "rlgate", "make-tiny-model", str(model)], check=True,
+                       capture_output=True, cwd=ROOT)
+        port = free_port()
+        server = subprocess.Popen([sys.executable, "-m", "rlgate", "serve", "--model", str(model), "--port",
+                                   str(port), "--served-model-name", "tiny", "--log-level", "warning"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
+        try:
+            assert server.stdout.readline().startswith("READY"), "rlgate serve did not start"
+            url = f"http://127.0.0.1:{port}/v1/chat/completions"
+            body = json.dumps({"model": "tiny", "max_tokens": args.max_tokens, "temperature": 1.0,
+                               "messages": [{"role": "user", "content": "What is 17 + 25?"}]}).encode()
+            asyncio.run(drive(url, body, 4, 40))  # warm-up
+            print(f"\n{args.requests} requests per cell, max_tokens {args.max_tokens}, "
+                  f"server and load generator on the same {len(os.sched_getaffinity(0))} cores\n")
+            print("| concurrency | completions/s | tokens/s | p50 ms | p99 ms |")
+            print("|---:|---:|---:|---:|---:|")
+            for concurrency in args.concurrency:
+                wall, latencies, tokens = asyncio.run(drive(url, body, concurrency, args.requests))
+                q = statistics.quantiles(latencies, n=100, method="inclusive")
+                print(f"| {concurrency} | {len(latencies) / wall:,.0f} | {tokens / wall:,.0f} | "
+                      f"{q[49] * 1000:.1f} | {q[98] * 1000:.1f} |")
+        finally:
+            server.terminate()
+            server.wait(timeout=20)
+
+
+if __name__ == "__main__":
+    main()
