@@ -86,7 +86,7 @@ class Server:
         params = [m.sampling(request, max_tokens, k, i) for i in range(request.n)]
         stops = request.stop_strings()
         started = time.perf_counter()
-        outputs = await asyncio.gather(*(m.generate(prompt, p, stops) for p in params))
+        outputs = await asyncio.gather(*(m.generate(prompt, p, stops, request.model) for p in params))
         _log_completion("chat.completions", started, [len(prompt)], outputs, bool(request.stream))
         parse_tools = bool(request.tools) and request.tool_choice != "none"
         named = isinstance(request.tool_choice, dict) or request.tool_choice == "required"
@@ -204,7 +204,7 @@ class Server:
         pairs = [(p, m.sampling(request, min(max_tokens, m.max_model_len - len(p)), 0 if k is None else k + 1, i))
                  for p in prompts for i in range(request.n)]
         started = time.perf_counter()
-        outputs = await asyncio.gather(*(m.generate(p, params, stops) for p, params in pairs))
+        outputs = await asyncio.gather(*(m.generate(p, params, stops, request.model) for p, params in pairs))
         _log_completion("completions", started, [len(p) for p in prompts], outputs, bool(request.stream))
         rti = bool(request.return_token_ids)
         echo = bool(request.echo) and not rti  # vLLM: return_token_ids drops the echoed prompt text
@@ -286,9 +286,12 @@ class Server:
                       "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
                       "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
                       "organization": "*", "group": None, "is_blocking": False}
-        return {"object": "list", "data": [{"id": m.name, "object": "model", "created": m.created,
-                                            "owned_by": "vllm", "root": m.path, "parent": None,
-                                            "max_model_len": m.max_model_len, "permission": [permission]}]}
+        data = [{"id": m.name, "object": "model", "created": m.created, "owned_by": "vllm", "root": m.path,
+                 "parent": None, "max_model_len": m.max_model_len, "permission": [permission]}]
+        data += [{"id": a.name, "object": "model", "created": m.created, "owned_by": "vllm", "root": a.path,
+                  "parent": m.name, "max_model_len": m.max_model_len, "permission": [permission]}
+                 for a in m.adapters.loaded.values()]
+        return {"object": "list", "data": data}
 
     def tokenize(self, request: TokenizeRequest) -> dict[str, Any]:
         m = self.model

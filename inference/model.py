@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from inference.detokenize import Detokenizer
 from inference.engine import Completion, Engine, SamplingParams
+from inference.lora import Adapters
 from inference.protocol import BadRequest, ModelNotFound, SamplingFields
 from inference.scheduler import Scheduler
 
@@ -56,12 +57,14 @@ class Model:
         self.vocab_size = int(model.config.vocab_size)
         self.detok = Detokenizer(self.tokenizer)
         self.scheduler = Scheduler(self.engine, window_s=batch_window_s)
+        self.adapters = Adapters(model, self.name, pad, self.eos_token_ids, batch_window_s)
         self.fingerprint = f"rlgate-{hashlib.sha256(self.path.encode()).hexdigest()[:8]}"
         self.created = int(time.time())
 
     def check_model(self, requested: str | None) -> None:
-        if requested and requested != self.name:
-            raise ModelNotFound(f"The model `{requested}` does not exist. Valid aliases: {self.name}.",
+        if requested and requested != self.name and requested not in self.adapters.loaded:
+            aliases = ", ".join([self.name, *self.adapters.loaded])
+            raise ModelNotFound(f"The model `{requested}` does not exist. Valid aliases: {aliases}.",
                                 param="model")
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
@@ -115,8 +118,12 @@ class Model:
             top_logprobs=top_logprobs,
         )
 
-    async def generate(self, prompt: list[int], params: SamplingParams, stops: list[str]) -> Output:
-        return self.finish(await self.scheduler.generate(prompt, params), params, stops)
+    async def generate(self, prompt: list[int], params: SamplingParams, stops: list[str],
+                       model: str | None = None) -> Output:
+        """Generate with the base model, or with the LoRA adapter named `model`."""
+        adapter = self.adapters.loaded.get(model) if model else None
+        scheduler = adapter.scheduler if adapter is not None else self.scheduler
+        return self.finish(await scheduler.generate(prompt, params), params, stops)
 
     def finish(self, done: Completion, params: SamplingParams, stops: list[str]) -> Output:
         """Apply stop strings to an engine completion and decode it."""

@@ -112,6 +112,25 @@ class DetokenizeRequest(OpenAIModel):
 
 # ---------------------------------------------------------------- errors
 
+class LoadLoraAdapterRequest(BaseModel):
+    """vLLM's POST /v1/load_lora_adapter body."""
+
+    model_config = ConfigDict(extra="allow")
+
+    lora_name: str = ""
+    lora_path: str = ""
+    load_inplace: bool = False
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    """vLLM's POST /v1/unload_lora_adapter body."""
+
+    model_config = ConfigDict(extra="allow")
+
+    lora_name: str = ""
+    lora_int_id: int | None = None
+
+
 class ServeError(Exception):
     """Base: an error answered as `{"error": {...}}` with `status`."""
 

@@ -39,7 +39,7 @@ from typing import Any
 import orjson
 import structlog
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from inference.endpoints import Server
@@ -49,8 +49,10 @@ from inference.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoraAdapterRequest,
     ServeError,
     TokenizeRequest,
+    UnloadLoraAdapterRequest,
 )
 
 log = structlog.get_logger("rlgate.serve")
@@ -98,6 +100,7 @@ def build_app(model_dir: Path | str, *, served_model_name: str | None = None,
         try:
             yield
         finally:
+            await model.adapters.aclose()
             await model.scheduler.aclose()
 
     app = FastAPI(title="rlgate serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -121,6 +124,17 @@ def build_app(model_dir: Path | str, *, served_model_name: str | None = None,
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await server.completions(await _parse(request, CompletionRequest))
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        body = await _parse(request, LoadLoraAdapterRequest)
+        message = await model.adapters.load(body.lora_name, body.lora_path, bool(body.load_inplace))
+        return PlainTextResponse(message)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        body = await _parse(request, UnloadLoraAdapterRequest)
+        return PlainTextResponse(await model.adapters.unload(body.lora_name))
 
     @app.get("/v1/models")
     async def models() -> Response:

@@ -1,0 +1,90 @@
+"""Runtime LoRA adapters for `rlgate serve`, with vLLM's contract (`--enable-lora` and
+`VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`):
+
+    POST /v1/load_lora_adapter   {"lora_name", "lora_path", "load_inplace"}  -> 200 "Success: ..." (text)
+    POST /v1/unload_lora_adapter {"lora_name"}                               -> 200 "Success: ..." (text)
+
+and a request selects an adapter with `"model": "<lora_name>"`; `/v1/models` lists loaded adapters with
+the base model as `parent`. Here an adapter is a PEFT folder (as the learner saves it) merged into its own
+copy of the base model, with its own engine and scheduler: simple and exact for the small models this
+server is for (memory grows by one model per adapter; vLLM instead applies adapters per request in a
+shared batch).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch import nn
+
+from inference.engine import Engine
+from inference.protocol import BadRequest, ServeError
+from inference.scheduler import Scheduler
+
+
+class AdapterNotFound(ServeError):
+    status = 404
+    type = "NotFoundError"
+
+
+@dataclass
+class Adapter:
+    name: str
+    path: str
+    scheduler: Scheduler
+
+
+class Adapters:
+    def __init__(self, base: nn.Module, base_name: str, pad_token_id: int, eos_token_ids: tuple[int, ...],
+                 window_s: float) -> None:
+        self.base = base
+        self.base_name = base_name
+        self.pad_token_id = pad_token_id
+        self.eos_token_ids = eos_token_ids
+        self.window_s = window_s
+        self.loaded: dict[str, Adapter] = {}
+
+    async def load(self, name: str, path: str, inplace: bool = False) -> str:
+        if not name or not path:
+            raise BadRequest("Both 'lora_name' and 'lora_path' must be provided.", param="lora_name")
+        if name == self.base_name:
+            raise BadRequest(f"The lora adapter name '{name}' conflicts with a served base model.",
+                             param="lora_name")
+        if name in self.loaded and not inplace:
+            raise BadRequest(f"The lora adapter '{name}' has already been loaded.", param="lora_name")
+        if not (Path(path) / "adapter_config.json").is_file():
+            raise AdapterNotFound(f"No adapter found for {path}", param="lora_path")
+        merged = await asyncio.to_thread(self._merge, path)
+        scheduler = Scheduler(Engine(merged, self.pad_token_id, self.eos_token_ids), window_s=self.window_s)
+        scheduler.start()
+        previous = self.loaded.get(name)
+        self.loaded[name] = Adapter(name, path, scheduler)
+        if previous is not None:  # in place: requests already queued on the old weights finish on them
+            await previous.scheduler.aclose()
+        return f"Success: LoRA adapter '{name}' added successfully."
+
+    async def unload(self, name: str) -> str:
+        if not name:
+            raise BadRequest("'lora_name' needs to be provided to unload a LoRA adapter.", param="lora_name")
+        adapter = self.loaded.pop(name, None)
+        if adapter is None:
+            raise AdapterNotFound(f"The lora adapter '{name}' cannot be found.", param="lora_name")
+        await adapter.scheduler.aclose()
+        return f"Success: LoRA adapter '{name}' removed successfully."
+
+    def _merge(self, path: str) -> nn.Module:
+        from peft import PeftModel
+
+        try:
+            model = PeftModel.from_pretrained(copy.deepcopy(self.base), path)
+        except (OSError, ValueError, KeyError) as exc:
+            raise BadRequest(f"could not load the LoRA adapter at {path}: {exc}", param="lora_path") from exc
+        return model.merge_and_unload().eval()
+
+    async def aclose(self) -> None:
+        for adapter in self.loaded.values():
+            await adapter.scheduler.aclose()
+        self.loaded.clear()

@@ -1,0 +1,102 @@
+"""Runtime LoRA in `rlgate serve`, vLLM's contract: an adapter saved by peft is loaded by name, selected by
+`"model"`, changes the outputs, and unloading it leaves the base model as it was."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+from conftest import ROOT, Proc, free_port  # noqa: E402
+from inference.tiny_model import build_tiny_model  # noqa: E402
+
+MODEL = "tiny"
+PROMPT = {"messages": [{"role": "user", "content": "What is 17 + 25?"}], "max_tokens": 12, "temperature": 0,
+          "return_token_ids": True}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("lora") / "tiny", seed=0)
+
+
+def save_adapter(model_dir: Path, path: Path, seed: int) -> Path:
+    """A LoRA adapter as the learner saves one; random B (not peft's zero init), so it changes outputs."""
+    torch.manual_seed(seed)
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
+    config = peft.LoraConfig(r=4, lora_alpha=32, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    peft.get_peft_model(base, config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    log_path = tmp_path_factory.mktemp("lora_log") / "serve.log"
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "rlgate", "serve", "--model", str(model_dir), "--port",
+                                str(port), "--served-model-name", MODEL], stdout=subprocess.PIPE,
+                               stderr=log_path.open("wb"), text=True, cwd=ROOT)
+    assert process.stdout.readline().strip() == f"READY {port}", log_path.read_text()
+    proc = Proc(process, f"http://127.0.0.1:{port}", log_path)
+    yield proc
+    proc.kill(signal.SIGTERM)
+
+
+def tokens(server: Proc, model: str) -> list[int]:
+    response = httpx.post(f"{server.url}/v1/chat/completions", json={"model": model, **PROMPT}, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["token_ids"]
+
+
+def test_load_select_unload(server: Proc, model_dir: Path, tmp_path: Path):
+    adapter = save_adapter(model_dir, tmp_path / "policy-v1", seed=1)
+    base_before = tokens(server, MODEL)
+
+    loaded = httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": "policy-v1",
+                                                                     "lora_path": str(adapter)})
+    assert loaded.status_code == 200 and loaded.text == "Success: LoRA adapter 'policy-v1' added successfully."
+    models = httpx.get(f"{server.url}/v1/models").json()["data"]
+    assert [(m["id"], m["parent"], m["root"]) for m in models] == [
+        (MODEL, None, str(model_dir)), ("policy-v1", MODEL, str(adapter))]
+
+    with_adapter = tokens(server, "policy-v1")
+    assert with_adapter != base_before
+    assert tokens(server, MODEL) == base_before  # the base model is untouched
+    # the adapter's tokens are those of the merged model, computed directly
+    merged = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True), adapter
+    ).merge_and_unload().eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    prompt = tokenizer.encode(tokenizer.apply_chat_template(PROMPT["messages"], add_generation_prompt=True,
+                                                            tokenize=False))
+    with torch.no_grad():
+        direct = merged.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                                 eos_token_id=258, pad_token_id=256)[0, len(prompt):].tolist()
+    assert with_adapter == direct
+
+    again = httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": "policy-v1",
+                                                                    "lora_path": str(adapter)})
+    assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
+    other = save_adapter(model_dir, tmp_path / "policy-v2", seed=2)
+    inplace = httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": "policy-v1",
+                                                                      "lora_path": str(other), "load_inplace": True})
+    assert inplace.status_code == 200 and tokens(server, "policy-v1") != with_adapter
+
+    unloaded = httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "policy-v1"})
+    assert unloaded.status_code == 200 and unloaded.text == "Success: LoRA adapter 'policy-v1' removed successfully."
+    gone = httpx.post(f"{server.url}/v1/chat/completions", json={"model": "policy-v1", **PROMPT})
+    assert gone.status_code == 404 and gone.json()["error"]["type"] == "NotFoundError"
+    assert tokens(server, MODEL) == base_before
+    missing = httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "policy-v1"})
+    assert missing.status_code == 404
+    nowhere = httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(tmp_path)})
+    assert nowhere.status_code == 404 and nowhere.json()["error"]["message"].startswith("No adapter found")
