@@ -3,7 +3,8 @@
 Builds the tiny model (`rlgate make-tiny-model`) into a temporary folder, starts `rlgate serve` on it, and
 drives POST /v1/chat/completions (one user message, `max_tokens` 8, temperature 1) from `concurrency`
 workers for a fixed number of requests per cell, after a warm-up. The server and the load generator share
-the machine's cores. LoRA loads and full-weight updates are not built yet, so they are not measured.
+the machine's cores. Then it times runtime LoRA loads (POST /v1/load_lora_adapter of a peft adapter on
+q_proj/v_proj, r=8) and unloads. Full-weight updates are not built yet, so they are not measured.
 
 Run:  .venv/bin/python scripts/bench_serve.py [--requests 400] [--concurrency 1 16 32] [--max-tokens 8]
 """
@@ -56,6 +57,32 @@ async def drive(url: str, body: bytes, concurrency: int, n: int) -> tuple[float,
         return time.perf_counter() - start, latencies, tokens
 
 
+def time_lora(base_url: str, model: Path, tmp: Path, runs: int = 5) -> dict[str, list[float]]:
+    """Wall time of loading and unloading a saved peft adapter through the server's vLLM-style routes."""
+    import peft
+    import transformers
+    import urllib.request
+
+    adapter = tmp / "adapter"
+    base = transformers.AutoModelForCausalLM.from_pretrained(model, local_files_only=True)
+    config = peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    peft.get_peft_model(base, config).save_pretrained(adapter)
+
+    def post(path: str, body: dict) -> float:
+        request = urllib.request.Request(f"{base_url}{path}", data=json.dumps(body).encode(),
+                                         headers={"content-type": "application/json"}, method="POST")
+        t0 = time.perf_counter()
+        with urllib.request.urlopen(request, timeout=60) as response:
+            response.read()
+        return time.perf_counter() - t0
+
+    times: dict[str, list[float]] = {"LoRA load": [], "LoRA unload": []}
+    for _ in range(runs):
+        times["LoRA load"].append(post("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": str(adapter)}))
+        times["LoRA unload"].append(post("/v1/unload_lora_adapter", {"lora_name": "a"}))
+    return times
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=400, help="requests per cell")
@@ -85,6 +112,9 @@ def main() -> None:
                 q = statistics.quantiles(latencies, n=100, method="inclusive")
                 print(f"| {concurrency} | {len(latencies) / wall:,.0f} | {tokens / wall:,.0f} | "
                       f"{q[49] * 1000:.1f} | {q[98] * 1000:.1f} |")
+            print("\n| operation | median ms (5 runs) |\n|---|---:|")
+            for name, seconds in time_lora(f"http://127.0.0.1:{port}", model, Path(tmp)).items():
+                print(f"| {name} | {statistics.median(seconds) * 1000:.1f} |")
         finally:
             server.terminate()
             server.wait(timeout=20)
