@@ -102,3 +102,31 @@ def gateway(fake_vllm: Proc, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     proc = start_gateway(tmp_path_factory.mktemp("gateway"), fake_vllm.url)
     yield proc
     proc.kill(signal.SIGTERM)
+
+
+@pytest.fixture(scope="session")
+def rlgate_serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    """`rlgate serve` on the tiny model, serving it under the fake upstream's model name."""
+    pytest.importorskip("torch")
+    from inference.tiny_model import build_tiny_model
+
+    tmp = tmp_path_factory.mktemp("rlgate_serve")
+    model = build_tiny_model(tmp / "tiny", seed=0)
+    log_path = tmp / "serve.log"
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "rlgate", "serve", "--model", str(model), "--port",
+                                str(port), "--served-model-name", "fake-model", "--log-format", "json"],
+                               stdout=subprocess.PIPE, stderr=log_path.open("wb"), text=True, cwd=ROOT)
+    line = process.stdout.readline()
+    assert line.strip() == f"READY {port}", f"rlgate serve did not start: {line!r} {log_path.read_text()}"
+    proc = Proc(process, f"http://127.0.0.1:{port}/v1", log_path)
+    yield proc
+    proc.kill(signal.SIGTERM)
+
+
+@pytest.fixture(scope="session")
+def serve_gateway(rlgate_serve: Proc, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    """A gateway in front of `rlgate serve` (real model) instead of the fake upstream."""
+    proc = start_gateway(tmp_path_factory.mktemp("serve_gateway"), rlgate_serve.url)
+    yield proc
+    proc.kill(signal.SIGTERM)

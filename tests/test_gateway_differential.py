@@ -1,6 +1,8 @@
 """Differential: for every combination of options, the agent gets byte-for-byte (ids aside) what the
 upstream sends a plain request, and the records hold exactly what the upstream sends when asked for token
-ids and log-probs. Streams are also cut into small TCP writes, so events arrive split across reads."""
+ids and log-probs. Streams are also cut into small TCP writes, so events arrive split across reads (by the
+fake). Every case runs twice: in front of the fake vLLM and in front of `rlgate serve` on the tiny model
+(seeded, so the same request gives the same answer)."""
 
 from __future__ import annotations
 
@@ -68,18 +70,18 @@ def expected_records(endpoint: str, full: Any, stream: bool) -> dict[int, dict]:
     return out
 
 
-def check(gateway: Proc, fake_vllm: Proc, endpoint: str, body: dict, full_extra: dict) -> None:
+def check(gateway: Proc, server: Proc, endpoint: str, body: dict, full_extra: dict) -> None:
     path = "/chat/completions" if endpoint == "chat.completions" else "/completions"
     rid = uuid.uuid4().hex
     status, via = answer(f"{gateway.url}/rollouts/{rid}/v1{path}", body)
-    direct_status, direct = answer(f"{fake_vllm.url}{path}", body)
+    direct_status, direct = answer(f"{server.url}{path}", body)
     assert status == direct_status
     assert normalize(via) == normalize(direct)
     calls = rollout(gateway, rid)["calls"]
     if status != 200:
         assert [c["error"]["status"] for c in calls] == [status]
         return
-    _, full = answer(f"{fake_vllm.url}{path}", {**body, **full_extra})
+    _, full = answer(f"{server.url}{path}", {**body, **full_extra})
     expected = expected_records(endpoint, full, bool(body.get("stream")))
     assert [c["choice_index"] for c in calls] == sorted(expected)
     for call in calls:
@@ -90,8 +92,17 @@ def check(gateway: Proc, fake_vllm: Proc, endpoint: str, body: dict, full_extra:
         assert len(call["completion_logprobs"]) == len(call["completion_token_ids"]) > 0
 
 
+@pytest.fixture(params=["fake_vllm", "rlgate_serve"])
+def upstream(request: pytest.FixtureRequest) -> tuple[Proc, Proc]:
+    """(gateway, upstream): the fake vLLM, or `rlgate serve` running a real model."""
+    if request.param == "fake_vllm":
+        return request.getfixturevalue("gateway"), request.getfixturevalue("fake_vllm")
+    return request.getfixturevalue("serve_gateway"), request.getfixturevalue("rlgate_serve")
+
+
 @pytest.mark.parametrize("stream,n,tools,ask,usage", CHAT_CASES)
-def test_chat(gateway: Proc, fake_vllm: Proc, redis_client, stream, n, tools, ask, usage):
+def test_chat(upstream: tuple[Proc, Proc], redis_client, stream, n, tools, ask, usage):
+    gateway, server = upstream
     body: dict[str, Any] = {"model": MODEL, "messages": MESSAGES, "max_tokens": 48, "n": n, "seed": 11,
                             "stream": stream, **ASKS[ask]}
     if tools:
@@ -101,16 +112,17 @@ def test_chat(gateway: Proc, fake_vllm: Proc, redis_client, stream, n, tools, as
     if stream:
         body["fake_write_size"] = 7  # events arrive split across reads
     top = ASKS[ask].get("top_logprobs", 0)
-    check(gateway, fake_vllm, "chat.completions", body,
+    check(gateway, server, "chat.completions", body,
           {"return_token_ids": True, "logprobs": True, "top_logprobs": top})
 
 
 @pytest.mark.parametrize("stream,n,prompts,ask", COMPLETION_CASES)
-def test_completions(gateway: Proc, fake_vllm: Proc, redis_client, stream, n, prompts, ask):
+def test_completions(upstream: tuple[Proc, Proc], redis_client, stream, n, prompts, ask):
+    gateway, server = upstream
     prompt = "Two plus two is" if prompts == 1 else ["Two plus two is", "The sky is"]
     body: dict[str, Any] = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "n": n, "seed": 5,
                             "stream": stream, **COMPLETION_ASKS[ask]}
     if stream:
         body["fake_write_size"] = 5
-    check(gateway, fake_vllm, "completions", body,
+    check(gateway, server, "completions", body,
           {"return_token_ids": True, "logprobs": COMPLETION_ASKS[ask].get("logprobs", 0)})

@@ -217,7 +217,7 @@ def test_a_cancelled_store_call_stays_cancelled(redis_client: redis.Redis):
         for _ in range(60):
             store = EpisodeStore.from_url(REDIS_URL, prefix="t")
 
-            async def poll():
+            async def poll(store: EpisodeStore = store) -> None:
                 while True:
                     try:
                         await store.policy_version()
