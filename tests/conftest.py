@@ -104,22 +104,27 @@ def gateway(fake_vllm: Proc, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     proc.kill(signal.SIGTERM)
 
 
+def start_rlgate_serve(model_dir: Path, log_dir: Path, served_model_name: str) -> Proc:
+    """`rlgate serve` as a real process; its `url` is the server's base (no /v1)."""
+    log_path = log_dir / f"serve_{time.monotonic_ns()}.log"
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "rlgate", "serve", "--model", str(model_dir), "--port",
+                                str(port), "--served-model-name", served_model_name, "--log-format", "json"],
+                               stdout=subprocess.PIPE, stderr=log_path.open("wb"), text=True, cwd=ROOT)
+    line = process.stdout.readline()
+    assert line.strip() == f"READY {port}", f"rlgate serve did not start: {line!r} {log_path.read_text()}"
+    return Proc(process, f"http://127.0.0.1:{port}", log_path)
+
+
 @pytest.fixture(scope="session")
 def rlgate_serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
-    """`rlgate serve` on the tiny model, serving it under the fake upstream's model name."""
+    """`rlgate serve` on the tiny model, serving it under the fake upstream's model name (url ends in /v1)."""
     pytest.importorskip("torch")
     from inference.tiny_model import build_tiny_model
 
     tmp = tmp_path_factory.mktemp("rlgate_serve")
-    model = build_tiny_model(tmp / "tiny", seed=0)
-    log_path = tmp / "serve.log"
-    port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "rlgate", "serve", "--model", str(model), "--port",
-                                str(port), "--served-model-name", "fake-model", "--log-format", "json"],
-                               stdout=subprocess.PIPE, stderr=log_path.open("wb"), text=True, cwd=ROOT)
-    line = process.stdout.readline()
-    assert line.strip() == f"READY {port}", f"rlgate serve did not start: {line!r} {log_path.read_text()}"
-    proc = Proc(process, f"http://127.0.0.1:{port}/v1", log_path)
+    proc = start_rlgate_serve(build_tiny_model(tmp / "tiny", seed=0), tmp, "fake-model")
+    proc.url += "/v1"
     yield proc
     proc.kill(signal.SIGTERM)
 

@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import re
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +18,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 openai = pytest.importorskip("openai")
 
-from conftest import ROOT, Proc, free_port
+from conftest import Proc, start_rlgate_serve
 
 from inference.engine import SamplingParams, processed_logits
 from inference.tiny_model import build_tiny_model
@@ -41,14 +39,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
-    log_path = tmp_path_factory.mktemp("serve_log") / "serve.log"
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "rlgate", "serve", "--model", str(model_dir), "--port", str(port),
-         "--served-model-name", MODEL, "--log-format", "json"], stdout=subprocess.PIPE, stderr=log_path.open("wb"), text=True, cwd=ROOT)
-    line = process.stdout.readline()
-    assert line.strip() == f"READY {port}", f"server did not start: {line!r} {log_path.read_text()}"
-    proc = Proc(process, f"http://127.0.0.1:{port}", log_path)
+    proc = start_rlgate_serve(model_dir, tmp_path_factory.mktemp("serve_log"), MODEL)
     yield proc
     proc.kill(signal.SIGTERM)
 

@@ -4,8 +4,6 @@
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +14,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from conftest import ROOT, Proc, free_port  # noqa: E402
+from conftest import Proc, start_rlgate_serve  # noqa: E402
 from inference.tiny_model import build_tiny_model  # noqa: E402
 
 MODEL = "tiny"
@@ -40,13 +38,7 @@ def save_adapter(model_dir: Path, path: Path, seed: int) -> Path:
 
 @pytest.fixture(scope="module")
 def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
-    log_path = tmp_path_factory.mktemp("lora_log") / "serve.log"
-    port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "rlgate", "serve", "--model", str(model_dir), "--port",
-                                str(port), "--served-model-name", MODEL], stdout=subprocess.PIPE,
-                               stderr=log_path.open("wb"), text=True, cwd=ROOT)
-    assert process.stdout.readline().strip() == f"READY {port}", log_path.read_text()
-    proc = Proc(process, f"http://127.0.0.1:{port}", log_path)
+    proc = start_rlgate_serve(model_dir, tmp_path_factory.mktemp("lora_log"), MODEL)
     yield proc
     proc.kill(signal.SIGTERM)
 
