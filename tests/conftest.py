@@ -135,3 +135,12 @@ def serve_gateway(rlgate_serve: Proc, tmp_path_factory: pytest.TempPathFactory) 
     proc = start_gateway(tmp_path_factory.mktemp("serve_gateway"), rlgate_serve.url)
     yield proc
     proc.kill(signal.SIGTERM)
+
+
+@pytest.fixture(params=["fake_vllm", "rlgate_serve"])
+def upstream(request: pytest.FixtureRequest) -> tuple[Proc, Proc]:
+    """(gateway, upstream): the fake vLLM, or `rlgate serve` running a real (tiny) model. Tests that take
+    it run against both; they pass a seed, so the same request gives the same answer."""
+    if request.param == "fake_vllm":
+        return request.getfixturevalue("gateway"), request.getfixturevalue("fake_vllm")
+    return request.getfixturevalue("serve_gateway"), request.getfixturevalue("rlgate_serve")

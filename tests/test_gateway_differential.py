@@ -92,14 +92,6 @@ def check(gateway: Proc, server: Proc, endpoint: str, body: dict, full_extra: di
         assert len(call["completion_logprobs"]) == len(call["completion_token_ids"]) > 0
 
 
-@pytest.fixture(params=["fake_vllm", "rlgate_serve"])
-def upstream(request: pytest.FixtureRequest) -> tuple[Proc, Proc]:
-    """(gateway, upstream): the fake vLLM, or `rlgate serve` running a real model."""
-    if request.param == "fake_vllm":
-        return request.getfixturevalue("gateway"), request.getfixturevalue("fake_vllm")
-    return request.getfixturevalue("serve_gateway"), request.getfixturevalue("rlgate_serve")
-
-
 @pytest.mark.parametrize("stream,n,tools,ask,usage", CHAT_CASES)
 def test_chat(upstream: tuple[Proc, Proc], redis_client, stream, n, tools, ask, usage):
     gateway, server = upstream

@@ -64,7 +64,8 @@ def rollout(gateway: Proc, rollout_id: str) -> dict:
 # chat.completions
 
 
-def test_chat_non_streaming_path_form(gateway: Proc, fake_vllm: Proc, redis_client):
+def test_chat_non_streaming_path_form(upstream: tuple[Proc, Proc], redis_client):
+    gateway, fake_vllm = upstream
     rid = new_id()
     client = openai.OpenAI(base_url=f"{gateway.url}/tasks/task-1/rollouts/{rid}/v1", api_key="unused")
     raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=MESSAGES, max_tokens=12, seed=3)
@@ -94,20 +95,22 @@ def test_chat_non_streaming_path_form(gateway: Proc, fake_vllm: Proc, redis_clie
     assert call["error"] is None and call["latency_ms"] > 0
 
 
-def test_chat_keeps_fields_the_agent_asked_for(gateway: Proc, fake_vllm: Proc, redis_client):
+def test_chat_keeps_fields_the_agent_asked_for(upstream: tuple[Proc, Proc], redis_client):
+    gateway, fake_vllm = upstream
     rid = new_id()
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 6, "logprobs": True, "top_logprobs": 2,
-            "return_token_ids": True}
+            "return_token_ids": True, "seed": 2}
     via = post(f"{gateway.url}/rollouts/{rid}/v1/chat/completions", body).json()
     direct = post(f"{fake_vllm.url}/chat/completions", body).json()
     assert normalize(via) == normalize(direct)
     assert via["prompt_token_ids"] and via["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
 
 
-def test_chat_streaming_header_form(gateway: Proc, fake_vllm: Proc, redis_client):
+def test_chat_streaming_header_form(upstream: tuple[Proc, Proc], redis_client):
+    gateway, fake_vllm = upstream
     rid = new_id()
     headers = {"X-Rollout-Id": rid, "X-Task-Id": "task-2", "X-Agent-Name": "solver"}
-    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 16, "stream": True,
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 16, "stream": True, "seed": 4,
             "stream_options": {"include_usage": True}}
     via, via_lines = sse_chunks(f"{gateway.url}/v1/chat/completions", body, headers)
     plain, _ = sse_chunks(f"{fake_vllm.url}/chat/completions", body)
@@ -120,7 +123,7 @@ def test_chat_streaming_header_form(gateway: Proc, fake_vllm: Proc, redis_client
     # the SDK streams through the gateway like through vLLM
     client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", default_headers=headers)
     text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, max_tokens=16, stream=True) if c.choices)
+        model=MODEL, messages=MESSAGES, max_tokens=16, stream=True, seed=4) if c.choices)
 
     stored = rollout(gateway, rid)
     assert stored["task_id"] == "task-2"
@@ -184,7 +187,8 @@ def test_chat_tool_calls_non_streaming_and_streaming(gateway: Proc, fake_vllm: P
     assert calls[1]["completion_token_ids"] == calls[0]["completion_token_ids"]
 
 
-def test_n_greater_than_one_records_each_choice(gateway: Proc, fake_vllm: Proc, redis_client):
+def test_n_greater_than_one_records_each_choice(upstream: tuple[Proc, Proc], redis_client):
+    gateway, fake_vllm = upstream
     rid = new_id()
     client = openai.OpenAI(base_url=f"{gateway.url}/rollouts/{rid}/v1", api_key="unused")
     completion = client.chat.completions.create(model=MODEL, messages=MESSAGES, n=2, max_tokens=10, seed=5)
@@ -229,10 +233,11 @@ def test_call_without_rollout_id_gets_a_new_one(gateway: Proc, redis_client):
 # completions, responses, models
 
 
-def test_completions_non_streaming_and_streaming(gateway: Proc, fake_vllm: Proc, redis_client):
+def test_completions_non_streaming_and_streaming(upstream: tuple[Proc, Proc], redis_client):
+    gateway, fake_vllm = upstream
     rid = new_id()
     url = f"{gateway.url}/rollouts/{rid}/v1/completions"
-    body = {"model": MODEL, "prompt": "The sum of 2 and 3 is", "max_tokens": 8}
+    body = {"model": MODEL, "prompt": "The sum of 2 and 3 is", "max_tokens": 8, "seed": 6}
     via = post(url, body).json()
     plain = post(f"{fake_vllm.url}/completions", body).json()
     full = post(f"{fake_vllm.url}/completions", {**body, "return_token_ids": True, "logprobs": 0}).json()
@@ -244,7 +249,7 @@ def test_completions_non_streaming_and_streaming(gateway: Proc, fake_vllm: Proc,
     assert normalize(via_chunks) == normalize(plain_chunks)
 
     client = openai.OpenAI(base_url=f"{gateway.url}/rollouts/{rid}/v1", api_key="unused")
-    sdk = client.completions.create(model=MODEL, prompt=body["prompt"], max_tokens=8)
+    sdk = client.completions.create(model=MODEL, prompt=body["prompt"], max_tokens=8, seed=6)
     assert sdk.choices[0].text == full["choices"][0]["text"]
 
     calls = rollout(gateway, rid)["calls"]
@@ -273,7 +278,8 @@ def test_responses_recorded(gateway: Proc, fake_vllm: Proc, redis_client):
     assert calls[1]["stream"] and calls[1]["error"] is None
 
 
-def test_models_forwarded(gateway: Proc, fake_vllm: Proc):
+def test_models_forwarded(upstream: tuple[Proc, Proc]):
+    gateway, fake_vllm = upstream
     via = httpx.get(f"{gateway.url}/rollouts/r-models/v1/models").json()
     direct = httpx.get(f"{fake_vllm.url}/models").json()
     assert normalize(via) == normalize(direct)
