@@ -171,8 +171,8 @@ class EpisodeStore:
         rewards = {int(k): float(v) for k, v in rewards.items()}
         air = {int(k): float(v) for k, v in air.items()}
         calls = [
-            IndexedCall(index=i, reward=rewards.get(i), air_reward=air.get(i),
-                        **CallRecord.model_validate_json(item).model_dump())
+            IndexedCall.model_validate({**orjson.loads(item), "index": i, "reward": rewards.get(i),
+                                        "air_reward": air.get(i)})
             for i, item in enumerate(raw_calls)
         ]
         return RolloutView(**rollout.model_dump(), calls=calls)

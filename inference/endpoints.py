@@ -158,11 +158,17 @@ class Server:
                 frame["system_fingerprint"] = m.fingerprint
             frame["kv_transfer_params"] = None
             yield _sse(frame)
-        if inc_usage:
+        yield from self._closing_frames(head, P, outputs, inc_usage)
+
+    def _closing_frames(self, head: dict[str, Any], prompt_tokens: int, outputs: list[Output],
+                        include_usage: bool) -> Iterator[bytes]:
+        """The end of every stream: the usage chunk (with `stream_options.include_usage`), then [DONE]."""
+        if include_usage:
             total = sum(len(o.token_ids) for o in outputs)
-            yield _sse({**head, "choices": [], "usage": {"prompt_tokens": P, "total_tokens": P + total,
+            yield _sse({**head, "choices": [], "usage": {"prompt_tokens": prompt_tokens,
+                                                         "total_tokens": prompt_tokens + total,
                                                          "completion_tokens": total},
-                        "system_fingerprint": m.fingerprint})
+                        "system_fingerprint": self.model.fingerprint})
         yield DONE
 
     def _chat_deltas(self, out: Output, calls: list[ToolCall], stops: list[str]) -> list[dict[str, Any] | None]:
@@ -256,12 +262,7 @@ class Server:
                 frame["system_fingerprint"] = m.fingerprint
             frame["kv_transfer_params"] = None
             yield _sse(frame)
-        if inc_usage:
-            total = sum(len(o.token_ids) for o in outputs)
-            yield _sse({**head, "choices": [], "usage": {"prompt_tokens": P, "total_tokens": P + total,
-                                                         "completion_tokens": total},
-                        "system_fingerprint": m.fingerprint})
-        yield DONE
+        yield from self._closing_frames(head, P, outputs, inc_usage)
 
     def _prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
         if isinstance(prompt, str):
