@@ -94,7 +94,8 @@ class CallRecord(_Record):
     task_id: str | None = None
     agent_name: str | None = Field(None, description="From X-Agent-Name: which agent made the call.")
     endpoint: Endpoint
-    model: str | None = None
+    model: str | None = Field(None, description="The model the call was served by: the requested one, or "
+                              "the adapter the gateway sent it to (`Policy`).")
     policy_version: int = Field(description="The policy version the gateway served this call with.")
     choice_index: int = 0
     stream: bool = False
@@ -136,3 +137,16 @@ class RolloutView(Rollout):
     """`GET /rollouts/{id}`: the rollout with its calls in order."""
 
     calls: list[IndexedCall] = Field(default_factory=list)
+
+
+class Policy(_Record):
+    """The policy pointer the learner sets after each weight push (the `policy` hash).
+
+    `adapter` is the name the inference servers serve the current weights under (a LoRA adapter loaded
+    as `policy-v{N}`), or None when the weights were updated in place (full push) or never pushed. The
+    gateway sends a call that asks for `base_model` to `adapter` instead and tags it with `version`.
+    """
+
+    version: int = 0
+    adapter: str | None = None
+    base_model: str | None = None

@@ -20,7 +20,7 @@ from episodes import _lua
 from episodes._batch import ScriptBatcher
 from episodes.errors import RolloutExists, RolloutNotOpen, StoreUnavailable, TaskMismatch
 from episodes.keys import Keys, validate_id
-from episodes.records import SCHEMA_VERSION, CallRecord, IndexedCall, Rollout, RolloutView
+from episodes.records import SCHEMA_VERSION, CallRecord, IndexedCall, Policy, Rollout, RolloutView
 
 
 @asynccontextmanager
@@ -177,15 +177,26 @@ class EpisodeStore:
         ]
         return RolloutView(**rollout.model_dump(), calls=calls)
 
+    async def policy(self) -> Policy:
+        """The current policy pointer (version 0 and no adapter before the learner's first push)."""
+        async with _guard(self.timeout_s):
+            fields = await self.redis.hgetall(self.keys.policy)
+        return Policy.model_validate({k.decode(): v.decode() for k, v in fields.items() if v != b""})
+
     async def policy_version(self) -> int:
         """The current policy version (set by the learner after each weight push; 0 before any)."""
+        return (await self.policy()).version
+
+    async def set_policy(self, policy: Policy) -> None:
+        """Move the policy pointer, all fields at once (one HSET), so a reader never sees a version
+        with another version's adapter."""
+        mapping = {"version": policy.version, "adapter": policy.adapter or "",
+                   "base_model": policy.base_model or ""}
         async with _guard(self.timeout_s):
-            value = await self.redis.hget(self.keys.policy, "version")
-        return int(value) if value is not None else 0
+            await self.redis.hset(self.keys.policy, mapping=mapping)
 
     async def set_policy_version(self, version: int) -> None:
-        async with _guard(self.timeout_s):
-            await self.redis.hset(self.keys.policy, "version", int(version))
+        await self.set_policy(Policy(version=version))
 
 
 _JSON_FIELDS = ("metadata", "reward_metadata", "finish")

@@ -50,6 +50,7 @@ class Call:
     started_at: float
     t0: float
     rollout_header: tuple[bytes, bytes]
+    served_model: str | None = None  # the adapter the call was sent to, when the policy pointer named one
 
     @property
     def stream(self) -> bool:
@@ -72,18 +73,22 @@ class Proxy:
         self.upstream = upstream
         self.metrics = metrics
         self.inject = settings.upstream_kind == "vllm"
-        self.policy_version = 0
+        self.policy = episodes.Policy()
         self.api_keys = [k.strip().encode() for k in (settings.api_keys or "").split(",") if k.strip()]
         self.air = (AutomaticRewards(store, settings.air_reward, settings.air_error_patterns)
                     if settings.air else None)
         self._background: set[asyncio.Task[Any]] = set()
 
+    @property
+    def policy_version(self) -> int:
+        return self.policy.version
+
     async def poll_policy_version(self) -> None:
-        """Keep `policy_version` current; the learner sets it in Redis after each weight push."""
+        """Keep the policy pointer current; the learner moves it in Redis after each weight push."""
         failing = False
         while True:
             try:
-                self.policy_version = await self.store.policy_version()
+                self.policy = await self.store.policy()
                 failing = False
             except episodes.StoreUnavailable as exc:
                 if not failing:
@@ -134,10 +139,15 @@ class Proxy:
         except episodes.InvalidId as exc:
             raise errors.BadRequest(str(exc), code="invalid_id") from exc
         body = await read_json(receive, self.settings.max_body_bytes)
-        call = Call(rollout_id, task_id, agent_name, endpoint, body, self.policy_version, started_at, t0,
+        policy = self.policy  # one read: the version tag and the adapter the call goes to agree
+        call = Call(rollout_id, task_id, agent_name, endpoint, body, policy.version, started_at, t0,
                     (b"x-rollout-id", rollout_id.encode()))
         upstream_body, injected = (capture.inject(endpoint, body) if self.inject
                                    else (body, capture.Injected()))
+        if policy.adapter is not None and body.get("model") == policy.base_model:
+            # The agent names the base model; the learner's latest weights are served as an adapter.
+            upstream_body = {**upstream_body, "model": policy.adapter}
+            call.served_model = policy.adapter
         # Resolves when the agent hangs up: its call is then recorded as failed (it never saw the answer)
         # and a stream stops reading upstream, which makes vLLM abort the request.
         disconnect = asyncio.ensure_future(disconnected(receive))
@@ -310,7 +320,7 @@ class Proxy:
                  latency_ms: float, ttfb_ms: float | None) -> list[CallRecord]:
         common = dict(
             rollout_id=call.rollout_id, task_id=call.task_id, agent_name=call.agent_name,
-            endpoint=call.endpoint, model=call.model, policy_version=call.policy_version,
+            endpoint=call.endpoint, model=call.served_model or call.model, policy_version=call.policy_version,
             stream=call.stream, request=call.request, started_at=call.started_at,
             latency_ms=latency_ms, ttfb_ms=ttfb_ms, error=error,
         )

@@ -1,0 +1,192 @@
+"""The policy being trained: OpenRLHF's `Actor` around a Hugging Face causal LM (with a peft LoRA), its
+log-probs under the processing the server sampled with, and one update with OpenRLHF's `PolicyLoss`.
+
+The learner loads the model itself and hands the module to `Actor`: `Actor`'s own loading path only
+offers bf16/fp16 weights, and a CPU learner trains a small model in float32. The LoRA is made with the
+same `LoraConfig` as `Actor`'s (`TaskType.CAUSAL_LM`, rank, alpha, target modules, no bias).
+
+Log-probs: the server sampled from z' = (z + logit_bias) / T (vLLM applies logit processors such as
+logit_bias before temperature; `rlgate serve` does the same), and reports log-softmax(z') of the sampled
+token. The learner computes log pi(y_j | x, y_<j) from the same z' (OpenRLHF's `log_probs_from_logits`
+on the processed logits), so its ratios compare like with like. Top-p/top-k truncation is not re-applied;
+the importance correction against the rollout log-probs absorbs what differs.
+
+One update (per epoch over a step's samples): gradients of all micro-batches are accumulated, each
+micro-batch's loss scaled by the step's totals (OpenRLHF's `batch_num_tokens` / `global_batch_size`),
+so the result does not depend on how samples were split; then the gradient norm is clipped and AdamW
+(torch's) steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from learner._openrlhf import Actor, PolicyLoss, compute_approx_kl, log_probs_from_logits, masked_mean
+from learner.samples import MicroBatch
+from learner.settings import LearnerSettings
+
+# OpenRLHF's named importance-correction schemes -> PolicyLoss(level, mode)
+IS_SCHEMES = {"off": ("off", "mask"), "tis": ("token", "clip"), "icepop": ("token", "mask"),
+              "seq-mask-tis": ("seq", "mask")}
+
+
+@dataclass
+class UpdateStats:
+    loss: float
+    policy_loss: float
+    kl: float
+    clip_ratio: float
+    ppo_kl: float
+    rollout_kl: float  # mean(rollout log-prob - learner log-prob) over action tokens
+    is_filter_ratio: float
+    entropy: float
+    grad_norm: float
+    tokens: int
+    samples: int
+
+
+def processed_log_probs(logits: torch.Tensor, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs of tokens[1:], the processed logits) under each row's logit_bias and temperature.
+    `logits` [B, L, V] float32 (position j predicts token j+1); returns [B, L-1] and [B, L-1, V]."""
+    z = logits[:, :-1, :]
+    if batch.logit_bias:
+        bias = torch.zeros((z.shape[0], z.shape[-1]), dtype=z.dtype)
+        for row, token, value in batch.logit_bias:
+            if 0 <= token < z.shape[-1]:
+                bias[row, token] += value
+        z = z + bias[:, None, :]
+    z = z / batch.temperature[:, None, None].to(z.dtype)
+    return log_probs_from_logits(z, batch.sequences[:, 1:]), z
+
+
+def masked_entropy(z: torch.Tensor, mask: torch.Tensor) -> float:
+    """Mean entropy -sum p log p of the processed distributions at the action positions."""
+    with torch.no_grad():
+        logp = torch.log_softmax(z.float(), dim=-1)
+        entropy = -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1)
+        return float(masked_mean(entropy, mask.float(), dim=None)) if mask.any() else 0.0
+
+
+class Policy:
+    """The trainable policy and its optimizer (one process; see the module docstring)."""
+
+    def __init__(self, settings: LearnerSettings, device: str = "cpu") -> None:
+        self.settings = settings
+        self.device = torch.device(device)
+        torch.manual_seed(settings.seed)
+        dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
+        base = AutoModelForCausalLM.from_pretrained(settings.model, local_files_only=True, dtype=dtype,
+                                                    attn_implementation="sdpa")
+        base.config.use_cache = False
+        self.pad_token_id = base.config.pad_token_id if base.config.pad_token_id is not None else 0
+        from peft import LoraConfig, TaskType, get_peft_model
+
+        base.enable_input_require_grads()
+        config = LoraConfig(task_type=TaskType.CAUSAL_LM, r=settings.lora_rank, lora_alpha=settings.lora_alpha,
+                            target_modules=list(settings.lora_target_modules), lora_dropout=0.0, bias="none")
+        self.actor = Actor(get_peft_model(base, config))
+        self.actor.packing_samples = False
+        self.actor.to(self.device)
+        self.trainable = [p for p in self.actor.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=settings.learning_rate,
+                                           weight_decay=settings.weight_decay)
+        level, mode = IS_SCHEMES[settings.is_correction]
+        self.loss_fn = PolicyLoss(
+            clip_eps_low=settings.clip_eps_low, clip_eps_high=settings.clip_eps_high,
+            dual_clip=settings.dual_clip, token_level_loss=settings.token_level_loss,
+            policy_loss_type=settings.policy_loss, is_correction_level=level, is_correction_mode=mode,
+            is_correction_threshold=[settings.is_threshold_low, settings.is_threshold_high])
+
+    @property
+    def peft_model(self) -> Any:
+        return self.actor.model
+
+    def _log_probs(self, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        output = self.actor(batch.sequences.to(self.device), attention_mask=batch.attention_mask.to(self.device),
+                            return_output=True)
+        return processed_log_probs(output["logits"], batch)
+
+    @torch.no_grad()
+    def log_probs(self, batch: MicroBatch, reference: bool = False) -> torch.Tensor:
+        """Log-probs of tokens[1:] without gradients; `reference`: of the base model (adapter off)."""
+        self.actor.eval()
+        context = self.peft_model.disable_adapter() if reference else contextlib.nullcontext()
+        with context:
+            return self._log_probs(batch)[0]
+
+    def update(self, batches: list[MicroBatch], old_log_probs: list[torch.Tensor] | None = None) -> UpdateStats:
+        """One optimizer step over `batches` (gradient accumulation). `old_log_probs` (per micro-batch) are
+        the policy's log-probs before this step's first update; None means this is that first update and
+        the current log-probs (detached) are the old ones."""
+        s = self.settings
+        total_tokens = sum(b.num_actions for b in batches)
+        total_samples = sum(len(b.samples) for b in batches)
+        if total_tokens == 0:
+            raise ValueError("no action tokens to train on")
+        references = [self.log_probs(b, reference=True) for b in batches] if s.kl_coef > 0 else None
+        self.actor.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = dict(loss=0.0, policy_loss=0.0, kl=0.0, clip=0.0, ppo_kl=0.0, rollout_kl=0.0, filt=0.0, entropy=0.0)
+        for i, batch in enumerate(batches):
+            mask = batch.action_mask.to(self.device)
+            log_probs, z = self._log_probs(batch)
+            old = log_probs.detach() if old_log_probs is None else old_log_probs[i].to(self.device)
+            policy_loss, clip_ratio, ppo_kl, rollout_kl, filtered = self.loss_fn(
+                log_probs, old, batch.advantages.to(self.device), action_mask=mask,
+                rollout_log_probs=batch.rollout_logprobs.to(self.device),
+                batch_num_tokens=total_tokens, global_batch_size=total_samples)
+            loss = policy_loss
+            if references is not None:
+                kl = compute_approx_kl(log_probs, references[i].to(self.device), kl_estimator=s.kl_estimator)
+                kl_loss = (kl * mask).sum() / total_tokens
+                loss = loss + s.kl_coef * kl_loss
+                sums["kl"] += float(kl_loss)
+            loss.backward()
+            share = batch.num_actions / total_tokens  # the micro-batch's share of the step's tokens
+            sums["loss"] += float(loss)
+            sums["policy_loss"] += float(policy_loss)
+            sums["clip"] += float(clip_ratio) * share
+            sums["ppo_kl"] += float(ppo_kl) * share
+            if rollout_kl is not None:
+                sums["rollout_kl"] += float(rollout_kl) * share
+                sums["filt"] += float(filtered) * share
+            else:
+                sums["rollout_kl"] += float(masked_mean(batch.rollout_logprobs.to(self.device) - log_probs.detach(),
+                                                        mask.float(), dim=None)) * share
+            sums["entropy"] += masked_entropy(z, mask) * share
+        if s.max_grad_norm > 0:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.trainable, s.max_grad_norm))
+        else:
+            grad_norm = float(torch.norm(torch.stack([p.grad.norm() for p in self.trainable if p.grad is not None])))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return UpdateStats(loss=sums["loss"], policy_loss=sums["policy_loss"], kl=sums["kl"],
+                           clip_ratio=sums["clip"], ppo_kl=sums["ppo_kl"], rollout_kl=sums["rollout_kl"],
+                           is_filter_ratio=sums["filt"], entropy=sums["entropy"], grad_norm=grad_norm,
+                           tokens=total_tokens, samples=total_samples)
+
+    # -----------------------------------------------------------------------------------------------------
+    # Saving and restoring
+
+    def save_adapter(self, path: Path) -> None:
+        """The LoRA adapter as a PEFT folder (adapter_config.json + adapter_model.safetensors)."""
+        self.peft_model.save_pretrained(str(path), safe_serialization=True)
+
+    def state(self) -> dict[str, Any]:
+        trainable = {n: p.detach().clone() for n, p in self.actor.named_parameters() if p.requires_grad}
+        return {"trainable": trainable, "optimizer": self.optimizer.state_dict(),
+                "torch_rng": torch.get_rng_state()}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        params = dict(self.actor.named_parameters())
+        with torch.no_grad():
+            for name, value in state["trainable"].items():
+                params[name].copy_(value)
+        self.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["torch_rng"])

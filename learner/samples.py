@@ -1,0 +1,166 @@
+"""From credited calls to training samples and padded micro-batches (action -> token level).
+
+A `Transition` is one trainable LLM call with its advantage: the exact prompt and completion token ids
+and sampling log-probs the inference server returned (never re-tokenized), and the sampling processing
+the server applied (temperature, logit_bias), so the learner's log-probs describe the same distribution.
+
+Sample shapes:
+- `transition` (default, LightningRL): one sample per call, `prompt + completion`, the action mask on
+  the completion only. No other turn is masked, because no other turn is in the sample.
+- `trajectory` (Agent Lightning's alternative): consecutive calls of one episode are merged while the
+  next call's prompt starts with the previous sample's tokens (the previous prompt + completion), the
+  next call's new prompt tokens masked out (not generated); a call whose prompt does not extend the
+  sample, or that was sampled with other processing (temperature, logit_bias), starts a new sample.
+
+Every action token carries its call's advantage and its rollout log-prob.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+SampleShape = Literal["transition", "trajectory"]
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """One trainable call of an episode, credited."""
+
+    rollout_id: str
+    index: int  # the call's index in its rollout
+    prompt_ids: tuple[int, ...]
+    completion_ids: tuple[int, ...]
+    rollout_logprobs: tuple[float, ...]
+    advantage: float
+    policy_version: int
+    temperature: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(slots=True)
+class Sample:
+    """One training sequence. `action_mask`, `advantages` and `rollout_logprobs` are aligned with
+    `tokens[1:]` (position j predicts token j + 1), as OpenRLHF's action tensors are."""
+
+    tokens: list[int]
+    action_mask: list[bool]
+    advantages: list[float]
+    rollout_logprobs: list[float]
+    temperature: float
+    logit_bias: tuple[tuple[int, float], ...]
+    calls: list[tuple[str, int]] = field(default_factory=list)
+
+    @property
+    def num_actions(self) -> int:
+        return sum(self.action_mask)
+
+
+def _new_sample(call: Transition) -> Sample:
+    prompt, completion = list(call.prompt_ids), list(call.completion_ids)
+    context = len(prompt) - 1  # positions that predict prompt tokens 1.. and not completion tokens
+    return Sample(
+        tokens=prompt + completion,
+        action_mask=[False] * context + [True] * len(completion),
+        advantages=[0.0] * context + [call.advantage] * len(completion),
+        rollout_logprobs=[0.0] * context + list(call.rollout_logprobs),
+        temperature=call.temperature,
+        logit_bias=call.logit_bias,
+        calls=[(call.rollout_id, call.index)],
+    )
+
+
+def _extend(sample: Sample, call: Transition) -> bool:
+    """Append `call` to `sample` if its prompt continues the sample with the same processing."""
+    n = len(sample.tokens)
+    if (call.temperature != sample.temperature or call.logit_bias != sample.logit_bias
+            or len(call.prompt_ids) < n or tuple(sample.tokens) != call.prompt_ids[:n]):
+        return False
+    new_prompt = list(call.prompt_ids[n:])
+    completion = list(call.completion_ids)
+    sample.tokens += new_prompt + completion
+    sample.action_mask += [False] * len(new_prompt) + [True] * len(completion)
+    sample.advantages += [0.0] * len(new_prompt) + [call.advantage] * len(completion)
+    sample.rollout_logprobs += [0.0] * len(new_prompt) + list(call.rollout_logprobs)
+    sample.calls.append((call.rollout_id, call.index))
+    return True
+
+
+def build_samples(episodes: Iterable[Sequence[Transition]], shape: SampleShape = "transition") -> list[Sample]:
+    """Samples from the trainable calls of each episode (in call order)."""
+    if shape not in ("transition", "trajectory"):
+        raise ValueError(f"unknown sample shape {shape!r}")
+    samples: list[Sample] = []
+    for calls in episodes:
+        current: Sample | None = None
+        for call in calls:
+            if not call.completion_ids or not call.prompt_ids:
+                continue
+            if shape == "trajectory" and current is not None and _extend(current, call):
+                continue
+            current = _new_sample(call)
+            samples.append(current)
+    return samples
+
+
+@dataclass(slots=True)
+class MicroBatch:
+    """Right-padded tensors of some samples. Shapes: sequences/attention_mask [B, L], the action tensors
+    [B, L-1], temperature [B]; `logit_bias` as (row, token id, bias) triples."""
+
+    sequences: torch.Tensor
+    attention_mask: torch.Tensor
+    action_mask: torch.Tensor
+    advantages: torch.Tensor
+    rollout_logprobs: torch.Tensor
+    temperature: torch.Tensor
+    logit_bias: list[tuple[int, int, float]]
+    samples: list[Sample]
+
+    @property
+    def num_actions(self) -> int:
+        return int(self.action_mask.sum())
+
+
+def collate(samples: Sequence[Sample], pad_token_id: int) -> MicroBatch:
+    width = max(len(s.tokens) for s in samples)
+    rows = len(samples)
+    sequences = torch.full((rows, width), pad_token_id, dtype=torch.long)
+    attention = torch.zeros((rows, width), dtype=torch.long)
+    action = torch.zeros((rows, width - 1), dtype=torch.bool)
+    advantages = torch.zeros((rows, width - 1), dtype=torch.float32)
+    rollout = torch.zeros((rows, width - 1), dtype=torch.float32)
+    bias: list[tuple[int, int, float]] = []
+    for r, s in enumerate(samples):
+        n = len(s.tokens)
+        sequences[r, :n] = torch.tensor(s.tokens, dtype=torch.long)
+        attention[r, :n] = 1
+        action[r, : n - 1] = torch.tensor(s.action_mask, dtype=torch.bool)
+        advantages[r, : n - 1] = torch.tensor(s.advantages, dtype=torch.float32)
+        rollout[r, : n - 1] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+        bias.extend((r, token, value) for token, value in s.logit_bias)
+    temperature = torch.tensor([s.temperature for s in samples], dtype=torch.float32)
+    return MicroBatch(sequences, attention, action, advantages, rollout, temperature, bias, list(samples))
+
+
+def micro_batches(samples: Sequence[Sample], token_budget: int, pad_token_id: int) -> list[MicroBatch]:
+    """Split samples into micro-batches of at most `token_budget` padded tokens (rows x longest row),
+    similar lengths together (sorted by length, then filled greedily). A sample longer than the budget
+    gets a micro-batch of its own."""
+    if token_budget <= 0:
+        raise ValueError("token_budget must be positive")
+    ordered = sorted(samples, key=lambda s: len(s.tokens))
+    batches: list[list[Sample]] = []
+    current: list[Sample] = []
+    for sample in ordered:
+        longest = max([len(sample.tokens)] + [len(s.tokens) for s in current])
+        if current and longest * (len(current) + 1) > token_budget:
+            batches.append(current)
+            current = []
+        current.append(sample)
+    if current:
+        batches.append(current)
+    return [collate(batch, pad_token_id) for batch in batches]

@@ -1,0 +1,82 @@
+"""`rlgate learner` settings: flags or RLGATE_LEARNER_* environment variables."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class LearnerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="RLGATE_LEARNER_", extra="ignore")
+
+    # Where episodes come from and where weights go
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="The episode store.")
+    key_prefix: str = Field("rlgate", description="The store's key prefix (as the gateway's).")
+    consumer: str = Field("learner-0", description="This learner's name in the consumer group; keep it "
+                          "stable across restarts, so a restarted learner takes back its own pending episodes.")
+    group: str = Field("learners", description="The consumer group of the closed-episode stream.")
+    model: Path = Field(Path("model"), description="The base policy: a local Hugging Face folder.")
+    served_model_name: str | None = Field(
+        None, description="The name the inference servers serve the base model under (what agents ask "
+        "for); default: the model path, as vLLM names it.")
+    inference_urls: list[str] = Field(
+        default_factory=lambda: ["http://127.0.0.1:8000"],
+        description="Every inference server's base URL (no /v1); adapters are loaded on each.")
+    output_dir: Path = Field(Path("learner_output"), description="Adapters, checkpoints and TensorBoard "
+                             "logs. The inference servers must read adapters from the same paths.")
+    push: Literal["lora"] = Field("lora", description="How weights reach the inference servers: save a "
+                                  "LoRA adapter and load it as policy-v{N}.")
+    resume: bool = Field(False, description="Continue from the last checkpoint in output_dir.")
+
+    # Steps and groups
+    tasks_per_step: int = Field(8, ge=1, description="Task groups per training step.")
+    rollouts_per_task: int = Field(8, ge=1, description="Closed episodes a task needs to form its group.")
+    max_group_wait_s: float = Field(60.0, gt=0, description="An incomplete group trains after waiting this "
+                                    "long if it has at least two episodes.")
+    singleton_groups: Literal["drop", "keep"] = Field(
+        "drop", description="A group of one episode (no task id, or alone after the wait) has no baseline: "
+        "drop it (acknowledged, counted) or keep it with advantage = its return.")
+    max_steps: int = Field(0, ge=0, description="Stop after this many steps (0: run until stopped).")
+
+    # Credit and advantages
+    train_agents: list[str] = Field(default_factory=list, description="Only these agents' calls are "
+                                    "trained (X-Agent-Name); empty: all. Others still count for the return.")
+    credit: Literal["identical", "discounted", "last_only"] = "identical"
+    gamma: float = Field(1.0, ge=0, le=1)
+    intermediate_rewards: bool = Field(False, description="Add the returns-to-go of per-call rewards "
+                                       "(webhook and automatic) to each call's credit.")
+    estimator: Literal["group_norm", "rloo", "reinforce_baseline", "dr_grpo"] = "group_norm"
+    stats_over: Literal["episodes", "transitions"] = "episodes"
+    sample_shape: Literal["transition", "trajectory"] = "transition"
+    max_staleness: int = Field(4, ge=0, description="Calls served by a policy more than this many versions "
+                               "older than the one being trained are dropped.")
+    default_temperature: float = Field(1.0, gt=0, description="The temperature a call was sampled with "
+                                       "when its request named none (the server's default).")
+
+    # The update
+    lora_rank: int = Field(8, ge=1)
+    lora_alpha: int = Field(16, ge=1)
+    lora_target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    learning_rate: float = Field(5e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping (0: off).")
+    epochs_per_step: int = Field(1, ge=1, description="Passes over a step's samples.")
+    micro_batch_tokens: int = Field(8192, ge=1, description="Padded tokens per micro-batch.")
+    policy_loss: Literal["ppo", "gspo"] = "ppo"
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.28
+    dual_clip: float | None = None
+    token_level_loss: bool = True
+    kl_coef: float = Field(0.0, ge=0, description="KL penalty against the frozen base policy (0: none).")
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    is_correction: Literal["off", "tis", "icepop", "seq-mask-tis"] = Field(
+        "tis", description="Importance correction against the rollout log-probs (OpenRLHF's options).")
+    is_threshold_low: float = 0.5
+    is_threshold_high: float = 5.0
+    seed: int = 0
+    threads: int = Field(0, ge=0, description="torch threads (0: torch's default).")
+    tensorboard: bool = True
