@@ -58,6 +58,13 @@ class ClosedEpisodes:
                                                       block=block_ms)
         return [_episode(entry_id, fields) for _, entries in reply or () for entry_id, fields in entries]
 
+    async def read_own_pending(self, consumer: str, count: int = 1024) -> list[ClosedEpisode]:
+        """Entries delivered to `consumer` earlier and never acknowledged (a restarted learner's own)."""
+        async with self.store.guard():
+            reply = await self.store.redis.xreadgroup(self.group, consumer, {self.key: "0"}, count=count)
+        return [_episode(entry_id, fields) for _, entries in reply or () for entry_id, fields in entries
+                if fields]
+
     async def ack(self, episode: ClosedEpisode) -> bool:
         """Acknowledge a trained-on episode: marks the rollout consumed (True the first time) and XACKs."""
         first = await self.lifecycle.consume(episode.rollout_id)

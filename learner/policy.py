@@ -149,8 +149,8 @@ class Policy:
                 sums["kl"] += float(kl_loss)
             loss.backward()
             share = batch.num_actions / total_tokens  # the micro-batch's share of the step's tokens
-            sums["loss"] += float(loss)
-            sums["policy_loss"] += float(policy_loss)
+            sums["loss"] += float(loss.detach())
+            sums["policy_loss"] += float(policy_loss.detach())
             sums["clip"] += float(clip_ratio) * share
             sums["ppo_kl"] += float(ppo_kl) * share
             if rollout_kl is not None:

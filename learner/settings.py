@@ -39,6 +39,8 @@ class LearnerSettings(BaseSettings):
     singleton_groups: Literal["drop", "keep"] = Field(
         "drop", description="A group of one episode (no task id, or alone after the wait) has no baseline: "
         "drop it (acknowledged, counted) or keep it with advantage = its return.")
+    success_threshold: float = Field(1.0, description="An episode counts as a success in the logs when "
+                                     "its return is at least this.")
     max_steps: int = Field(0, ge=0, description="Stop after this many steps (0: run until stopped).")
 
     # Credit and advantages

@@ -5,11 +5,12 @@
     rlgate reward ROLLOUT_ID 1.0
     rlgate export episodes.parquet --format parquet --min-reward 0.5
     rlgate make-tiny-model runs/tiny && rlgate serve --model runs/tiny --port 8000
+    rlgate learner --model runs/tiny --served-model-name tiny --inference-urls '["http://127.0.0.1:8000"]'
 
 This module is where the services meet: the gateway serves the reward webhook routes and runs the
 sweeper, but neither package imports the other.
 
-`learner` and `demo` arrive with the issues that build them.
+`demo` arrives with the issue that builds it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, CliApp, CliPositionalArg, CliSubCommand, SettingsConfigDict
 
 from gateway import GatewaySettings
+from learner.settings import LearnerSettings
 from reward_hooks.settings import RewardSettings
 from rlgate._logging import configure_logging
 
@@ -181,6 +183,26 @@ class MakeTinyModelCommand(BaseSettings):
         print(json.dumps({"path": str(path)}))
 
 
+class LearnerCommand(LearnerSettings):
+    """Train the policy on closed episodes: identical credit assignment (LightningRL), group advantages,
+    OpenRLHF's policy loss; push each new version to the inference servers as a LoRA adapter and move the
+    policy pointer the gateway reads. Needs `pip install rlgate[learner]` (and OpenRLHF: see README)."""
+
+    model_config = SettingsConfigDict(env_prefix="RLGATE_LEARNER_", cli_kebab_case=True, extra="ignore")
+
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
+    log_format: Literal["auto", "json", "console"] = Field("auto", description="auto, json or console.")
+
+    def cli_cmd(self) -> None:
+        from learner.loop import run
+
+        configure_logging(self.log_level, self.log_format)
+        try:
+            run(LearnerSettings.model_validate(self.model_dump(exclude={"log_level", "log_format"})))
+        except KeyboardInterrupt:
+            pass
+
+
 class Rlgate(BaseSettings):
     """rlgate: any agent gets better through reinforcement learning by pointing OPENAI_BASE_URL at it."""
 
@@ -190,6 +212,7 @@ class Rlgate(BaseSettings):
     worker: CliSubCommand[WorkerCommand] = Field(description="Run the reward worker (rq).")
     reward: CliSubCommand[RewardCommand] = Field(description="Post an episode's reward to the gateway.")
     export: CliSubCommand[ExportCommand] = Field(description="Export episodes as training data.")
+    learner: CliSubCommand[LearnerCommand] = Field(description="Train the policy on closed episodes.")
     serve: CliSubCommand[ServeCommand] = Field(description="Serve a small model on the CPU, in vLLM's wire format.")
     make_tiny_model: CliSubCommand[MakeTinyModelCommand] = Field(
         description="Build a tiny model and tokenizer in code (for the CPU server and tests).")

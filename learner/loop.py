@@ -1,0 +1,199 @@
+"""`rlgate learner`: the training loop, top to bottom.
+
+    resume?  -> re-push the checkpoint's version, acknowledge the episodes it trained
+    loop:
+      groups      <- the closed-episode stream (collect.Collector)
+      episodes    <- each rollout with its calls (episodes already consumed are acknowledged, skipped)
+      transitions <- credit per call, group advantages, filters (transitions.credited_transitions)
+      samples     <- transition or trajectory samples, micro-batches by token budget (samples)
+      update      <- OpenRLHF's PolicyLoss on the Actor, epochs_per_step optimizer steps (policy.Policy)
+      version += 1; adapter saved; checkpoint saved (weights, optimizer, step, version, trained entries)
+      push        <- load policy-v{version} on every server, move the policy pointer (push.LoraPusher)
+      ack         <- every episode of the step: consumed exactly once, XACK
+      log         <- one structlog line, TensorBoard scalars, a line of output_dir/steps.jsonl
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from dataclasses import asdict
+from typing import Any
+
+import structlog
+import torch
+
+from episodes import ClosedEpisode, ClosedEpisodes, EpisodeStore, RolloutStatus, RolloutView
+from learner import checkpoint
+from learner.collect import Collector, Group
+from learner.policy import Policy
+from learner.push import LoraPusher
+from learner.samples import build_samples, micro_batches
+from learner.settings import LearnerSettings
+from learner.transitions import credited_transitions
+
+log = structlog.get_logger("rlgate.learner")
+
+
+class Learner:
+    def __init__(self, settings: LearnerSettings) -> None:
+        self.settings = settings
+        if settings.threads:
+            torch.set_num_threads(settings.threads)
+        self.output_dir = settings.output_dir
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.store = EpisodeStore.from_url(settings.redis_url, prefix=settings.key_prefix, timeout_s=10.0)
+        self.stream = ClosedEpisodes(self.store, settings.group)
+        self.collector = Collector(self.stream, settings.consumer, tasks_per_step=settings.tasks_per_step,
+                                   rollouts_per_task=settings.rollouts_per_task,
+                                   max_group_wait_s=settings.max_group_wait_s,
+                                   singleton_groups=settings.singleton_groups)
+        self.policy = Policy(settings)
+        base_model = settings.served_model_name or str(settings.model)
+        self.pusher = LoraPusher(settings.inference_urls, self.output_dir / "adapters", self.store, base_model)
+        self.step = 0
+        self.version = 0
+        self.writer = None
+        if settings.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(self.output_dir / "tensorboard"))
+        self.started = time.monotonic()
+        self.episodes_trained = 0
+
+    async def run(self) -> None:
+        try:
+            if self.settings.resume:
+                await self._resume()
+            await self.collector.start()
+            while not self.settings.max_steps or self.step < self.settings.max_steps:
+                await self.train_step(await self.collector.next_step())
+        finally:
+            if self.writer is not None:
+                self.writer.close()
+            await self.store.aclose()
+
+    async def _resume(self) -> None:
+        saved = checkpoint.load(self.output_dir)
+        if saved is None:
+            log.info("no_checkpoint", output_dir=str(self.output_dir))
+            return
+        self.policy.load_state(saved.policy_state)
+        self.step, self.version = saved.step, saved.version
+        if self.version > 0:
+            await self.pusher.push(self.version)  # in place: harmless if it had already been pushed
+        for entry in saved.trained:  # trained in the checkpoint, perhaps never acknowledged
+            await self.stream.ack(entry)
+        log.info("resumed", step=self.step, policy_version=self.version, acknowledged=len(saved.trained))
+
+    async def train_step(self, groups: list[Group]) -> dict[str, Any] | None:
+        """Train on `groups`, push, acknowledge. Returns the step's metrics (None if nothing was trained)."""
+        t0 = time.perf_counter()
+        s = self.settings
+        views, entries, already = await self._read_episodes(groups)
+        per_episode, counts = credited_transitions(views, s, self.version)
+        samples = build_samples(per_episode, s.sample_shape)
+        if not samples:
+            await self._ack(entries)
+            log.info("step_skipped", episodes=len(entries), already_trained=already, **dict(counts))
+            return None
+
+        batches = micro_batches(samples, s.micro_batch_tokens, self.policy.pad_token_id)
+        # Every epoch's ratio is against the policy before this step's first update; with one epoch those
+        # are the current log-probs, detached, and need no extra forward pass.
+        old = [self.policy.log_probs(b) for b in batches] if s.epochs_per_step > 1 else None
+        for _ in range(s.epochs_per_step):
+            stats = await asyncio.to_thread(self.policy.update, batches, old)
+        train_s = time.perf_counter() - t0
+
+        self.version += 1
+        self.step += 1
+        self.policy.save_adapter(self.pusher.path(self.version))
+        checkpoint.save(self.output_dir, checkpoint.Checkpoint(self.step, self.version, self.policy.state(),
+                                                               entries))
+        push_s = await self.pusher.push(self.version)
+        await self._ack(entries)
+        self.episodes_trained += len(entries)
+
+        rewards = [v.reward for g in views for v in g]
+        metrics = {
+            "step": self.step,
+            "policy_version": self.version,
+            "episodes": len(entries),
+            "groups": len(views),
+            "reward_mean": sum(rewards) / len(rewards) if rewards else math.nan,
+            "success_rate": sum(r >= s.success_threshold for r in rewards) / len(rewards) if rewards else math.nan,
+            "group_reward_std": _mean([_std([v.reward for v in g]) for g in views]),
+            "samples": stats.samples,
+            "tokens": stats.tokens,
+            "calls": counts["calls"],
+            "dropped_failed": counts["failed"],
+            "dropped_other_agent": counts["other_agent"],
+            "dropped_stale": counts["stale"],
+            "dropped_singleton": counts["singleton_episodes"] + self.collector.dropped_singletons,
+            "already_trained": already,
+            "staleness_mean": counts["staleness_sum"] / max(1, counts["trained"]),
+            **{k: v for k, v in asdict(stats).items() if k not in ("samples", "tokens")},
+            "train_seconds": train_s,
+            "push_seconds": push_s,
+            "tokens_per_second": stats.tokens * s.epochs_per_step / max(train_s, 1e-9),
+            "episodes_per_second": self.episodes_trained / max(time.monotonic() - self.started, 1e-9),
+            "waiting_episodes": self.collector.waiting_episodes(),
+        }
+        self._log(metrics)
+        return metrics
+
+    async def _read_episodes(self, groups: list[Group]
+                             ) -> tuple[list[list[RolloutView]], list[ClosedEpisode], int]:
+        """The groups' rollouts with their calls. Entries of rollouts that are not closed (consumed: trained
+        before a redelivery) are acknowledged and left out."""
+        views: list[list[RolloutView]] = []
+        entries: list[ClosedEpisode] = []
+        already = 0
+        for group in groups:
+            kept = []
+            for entry in group.episodes:
+                view = await self.store.get_rollout_view(entry.rollout_id)
+                if view is None or view.status != RolloutStatus.CLOSED or view.reward is None:
+                    await self.stream.ack(entry)
+                    already += 1
+                    continue
+                kept.append(view)
+                entries.append(entry)
+            if kept:
+                views.append(kept)
+        return views, entries, already
+
+    async def _ack(self, entries: list[ClosedEpisode]) -> None:
+        for entry in entries:
+            await self.stream.ack(entry)
+
+    def _log(self, metrics: dict[str, Any]) -> None:
+        log.info("step", **{k: round(v, 6) if isinstance(v, float) else v for k, v in metrics.items()})
+        with (self.output_dir / "steps.jsonl").open("a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        if self.writer is not None:
+            for key, value in metrics.items():
+                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                    self.writer.add_scalar(f"learner/{key}", value, metrics["step"])
+            self.writer.flush()
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else math.nan
+
+
+def _std(values: list[float]) -> float:
+    if len(values) < 2:
+        return 0.0
+    m = _mean(values)
+    return math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1))
+
+
+def run(settings: LearnerSettings) -> None:
+    asyncio.run(Learner(settings).run())
+
+
+__all__ = ["Learner", "run"]

@@ -1,0 +1,98 @@
+"""From the closed episodes of a step's task groups to credited `Transition`s (LightningRL's two levels).
+
+Per group (all episodes of one task in the step):
+1. every call of every episode gets its return g_t from the episode's final return R and its
+   intermediate rewards r_t (webhook reward + automatic reward of the call): `credit.assign_credit`;
+2. the group's advantages are computed from those returns (`advantages.group_advantages`); the baseline
+   statistics see every call of the group's episodes, including calls that are not trained below (other
+   agents' calls count for the return and the baseline);
+3. only trainable calls become transitions: no error, the server's token ids and log-probs present,
+   made by one of `train_agents` (when set), served by a policy at most `max_staleness` versions old.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from episodes import IndexedCall, RolloutView
+from learner.advantages import group_advantages, whiten
+from learner.credit import assign_credit
+from learner.samples import Transition
+from learner.settings import LearnerSettings
+
+
+def sampling_processing(request: dict[str, Any], default_temperature: float
+                        ) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """(temperature, logit_bias) the server applied to a call, from the request the agent sent. A
+    temperature of 0 (greedy) reports log-probs of the unscaled logits, i.e. temperature 1."""
+    temperature = request.get("temperature")
+    temperature = default_temperature if temperature is None else float(temperature)
+    if temperature == 0:
+        temperature = 1.0
+    bias = request.get("logit_bias") or {}
+    pairs = tuple(sorted((int(k), float(v)) for k, v in bias.items())) if isinstance(bias, dict) else ()
+    return temperature, pairs
+
+
+def credited_transitions(groups: Sequence[Sequence[RolloutView]], settings: LearnerSettings, version: int
+                         ) -> tuple[list[list[Transition]], Counter]:
+    """Per episode, its trainable calls as transitions (episodes in group order). Also counts what was
+    kept and dropped: calls, trained, failed, other_agent, stale, singleton_episodes."""
+    counts: Counter = Counter()
+    out: list[list[Transition]] = []
+    per_group_adv: list[list[torch.Tensor]] = []
+    per_group_views: list[Sequence[RolloutView]] = []
+    for views in groups:
+        returns = []
+        for view in views:
+            rewards = torch.tensor([(c.reward or 0.0) + (c.air_reward or 0.0) for c in view.calls],
+                                   dtype=torch.float32)
+            returns.append(assign_credit(float(view.reward), rewards, settings.credit, settings.gamma,
+                                         settings.intermediate_rewards))
+        advantages = group_advantages(returns, settings.estimator, settings.stats_over)
+        if advantages is None:
+            if settings.singleton_groups != "keep":
+                counts["singleton_episodes"] += len(views)
+                continue
+            advantages = returns  # no baseline: REINFORCE with the return itself
+        per_group_adv.append(advantages)
+        per_group_views.append(views)
+    if settings.estimator == "reinforce_baseline" and per_group_adv:
+        counts_per_call = [torch.tensor([len(c.completion_token_ids or ()) for c in v.calls])
+                           for views in per_group_views for v in views]
+        flat = whiten([a for adv in per_group_adv for a in adv], counts_per_call)
+        it = iter(flat)
+        per_group_adv = [[next(it) for _ in adv] for adv in per_group_adv]
+    for views, advantages in zip(per_group_views, per_group_adv, strict=True):
+        for view, adv in zip(views, advantages, strict=True):
+            episode = []
+            for call, a in zip(view.calls, adv.tolist(), strict=True):
+                counts["calls"] += 1
+                reason = _skip_reason(call, settings, version)
+                if reason:
+                    counts[reason] += 1
+                    continue
+                temperature, bias = sampling_processing(call.request, settings.default_temperature)
+                episode.append(Transition(
+                    rollout_id=view.rollout_id, index=call.index, prompt_ids=tuple(call.prompt_token_ids),
+                    completion_ids=tuple(call.completion_token_ids),
+                    rollout_logprobs=tuple(call.completion_logprobs), advantage=a,
+                    policy_version=call.policy_version, temperature=temperature, logit_bias=bias))
+                counts["trained"] += 1
+                counts["staleness_sum"] += version - call.policy_version
+            out.append(episode)
+    return out, counts
+
+
+def _skip_reason(call: IndexedCall, settings: LearnerSettings, version: int) -> str | None:
+    if not call.trainable:
+        return "failed"
+    if settings.train_agents and call.agent_name not in settings.train_agents:
+        return "other_agent"
+    if version - call.policy_version > settings.max_staleness:
+        return "stale"
+    return None
