@@ -1,0 +1,208 @@
+"""The learner end to end, all real processes: Redis, `rlgate serve` on a tiny model, the gateway, an
+OpenAI-SDK agent, and `rlgate learner`. Closed episodes -> one step -> a LoRA adapter pushed -> the next
+call through the gateway is served by it and tagged with the new version."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import redis
+
+from conftest import REDIS_URL, ROOT, Proc, start_gateway, start_rlgate_serve
+
+pytest.importorskip("openrlhf")
+
+MODEL = "tiny"
+MESSAGES = [{"role": "user", "content": "2+3="}]
+# The agent restricts the answer to a few tokens, as the demo's agent does: the learner must use the same
+# processing (bias, temperature) for its log-probs to be those of the distribution sampled from.
+BIAS = {str(ord(c)): 30.0 for c in "0123456789"}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, Proc, Path]]:
+    from inference.tiny_model import build_tiny_model
+
+    tmp = tmp_path_factory.mktemp("learner_e2e")
+    model = build_tiny_model(tmp / "tiny", seed=3)
+    serve = start_rlgate_serve(model, tmp, MODEL)
+    gateway = start_gateway(tmp, serve.url + "/v1", policy_poll_s="0.05")
+    yield serve, gateway, model
+    gateway.kill(signal.SIGTERM)
+    serve.kill(signal.SIGTERM)
+
+
+def episode(gateway: Proc, task: str, reward: float, calls: int = 2, agent: str | None = None) -> str:
+    rid = uuid.uuid4().hex
+    client = openai.OpenAI(base_url=f"{gateway.url}/tasks/{task}/rollouts/{rid}/v1", api_key="unused",
+                           default_headers={"X-Agent-Name": agent} if agent else None)
+    for _ in range(calls):
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, temperature=0.8,
+                                       logit_bias=BIAS)
+    answer = httpx.post(f"{gateway.url}/rollouts/{rid}/reward", json={"reward": reward}, timeout=10)
+    assert answer.status_code == 200, answer.text
+    return rid
+
+
+def learner(model: Path, serve: Proc, out: Path, **settings: str) -> subprocess.Popen:
+    env = {**os.environ, "RLGATE_LEARNER_REDIS_URL": REDIS_URL, "RLGATE_LEARNER_MODEL": str(model),
+           "RLGATE_LEARNER_SERVED_MODEL_NAME": MODEL, "RLGATE_LEARNER_INFERENCE_URLS": json.dumps([serve.url]),
+           "RLGATE_LEARNER_OUTPUT_DIR": str(out), "RLGATE_LEARNER_TASKS_PER_STEP": "2",
+           "RLGATE_LEARNER_ROLLOUTS_PER_TASK": "4", "RLGATE_LEARNER_MAX_STEPS": "1",
+           "RLGATE_LEARNER_LEARNING_RATE": "0.05", "RLGATE_LEARNER_LOG_FORMAT": "json"}
+    env.update({f"RLGATE_LEARNER_{k.upper()}": v for k, v in settings.items()})
+    return subprocess.Popen([sys.executable, "-m", "rlgate", "learner"], env=env, cwd=ROOT,
+                            stdout=(out.parent / f"{out.name}.log").open("ab"), stderr=subprocess.STDOUT)
+
+
+def steps(out: Path) -> list[dict]:
+    path = out / "steps.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def calls_of(gateway: Proc, rid: str) -> list[dict]:
+    return httpx.get(f"{gateway.url}/rollouts/{rid}", timeout=10).json()["calls"]
+
+
+def test_the_servers_log_probs_are_the_learners(stack, redis_client: redis.Redis, tmp_path: Path):
+    """What `rlgate serve` reported for a biased, tempered sample is what the learner computes."""
+    from learner.policy import Policy
+    from learner.samples import build_samples, micro_batches
+    from learner.settings import LearnerSettings
+    from learner.transitions import sampling_processing
+    from learner.samples import Transition
+
+    serve, gateway, model = stack
+    rid = episode(gateway, "t", 1.0, calls=3)
+    policy = Policy(LearnerSettings(model=model, tensorboard=False))
+    for call in calls_of(gateway, rid):
+        temperature, bias = sampling_processing(call["request"], 1.0)
+        assert temperature == 0.8 and len(bias) == 10
+        t = Transition(rid, call["index"], tuple(call["prompt_token_ids"]), tuple(call["completion_token_ids"]),
+                       tuple(call["completion_logprobs"]), 1.0, 0, temperature, bias)
+        [batch] = micro_batches(build_samples([[t]]), 10_000, policy.pad_token_id)
+        ours = policy.log_probs(batch)[batch.action_mask]
+        assert ours.tolist() == pytest.approx(call["completion_logprobs"], abs=2e-4)
+
+
+def test_a_step_pushes_an_adapter_that_serves_the_next_call(stack, redis_client: redis.Redis, tmp_path: Path):
+    serve, gateway, model = stack
+    rewards = {"add-1": [1.0, 0.0, 0.0, 1.0], "add-2": [0.0, 0.0, 1.0, 0.0]}
+    rids = [episode(gateway, task, r) for task, values in rewards.items() for r in values]
+    out = tmp_path / "learner"
+    proc = learner(model, serve, out)
+    assert proc.wait(timeout=240) == 0, (out.parent / "learner.log").read_text()[-4000:]
+
+    [step] = steps(out)
+    assert step["policy_version"] == 1 and step["episodes"] == 8 and step["groups"] == 2
+    assert step["samples"] == 16 and step["calls"] == 16  # identical credit: every call trains
+    assert step["reward_mean"] == pytest.approx(3 / 8) and step["grad_norm"] > 0
+    assert step["rollout_kl"] == pytest.approx(0.0, abs=1e-3)  # on-policy: the server's log-probs are ours
+    assert (out / "adapters" / "policy-v1" / "adapter_config.json").is_file()
+    assert (out / "checkpoint" / "latest.pt").is_file() and list((out / "tensorboard").iterdir())
+
+    # every episode consumed exactly once, nothing pending on the stream
+    assert all(redis_client.hget(f"rlgate:rollout:{{{rid}}}", "status") == b"consumed" for rid in rids)
+    assert redis_client.xpending("rlgate:episodes", "learners")["pending"] == 0
+    assert redis_client.hgetall("rlgate:policy") == {b"version": b"1", b"adapter": b"policy-v1",
+                                                      b"base_model": MODEL.encode()}
+    models = [m["id"] for m in httpx.get(f"{serve.url}/v1/models").json()["data"]]
+    assert models == [MODEL, "policy-v1"]
+
+    # the next call asks for the base model; the gateway sends it to the adapter and tags it version 1
+    time.sleep(0.3)  # > the gateway's policy poll interval
+    rid = uuid.uuid4().hex
+    client = openai.OpenAI(base_url=f"{gateway.url}/rollouts/{rid}/v1", api_key="unused")
+    client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, logit_bias=BIAS)
+    [call] = calls_of(gateway, rid)
+    assert call["policy_version"] == 1 and call["model"] == "policy-v1"
+    assert call["request"]["model"] == MODEL  # recorded as the agent sent it
+
+    # and the adapter changed the policy: the same prompt and continuation score differently
+    def logprobs(model_name: str) -> list[float]:
+        body = {"model": model_name, "prompt": call["prompt_token_ids"], "max_tokens": 1, "logprobs": 1,
+                "temperature": 0.8, "seed": 1, "return_token_ids": True, "logit_bias": BIAS}
+        return httpx.post(f"{serve.url}/v1/completions", json=body, timeout=30).json()["choices"][0]["logprobs"]
+
+    base, adapted = logprobs(MODEL), logprobs("policy-v1")
+    assert base["top_logprobs"] != adapted["top_logprobs"]
+
+
+def test_only_the_chosen_agents_calls_train(stack, redis_client: redis.Redis, tmp_path: Path):
+    serve, gateway, model = stack
+    for task, values in {"a": [1.0, 0.0, 0.0, 0.0], "b": [0.0, 1.0, 1.0, 0.0]}.items():
+        for i, r in enumerate(values):
+            episode(gateway, task, r, calls=2, agent="solver" if i % 2 else "critic")
+    out = tmp_path / "learner"
+    proc = learner(model, serve, out, train_agents='["solver"]')
+    assert proc.wait(timeout=240) == 0, (out.parent / "learner.log").read_text()[-4000:]
+    [step] = steps(out)
+    # the critic's episodes still count for the groups' baselines (reward_mean over all 8)
+    assert step["calls"] == 16 and step["dropped_other_agent"] == 8 and step["samples"] == 8
+    assert step["episodes"] == 8 and step["reward_mean"] == pytest.approx(3 / 8)
+
+
+def test_stale_calls_are_dropped(stack, redis_client: redis.Redis, tmp_path: Path):
+    serve, gateway, model = stack
+    for task in ("a", "b", "c"):  # all served by version 0
+        for i in range(4):
+            episode(gateway, task, float(i % 2))
+    out = tmp_path / "learner"
+    first = learner(model, serve, out, max_staleness="0")  # trains a and b; c stays pending for it
+    assert first.wait(timeout=240) == 0, (out.parent / "learner.log").read_text()[-4000:]
+    time.sleep(0.3)  # the gateway sees version 1
+    for i in range(4):
+        episode(gateway, "d", float(i % 2))  # served by version 1
+    # the stream delivers at least once: group a's entries again, as an outbox repair could
+    for _, fields in redis_client.xrange("rlgate:episodes"):
+        if fields[b"task_id"] == b"a":
+            redis_client.xadd("rlgate:episodes", fields)
+    again = learner(model, serve, out, max_staleness="0", resume="true", max_steps="2", tasks_per_step="3")
+    assert again.wait(timeout=240) == 0, (out.parent / "learner.log").read_text()[-4000:]
+    one, two = steps(out)
+    assert one["dropped_stale"] == 0 and one["samples"] == 16
+    # step 2 took back its own pending group c (version 0, now stale: 1 - 0 > 0), trained d, and skipped
+    # the redelivered, already trained episodes of a
+    assert two["episodes"] == 8 and two["dropped_stale"] == 8 and two["samples"] == 8
+    assert two["already_trained"] == 4
+    assert two["policy_version"] == 2 and two["staleness_mean"] == 0
+
+
+def test_a_learner_killed_mid_step_redelivers_and_trains_nothing_twice(stack, redis_client: redis.Redis,
+                                                                        tmp_path: Path):
+    serve, gateway, model = stack
+    rids = [episode(gateway, task, float(i % 2)) for task in ("k1", "k2") for i in range(4)]
+    out = tmp_path / "learner"
+    proc = learner(model, serve, out)
+    deadline = time.monotonic() + 120
+
+    def pending() -> int:
+        try:
+            return redis_client.xpending("rlgate:episodes", "learners")["pending"]
+        except redis.ResponseError:  # the learner has not created its group yet
+            return 0
+
+    while pending() == 0:  # it has read the episodes: the step has begun
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=20)
+
+    again = learner(model, serve, out, resume="true")
+    assert again.wait(timeout=240) == 0, (out.parent / "learner.log").read_text()[-4000:]
+    trained = steps(out)
+    assert sum(s["episodes"] for s in trained) == 8 and [s["step"] for s in trained] == [1]
+    assert all(redis_client.hget(f"rlgate:rollout:{{{rid}}}", "status") == b"consumed" for rid in rids)
+    assert redis_client.xpending("rlgate:episodes", "learners")["pending"] == 0
+    assert redis_client.hget("rlgate:policy", "version") == b"1"
