@@ -120,6 +120,7 @@ class Learner:
         rewards = [v.reward for g in views for v in g]
         metrics = {
             "step": self.step,
+            "time": time.time(),
             "policy_version": self.version,
             "episodes": len(entries),
             "groups": len(views),
@@ -176,7 +177,7 @@ class Learner:
             f.write(json.dumps(metrics) + "\n")
         if self.writer is not None:
             for key, value in metrics.items():
-                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                if key not in ("step", "time") and isinstance(value, (int, float)) and math.isfinite(value):
                     self.writer.add_scalar(f"learner/{key}", value, metrics["step"])
             self.writer.flush()
 

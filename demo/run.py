@@ -1,0 +1,279 @@
+"""`rlgate demo`: the whole loop on one machine, in real processes.
+
+    Redis (the local one, or a redis-server started for the demo)
+    rlgate serve    the tiny model, built in code, on the CPU (vLLM's wire format)
+    rlgate gateway  records every call, serves the reward endpoints
+    rlgate worker   runs the math_answer reward jobs (rq)
+    rlgate learner  trains on closed episodes, pushes LoRA adapters, moves the policy version
+    demo.agent      plain OpenAI-SDK agents solving `demo.task`, in parallel
+
+Progress (episodes/s, success rate, policy version) is printed live from the learner's per-step log; at
+the end the demo writes `summary.json` and `reward_curve.png` into its work directory (and the summary to
+`--json PATH` if given) and prints where they are. Every process's log is in `<workdir>/logs/`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis
+
+MODEL_NAME = "tiny"
+
+
+@dataclass
+class DemoConfig:
+    workdir: Path
+    minutes: float
+    target: float
+    quick: bool
+    redis_url: str
+    concurrency: int
+    tasks_per_step: int
+    rollouts_per_task: int
+    learning_rate: float
+    seed: int
+    json_path: Path | None = None
+    processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(cfg: DemoConfig, name: str, args: list[str], env: dict[str, str] | None = None,
+           stdout: int | None = None) -> subprocess.Popen:
+    log = (cfg.workdir / "logs" / f"{name}.log").open("ab")
+    process = subprocess.Popen(args, env={**os.environ, **(env or {})}, stdout=stdout or log,
+                               stderr=log if stdout is None else log, text=stdout is not None)
+    cfg.processes[name] = process
+    return process
+
+
+def _wait_http(url: str, process: subprocess.Popen, name: str, timeout_s: float = 120.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{name} exited; see its log")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{name} did not come up at {url}")
+
+
+def _redis(cfg: DemoConfig) -> str:
+    """The Redis to use: the configured one if it answers, else a redis-server started for the demo."""
+    try:
+        redis.Redis.from_url(cfg.redis_url, socket_connect_timeout=1).ping()
+        return cfg.redis_url
+    except redis.RedisError:
+        pass
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError(f"no Redis answers at {cfg.redis_url} and redis-server is not installed: start a Redis "
+                           "(e.g. `docker run -p 6379:6379 redis:7`) or pass --redis-url")
+    port = free_port()
+    _spawn(cfg, "redis", [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"])
+    url = f"redis://127.0.0.1:{port}/0"
+    for _ in range(100):
+        try:
+            redis.Redis.from_url(url).ping()
+            return url
+        except redis.RedisError:
+            time.sleep(0.05)
+    raise RuntimeError("the demo's redis-server did not start")
+
+
+def start(cfg: DemoConfig) -> dict[str, Any]:
+    """Start every process; returns where they listen."""
+    from inference.tiny_model import build_tiny_model
+
+    (cfg.workdir / "logs").mkdir(parents=True, exist_ok=True)
+    model = cfg.workdir / "model"
+    if not (model / "config.json").is_file():
+        build_tiny_model(model, seed=cfg.seed)
+    redis_url = _redis(cfg)
+    prefix = f"demo-{int(time.time())}"  # a fresh key space per run, on whatever Redis this is
+    rlgate = [sys.executable, "-m", "rlgate"]
+
+    serve_port = free_port()
+    serve = _spawn(cfg, "serve", [*rlgate, "serve", "--model", str(model), "--port", str(serve_port),
+                                  "--served-model-name", MODEL_NAME, "--log-format", "json"],
+                   stdout=subprocess.PIPE)
+    line = serve.stdout.readline()
+    if not line.startswith("READY"):
+        raise RuntimeError(f"rlgate serve did not start: {line!r}")
+    serve_url = f"http://127.0.0.1:{serve_port}"
+
+    common = {"RLGATE_REDIS_URL": redis_url, "RLGATE_KEY_PREFIX": prefix, "RLGATE_LOG_FORMAT": "json",
+              "RLGATE_REWARD_QUEUE": f"{prefix}-rewards"}
+    gateway_port = free_port()
+    gateway = _spawn(cfg, "gateway", [*rlgate, "gateway"], {
+        **common, "RLGATE_UPSTREAM_URL": f"{serve_url}/v1", "RLGATE_PORT": str(gateway_port),
+        "RLGATE_POLICY_POLL_S": "0.1"})
+    gateway_url = f"http://127.0.0.1:{gateway_port}"
+    _wait_http(f"{gateway_url}/healthz", gateway, "the gateway")
+    _spawn(cfg, "worker", [*rlgate, "worker", "--fork", "false", "--log-level", "warning"], common)
+
+    learner_dir = cfg.workdir / "learner"
+    if learner_dir.exists():
+        shutil.rmtree(learner_dir)
+    _spawn(cfg, "learner", [*rlgate, "learner"], {
+        "RLGATE_LEARNER_REDIS_URL": redis_url, "RLGATE_LEARNER_KEY_PREFIX": prefix,
+        "RLGATE_LEARNER_MODEL": str(model), "RLGATE_LEARNER_SERVED_MODEL_NAME": MODEL_NAME,
+        "RLGATE_LEARNER_INFERENCE_URLS": json.dumps([serve_url]), "RLGATE_LEARNER_OUTPUT_DIR": str(learner_dir),
+        "RLGATE_LEARNER_TASKS_PER_STEP": str(cfg.tasks_per_step),
+        "RLGATE_LEARNER_ROLLOUTS_PER_TASK": str(cfg.rollouts_per_task),
+        "RLGATE_LEARNER_LEARNING_RATE": str(cfg.learning_rate), "RLGATE_LEARNER_MAX_STALENESS": "2",
+        "RLGATE_LEARNER_THREADS": "1", "RLGATE_LEARNER_SEED": str(cfg.seed), "RLGATE_LEARNER_LOG_FORMAT": "json"})
+    _spawn(cfg, "agent", [sys.executable, "-m", "demo.agent", "--gateway", gateway_url, "--model", MODEL_NAME,
+                          "--concurrency", str(cfg.concurrency), "--rollouts-per-task", str(cfg.rollouts_per_task),
+                          "--seed", str(cfg.seed)])
+    return {"redis": redis_url, "serve": serve_url, "gateway": gateway_url, "prefix": prefix,
+            "steps": learner_dir / "steps.jsonl"}
+
+
+def stop(cfg: DemoConfig) -> None:
+    order = ["agent", "learner", "worker", "gateway", "serve", "redis"]
+    for name in order:
+        process = cfg.processes.get(name)
+        if process is not None and process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    for name in order:
+        process = cfg.processes.get(name)
+        if process is None:
+            continue
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def read_steps(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _window(steps: list[dict[str, Any]], n: int) -> float:
+    """Success rate over the episodes of the given steps (episode-weighted)."""
+    chosen = steps[-n:] if n > 0 else steps
+    episodes = sum(s["episodes"] for s in chosen)
+    return sum(s["success_rate"] * s["episodes"] for s in chosen) / episodes if episodes else float("nan")
+
+
+def watch(cfg: DemoConfig, where: dict[str, Any], started: float) -> list[dict[str, Any]]:
+    """Print progress until the target holds over the last 3 steps (after at least 5), or time is up."""
+    tty = sys.stdout.isatty()
+    shown = 0
+    steps: list[dict[str, Any]] = []
+    while time.monotonic() - started < cfg.minutes * 60:
+        for name in ("serve", "gateway", "worker", "learner", "agent"):
+            if cfg.processes[name].poll() is not None:
+                raise RuntimeError(f"{name} exited (code {cfg.processes[name].returncode}); see "
+                                   f"{cfg.workdir / 'logs' / (name + '.log')}")
+        steps = read_steps(where["steps"])
+        if len(steps) > shown:
+            shown = len(steps)
+            last = steps[-1]
+            episodes = sum(s["episodes"] for s in steps)
+            elapsed = time.monotonic() - started
+            line = (f"step {last['step']:4d}  policy v{last['policy_version']:<4d} episodes {episodes:6d}  "
+                    f"{episodes / elapsed:5.1f} episodes/s  success {last['success_rate']:6.1%}  "
+                    f"(last 3 steps {_window(steps, 3):6.1%})  {elapsed:5.0f} s")
+            print(("\r" + line) if tty else line, end="" if tty else "\n", flush=True)
+            if len(steps) >= 5 and _window(steps, 3) >= cfg.target:
+                break
+        time.sleep(0.25)
+    if tty:
+        print()
+    return steps
+
+
+def summarize(cfg: DemoConfig, steps: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
+    t0 = steps[0]["time"] - steps[0]["train_seconds"] - steps[0]["push_seconds"] if steps else 0.0
+    cumulative = 0
+    curve = []
+    for s in steps:
+        cumulative += s["episodes"]
+        curve.append({"step": s["step"], "policy_version": s["policy_version"], "episodes": cumulative,
+                      "success_rate": s["success_rate"], "reward_mean": s["reward_mean"],
+                      "seconds": round(s["time"] - t0, 3)})
+    return {
+        "initial_success_rate": steps[0]["success_rate"] if steps else None,
+        "final_success_rate": _window(steps, 3) if steps else None,
+        "episodes": cumulative,
+        "wall_seconds": round(wall_s, 1),
+        "policy_version": steps[-1]["policy_version"] if steps else 0,
+        "target": cfg.target,
+        "reached_target": bool(steps) and len(steps) >= 5 and _window(steps, 3) >= cfg.target,
+        "quick": cfg.quick,
+        "settings": {"tasks_per_step": cfg.tasks_per_step, "rollouts_per_task": cfg.rollouts_per_task,
+                     "learning_rate": cfg.learning_rate, "concurrency": cfg.concurrency, "seed": cfg.seed},
+        "curve": curve,
+    }
+
+
+def plot(summary: dict[str, Any], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    curve = summary["curve"]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    ax.plot([c["episodes"] for c in curve], [c["success_rate"] for c in curve], marker="o", ms=3)
+    ax.set_xlabel("episodes trained on")
+    ax.set_ylabel("success rate of the step's episodes")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.set_title(f"rlgate demo: Calc-X in miniature ({summary['wall_seconds']:.0f} s, "
+                 f"policy v{summary['policy_version']})")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def run(cfg: DemoConfig) -> dict[str, Any]:
+    cfg.workdir.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    try:
+        where = start(cfg)
+        print(f"rlgate demo: gateway {where['gateway']}, inference {where['serve']}, redis {where['redis']} "
+              f"(keys {where['prefix']}:*), logs in {cfg.workdir / 'logs'}", flush=True)
+        steps = watch(cfg, where, started)
+    finally:
+        stop(cfg)
+    summary = summarize(cfg, steps, time.monotonic() - started)
+    summary_path = cfg.workdir / "summary.json"
+    summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+    if cfg.json_path is not None:
+        cfg.json_path.parent.mkdir(parents=True, exist_ok=True)
+        cfg.json_path.write_text(json.dumps(summary, indent=2) + "\n")
+    png = cfg.workdir / "reward_curve.png"
+    drawn = plot(summary, png)
+    print(f"success rate {summary['initial_success_rate']:.1%} -> {summary['final_success_rate']:.1%} "
+          f"in {summary['episodes']} episodes, {summary['wall_seconds']:.0f} s, policy v{summary['policy_version']}"
+          if summary["curve"] else "no training step finished")
+    print(f"summary: {summary_path}" + (f"\nreward curve: {png}" if drawn else " (no matplotlib: no PNG)"))
+    return summary
