@@ -56,13 +56,13 @@ def processed_log_probs(logits: torch.Tensor, batch: MicroBatch) -> tuple[torch.
     `logits` [B, L, V] float32 (position j predicts token j+1); returns [B, L-1] and [B, L-1, V]."""
     z = logits[:, :-1, :]
     if batch.logit_bias:
-        bias = torch.zeros((z.shape[0], z.shape[-1]), dtype=z.dtype)
+        bias = torch.zeros((z.shape[0], z.shape[-1]), dtype=z.dtype, device=z.device)
         for row, token, value in batch.logit_bias:
             if 0 <= token < z.shape[-1]:
                 bias[row, token] += value
         z = z + bias[:, None, :]
-    z = z / batch.temperature[:, None, None].to(z.dtype)
-    return log_probs_from_logits(z, batch.sequences[:, 1:]), z
+    z = z / batch.temperature[:, None, None].to(device=z.device, dtype=z.dtype)
+    return log_probs_from_logits(z, batch.sequences[:, 1:].to(z.device)), z
 
 
 def masked_entropy(z: torch.Tensor, mask: torch.Tensor) -> float:
@@ -76,8 +76,11 @@ def masked_entropy(z: torch.Tensor, mask: torch.Tensor) -> float:
 class Policy:
     """The trainable policy and its optimizer (one process; see the module docstring)."""
 
-    def __init__(self, settings: LearnerSettings, device: str = "cpu") -> None:
+    def __init__(self, settings: LearnerSettings) -> None:
         self.settings = settings
+        device = settings.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
         torch.manual_seed(settings.seed)
         dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16

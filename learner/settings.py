@@ -79,6 +79,8 @@ class LearnerSettings(BaseSettings):
         "tis", description="Importance correction against the rollout log-probs (OpenRLHF's options).")
     is_threshold_low: float = 0.5
     is_threshold_high: float = 5.0
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the policy trains (auto: cuda "
+                                                   "if available); bf16 weights on a GPU, float32 on the CPU.")
     seed: int = 0
     threads: int = Field(0, ge=0, description="torch threads (0: torch's default).")
     tensorboard: bool = True
