@@ -1,0 +1,31 @@
+"""The calculator agent with the OpenAI Agents SDK, on a chat-completions model with a custom client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+from openai import AsyncOpenAI
+
+import calculator as calc
+
+
+@function_tool
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression."""
+    return calc.calculator(expression)
+
+
+async def main() -> None:
+    set_tracing_disabled(True)  # no trace upload to OpenAI; the gateway records the calls
+    model = OpenAIChatCompletionsModel(model=calc.model_name(), openai_client=AsyncOpenAI())  # env config
+    agent = Agent(name="calculator", instructions="Answer arithmetic questions with the calculator tool.",
+                  tools=[calculator], model=model, model_settings=ModelSettings(temperature=0, max_tokens=128))
+    result = await Runner.run(agent, calc.QUESTION, max_turns=3)
+    answer = str(result.final_output or "")
+    print(json.dumps({"answer": answer, "reward": calc.post_reward(answer)}))
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

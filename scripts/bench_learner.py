@@ -1,0 +1,126 @@
+"""Learner benchmark: one update's time and tokens/s against batch size, and the LoRA push against a real
+`rlgate serve` (save the adapter, load it on the server, move the policy pointer, unload version - 2).
+
+    .venv/bin/python scripts/bench_learner.py                        # tiny model, CPU
+    .venv/bin/python scripts/bench_learner.py --device cuda --hidden 512 --layers 8    # on a GPU
+
+Samples have the demo's shape scaled up: a `--prompt`-token prompt and a `--completion`-token completion,
+one call per sample, random tokens, advantages +-1. Each cell is the median of `--repeat` updates after
+one warm-up. Prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from inference.tiny_model import build_tiny_model  # noqa: E402
+from learner.policy import Policy  # noqa: E402
+from learner.samples import Transition, build_samples, micro_batches  # noqa: E402
+from learner.settings import LearnerSettings  # noqa: E402
+
+
+def episodes(n: int, prompt: int, completion: int, rng: random.Random) -> list[list[Transition]]:
+    return [[Transition(f"r{i}", 0, tuple(rng.randrange(256) for _ in range(prompt)),
+                        tuple(rng.randrange(256) for _ in range(completion)), tuple([-2.0] * completion),
+                        rng.choice([1.0, -1.0]), 0)] for i in range(n)]
+
+
+def bench_updates(settings: LearnerSettings, sizes: list[int], args: argparse.Namespace) -> list[dict]:
+    policy = Policy(settings)
+    rng = random.Random(0)
+    rows = []
+    for size in sizes:
+        batches = micro_batches(build_samples(episodes(size, args.prompt, args.completion, rng)),
+                                settings.micro_batch_tokens, policy.pad_token_id)
+        policy.update(batches)  # warm-up
+        times = []
+        for _ in range(args.repeat):
+            if policy.device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            stats = policy.update(batches)
+            if policy.device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        step = statistics.median(times)
+        rows.append({"samples": size, "micro_batches": len(batches), "step_s": step,
+                     "action_tokens_per_s": stats.tokens / step,
+                     "tokens_per_s": size * (args.prompt + args.completion) / step})
+    return rows
+
+
+async def bench_push(settings: LearnerSettings, model: Path, repeat: int) -> list[float]:
+    from episodes import EpisodeStore
+    from learner.push import LoraPusher
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from conftest import start_rlgate_serve
+
+    logs = Path(tempfile.mkdtemp(prefix="bench_learner_"))
+    serve = start_rlgate_serve(model, logs, "tiny")
+    store = EpisodeStore.from_url(args.redis_url, prefix=f"bench-learner-{int(time.time())}")
+    try:
+        policy = Policy(settings)
+        pusher = LoraPusher([serve.url], logs / "adapters", store, "tiny")
+        times = []
+        for version in range(1, repeat + 2):
+            t0 = time.perf_counter()
+            policy.save_adapter(pusher.path(version))
+            await pusher.push(version)
+            if version > 1:  # the first push warms up
+                times.append(time.perf_counter() - t0)
+        await store.redis.delete(store.keys.policy)
+        return times
+    finally:
+        await store.aclose()
+        serve.process.terminate()
+        serve.process.wait(timeout=20)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--prompt", type=int, default=64)
+    parser.add_argument("--completion", type=int, default=16)
+    parser.add_argument("--sizes", default="8,32,128,512")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model = build_tiny_model(Path(tempfile.mkdtemp(prefix="bench_model_")) / "m", seed=0, hidden_size=args.hidden,
+                             num_layers=args.layers, num_heads=max(4, args.hidden // 64))
+    settings = LearnerSettings(model=model, tensorboard=False, device=args.device, micro_batch_tokens=8192)
+    params = sum(p.numel() for p in Policy(settings).actor.parameters())
+    rows = bench_updates(settings, [int(s) for s in args.sizes.split(",")], args)
+    print(f"\nmodel: {params / 1e6:.2f}M parameters (hidden {args.hidden}, {args.layers} layers), LoRA r=8, "
+          f"device {args.device}, torch threads {args.threads}, samples of {args.prompt}+{args.completion} tokens\n")
+    print("| samples per step | micro-batches | update s | action tokens/s | all tokens/s |")
+    print("|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['samples']} | {r['micro_batches']} | {r['step_s']:.3f} | {r['action_tokens_per_s']:,.0f} | "
+              f"{r['tokens_per_s']:,.0f} |")
+    push = []
+    if args.device == "cpu":
+        push = asyncio.run(bench_push(settings, model, args.repeat))
+        print(f"\nLoRA push to rlgate serve (save + load_lora_adapter + pointer + unload v-2): median "
+              f"{statistics.median(push) * 1000:.1f} ms, max {max(push) * 1000:.1f} ms over {len(push)} pushes")
+    if args.json:
+        args.json.write_text(json.dumps({"updates": rows, "lora_push_s": push}, indent=2))

@@ -1,0 +1,71 @@
+"""The four framework examples (plain OpenAI SDK, LangChain, OpenAI Agents SDK, AutoGen), each configured
+only through OPENAI_BASE_URL, run as real processes against the gateway in front of `rlgate serve`. Every
+LLM call must be recorded under the rollout with its token ids and log-probs, tool calls included.
+
+The served model is the tiny model taught in code to call the calculator (`tool_model.py`): a random tiny
+model never writes a tool call."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from conftest import ROOT, Proc, start_gateway, start_rlgate_serve
+
+EXAMPLES = ["openai_sdk_agent", "langchain_agent", "openai_agents_sdk_agent", "autogen_agent"]
+
+
+@pytest.fixture(scope="module")
+def tool_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    pytest.importorskip("torch")
+    from tool_model import build_tool_calling_model
+
+    tmp = tmp_path_factory.mktemp("examples")
+    serve = start_rlgate_serve(build_tool_calling_model(tmp / "tool-model"), tmp, "policy")
+    gateway = start_gateway(tmp, serve.url + "/v1")
+    yield gateway
+    gateway.kill(signal.SIGTERM)
+    serve.kill(signal.SIGTERM)
+
+
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_example_agent_is_recorded_with_its_tool_calls(example: str, tool_stack: Proc, redis_client):
+    pytest.importorskip({"langchain_agent": "langchain_openai", "openai_agents_sdk_agent": "agents",
+                         "autogen_agent": "autogen_ext"}.get(example, "openai"))
+    gateway = tool_stack
+    rid = uuid.uuid4().hex
+    env = {**os.environ, "OPENAI_BASE_URL": f"{gateway.url}/tasks/calc-17-25/rollouts/{rid}/v1",
+           "OPENAI_API_KEY": "unused", "OPENAI_MODEL": "policy"}
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / f"{example}.py")], env=env, cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert "42" in out["answer"] and out["reward"] == 1.0
+
+    rollout = httpx.get(f"{gateway.url}/rollouts/{rid}", timeout=10).json()
+    assert rollout["status"] == "closed" and rollout["reward"] == 1.0 and rollout["task_id"] == "calc-17-25"
+    calls = rollout["calls"]
+    assert len(calls) >= 2
+    for call in calls:
+        assert call["endpoint"] == "chat.completions" and call["error"] is None
+        assert call["prompt_token_ids"] and call["completion_token_ids"]
+        assert len(call["completion_logprobs"]) == len(call["completion_token_ids"])
+    # the tool went to the model (AutoGen's reflection call after the tool ran offers no tools)
+    assert [t["function"]["name"] for t in calls[0]["request"]["tools"]] == ["calculator"]
+    [tool_call] = calls[0]["response"]["message"]["tool_calls"]
+    assert tool_call["function"]["name"] == "calculator"
+    assert json.loads(tool_call["function"]["arguments"]) == {"expression": "17 + 25"}
+    assert calls[0]["response"]["finish_reason"] == "tool_calls"
+    # the next call carries the tool's result back to the model
+    tool_messages = [m for m in calls[1]["request"]["messages"] if m["role"] == "tool"]
+    assert tool_messages and tool_messages[0]["content"] == "42"
+    assert "42" in calls[-1]["response"]["message"]["content"]
