@@ -8,7 +8,7 @@
 | `{prefix}:rollout:{<rid>}:calls`   | list   | gateway (one entry per choice)          | gateway, reward, learner | none |
 | `{prefix}:rollout:{<rid>}:rewards` | hash   | reward webhook (call index -> reward)   | learner, inspection      | none |
 | `{prefix}:rollout:{<rid>}:air`     | hash   | gateway AIR (call index -> reward)      | learner, inspection      | none |
-| `{prefix}:policy`                  | hash   | learner (`version`, `adapter`,          | gateway (polled)         | none |
+| `{prefix}:policy`                  | hash   | learner (`version`, `adapter`, `draining`,| gateway (polled)         | none |
 |                                    |        | `base_model`: `records.Policy`)         |                          |      |
 | `{prefix}:expiry`                  | zset   | gateway (rollout id -> expires_at)      | sweeper                  | none |
 | `{prefix}:outbox`                  | zset   | reward hooks, sweeper (id -> intent ts) | sweeper (repair)         | none |

@@ -150,3 +150,5 @@ class Policy(_Record):
     version: int = 0
     adapter: str | None = None
     base_model: str | None = None
+    draining: bool = Field(False, description="A full-weight push is under way: gateways hold new calls "
+                           "(or answer 429) until it is over; calls in flight finish on the old weights.")

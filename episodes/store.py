@@ -191,7 +191,7 @@ class EpisodeStore:
         """Move the policy pointer, all fields at once (one HSET), so a reader never sees a version
         with another version's adapter."""
         mapping = {"version": policy.version, "adapter": policy.adapter or "",
-                   "base_model": policy.base_model or ""}
+                   "base_model": policy.base_model or "", "draining": int(policy.draining)}
         async with _guard(self.timeout_s):
             await self.redis.hset(self.keys.policy, mapping=mapping)
 

@@ -50,6 +50,14 @@ class PayloadTooLarge(GatewayError):
     code = "payload_too_large"
 
 
+class PolicyPushing(GatewayError):
+    """A full-weight push is under way and the gateway is set to refuse calls meanwhile (or waited too long)."""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "policy_push_in_progress"
+
+
 class UpstreamError(GatewayError):
     """The inference server could not be reached or did not answer in time."""
 

@@ -140,6 +140,8 @@ class Proxy:
             raise errors.BadRequest(str(exc), code="invalid_id") from exc
         body = await read_json(receive, self.settings.max_body_bytes)
         policy = self.policy  # one read: the version tag and the adapter the call goes to agree
+        if policy.draining:
+            policy = await self._after_push()
         call = Call(rollout_id, task_id, agent_name, endpoint, body, policy.version, started_at, t0,
                     (b"x-rollout-id", rollout_id.encode()))
         upstream_body, injected = (capture.inject(endpoint, body) if self.inject
@@ -168,6 +170,19 @@ class Proxy:
             raise
         finally:
             disconnect.cancel()
+
+    async def _after_push(self) -> episodes.Policy:
+        """The policy once the full-weight push under way is over (wait), or 429 (reject, or too long)."""
+        if self.settings.on_push == "reject":
+            raise errors.PolicyPushing("a new policy is being pushed to the inference servers; retry shortly",
+                                       headers={"retry-after": "1"})
+        deadline = time.perf_counter() + self.settings.push_wait_s
+        while self.policy.draining:
+            if time.perf_counter() > deadline:
+                raise errors.PolicyPushing("a policy push took longer than this gateway waits; retry shortly",
+                                           headers={"retry-after": "1"})
+            await asyncio.sleep(self.settings.policy_poll_s / 2)
+        return self.policy
 
     def _automatic_rewards(self, rollout_id: str, request: dict[str, Any]) -> None:
         """AIR for the tool calls whose failed results this request sends back; off the answer's path."""

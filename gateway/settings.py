@@ -69,6 +69,10 @@ class GatewaySettings(BaseSettings):
     policy_poll_s: float = Field(
         0.2, description="How often the current policy version is read from Redis."
     )
+    on_push: Literal["wait", "reject"] = Field(
+        "wait", description="During a full-weight push: hold new calls until it is over (wait), or answer "
+        "429 with Retry-After (reject).")
+    push_wait_s: float = Field(120.0, description="The longest a call is held during a push before it gets 429.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
     log_format: Literal["auto", "json", "console"] = Field(
         "auto", description="auto: console on a terminal, JSON lines otherwise."

@@ -29,7 +29,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "abort"]
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from inference.engine import Completion, Engine, SamplingParams
 from inference.lora import Adapters
 from inference.protocol import BadRequest, ModelNotFound, SamplingFields
 from inference.scheduler import Scheduler
+from inference.weights import WeightSync
 
 log = structlog.get_logger("rlgate.serve")
 
@@ -58,6 +59,7 @@ class Model:
         self.detok = Detokenizer(self.tokenizer)
         self.scheduler = Scheduler(self.engine, window_s=batch_window_s)
         self.adapters = Adapters(model, self.name, pad, self.eos_token_ids, batch_window_s)
+        self.weights = WeightSync(model, self.scheduler)
         self.fingerprint = f"rlgate-{hashlib.sha256(self.path.encode()).hexdigest()[:8]}"
         self.created = int(time.time())
 
@@ -123,7 +125,8 @@ class Model:
         """Generate with the base model, or with the LoRA adapter named `model`."""
         adapter = self.adapters.loaded.get(model) if model else None
         scheduler = adapter.scheduler if adapter is not None else self.scheduler
-        return self.finish(await scheduler.generate(prompt, params), params, stops)
+        async with self.weights.admit():
+            return self.finish(await scheduler.generate(prompt, params), params, stops)
 
     def finish(self, done: Completion, params: SamplingParams, stops: list[str]) -> Output:
         """Apply stop strings to an engine completion and decode it."""

@@ -136,6 +136,7 @@ class ServeError(Exception):
 
     status = 500
     type = "InternalServerError"
+    headers: dict[str, str] = {}
 
     def __init__(self, message: str, *, param: str | None = None, type: str | None = None) -> None:
         super().__init__(message)

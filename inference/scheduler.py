@@ -29,6 +29,7 @@ class Scheduler:
         self._pending: list[_Pending] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self.lock = asyncio.Lock()  # held while a batch runs; a weight update takes it between batches
         self.batches = 0  # how many engine batches ran (for tests and metrics)
 
     def start(self) -> None:
@@ -44,6 +45,14 @@ class Scheduler:
         for pending in self._pending:
             if not pending.future.done():
                 pending.future.set_exception(RuntimeError("the inference server is shutting down"))
+
+    def abort_pending(self) -> None:
+        """Finish every queued request that is not in a batch yet with `finish_reason` "abort", no tokens."""
+        pending, self._pending = self._pending, []
+        self._wake.clear()
+        for p in pending:
+            if not p.future.done():
+                p.future.set_result(Completion([], [], [], "abort"))
 
     async def generate(self, prompt: list[int], params: SamplingParams) -> Completion:
         """Queue one row and wait for its completion."""
@@ -64,8 +73,9 @@ class Scheduler:
             if not batch:
                 continue
             try:
-                results = await asyncio.to_thread(self.engine.generate, [p.prompt for p in batch],
-                                                  [p.params for p in batch])
+                async with self.lock:
+                    results = await asyncio.to_thread(self.engine.generate, [p.prompt for p in batch],
+                                                      [p.params for p in batch])
             except Exception as exc:  # a bad batch fails its requests, not the server
                 for pending in batch:
                     if not pending.future.done():

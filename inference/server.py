@@ -108,7 +108,8 @@ def build_app(model_dir: Path | str, *, served_model_name: str | None = None,
 
     @app.exception_handler(ServeError)
     async def serve_error(request: Request, exc: ServeError) -> Response:
-        return Response(orjson.dumps(exc.body()), status_code=exc.status, media_type="application/json")
+        return Response(orjson.dumps(exc.body()), status_code=exc.status, media_type="application/json",
+                        headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> Response:  # vLLM's 500 body, never a bare text
@@ -135,6 +136,80 @@ def build_app(model_dir: Path | str, *, served_model_name: str | None = None,
     async def unload_lora_adapter(request: Request) -> Response:
         body = await _parse(request, UnloadLoraAdapterRequest)
         return PlainTextResponse(await model.adapters.unload(body.lora_name))
+
+    # -- vLLM's RL routes: pause/resume and full-weight updates (inference/weights.py) --
+
+    weights = model.weights
+
+    def ok(body: dict[str, Any]) -> Response:
+        return Response(orjson.dumps(body), media_type="application/json")
+
+    async def optional_json(request: Request) -> dict[str, Any]:
+        raw = await request.body()
+        if not raw.strip():
+            return {}
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise BadRequest(f"the body is not JSON: {exc}") from exc
+        if not isinstance(body, dict):
+            raise BadRequest("the body must be a JSON object")
+        return body
+
+    @app.post("/pause")
+    async def pause(mode: str = "abort", clear_cache: bool = True) -> Response:
+        await weights.pause(mode)  # type: ignore[arg-type]
+        return ok({"status": "paused"})
+
+    @app.post("/resume")
+    async def resume() -> Response:
+        weights.resume()
+        return ok({"status": "resumed"})
+
+    @app.get("/is_paused")
+    async def is_paused() -> Response:
+        return ok({"is_paused": weights.paused})
+
+    @app.post("/init_weight_transfer_engine")
+    async def init_weight_transfer_engine(request: Request) -> Response:
+        body = await optional_json(request)
+        if not isinstance(body.get("init_info"), dict):
+            raise BadRequest("init_info (an object) is required", param="init_info")
+        weights.init(body["init_info"])
+        return ok({"message": "Weight transfer initialized"})
+
+    @app.post("/start_weight_update")
+    async def start_weight_update() -> Response:
+        weights.start()
+        return ok({"message": "Weight update started"})
+
+    @app.post("/update_weights")
+    async def update_weights(request: Request) -> Response:
+        body = await optional_json(request)
+        if not isinstance(body.get("update_info"), dict | list):
+            raise BadRequest("update_info (an object, or a list of them) is required", param="update_info")
+        await weights.update(body["update_info"])
+        return ok({"message": "Weights updated"})
+
+    @app.post("/finish_weight_update")
+    async def finish_weight_update(request: Request) -> Response:
+        version = (await optional_json(request)).get("weight_version")
+        if version is not None and not isinstance(version, str | int):
+            raise BadRequest("weight_version must be a string", param="weight_version")
+        weights.finish(None if version is None else str(version))
+        return ok({"message": "Weight update finished"})
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: Request) -> Response:
+        version = (await optional_json(request)).get("new_version")
+        if not isinstance(version, str | int):
+            raise BadRequest("new_version (a string) is required", param="new_version")
+        weights.version = str(version)
+        return ok({"success": True, "new_version": weights.version})
+
+    @app.get("/weight_info")
+    async def weight_info() -> Response:
+        return ok({"weight_version": weights.version})
 
     @app.get("/v1/models")
     async def models() -> Response:

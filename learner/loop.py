@@ -7,8 +7,9 @@
       transitions <- credit per call, group advantages, filters (transitions.credited_transitions)
       samples     <- transition or trajectory samples, micro-batches by token budget (samples)
       update      <- OpenRLHF's PolicyLoss on the Actor, epochs_per_step optimizer steps (policy.Policy)
-      version += 1; adapter saved; checkpoint saved (weights, optimizer, step, version, trained entries)
-      push        <- load policy-v{version} on every server, move the policy pointer (push.LoraPusher)
+      version += 1; checkpoint saved (weights, optimizer, step, version, trained entries)
+      push        <- policy-v{version} as a LoRA adapter (push.LoraPusher) or full weights through the
+                     weight-transfer phases (push.FullPusher); the policy pointer moves
       ack         <- every episode of the step: consumed exactly once, XACK
       log         <- one structlog line, TensorBoard scalars, a line of output_dir/steps.jsonl
 """
@@ -29,7 +30,7 @@ from episodes import ClosedEpisode, ClosedEpisodes, EpisodeStore, RolloutStatus,
 from learner import checkpoint
 from learner.collect import Collector, Group
 from learner.policy import Policy
-from learner.push import LoraPusher
+from learner.push import FullPusher, LoraPusher
 from learner.samples import build_samples, micro_batches
 from learner.settings import LearnerSettings
 from learner.transitions import credited_transitions
@@ -52,7 +53,12 @@ class Learner:
                                    singleton_groups=settings.singleton_groups)
         self.policy = Policy(settings)
         base_model = settings.served_model_name or str(settings.model)
-        self.pusher = LoraPusher(settings.inference_urls, self.output_dir / "adapters", self.store, base_model)
+        self.pusher: LoraPusher | FullPusher
+        if settings.push == "lora":
+            self.pusher = LoraPusher(settings.inference_urls, self.output_dir / "adapters", self.store, base_model)
+        else:
+            self.pusher = FullPusher(settings.inference_urls, self.output_dir / "weights", self.store, base_model,
+                                     settings.push_drain_s)
         self.step = 0
         self.version = 0
         self.writer = None
@@ -83,7 +89,7 @@ class Learner:
         self.policy.load_state(saved.policy_state)
         self.step, self.version = saved.step, saved.version
         if self.version > 0:
-            await self.pusher.push(self.version)  # in place: harmless if it had already been pushed
+            await self.pusher.push(self.version, self.policy)  # harmless if it had already been pushed
         for entry in saved.trained:  # trained in the checkpoint, perhaps never acknowledged
             await self.stream.ack(entry)
         log.info("resumed", step=self.step, policy_version=self.version, acknowledged=len(saved.trained))
@@ -110,10 +116,9 @@ class Learner:
 
         self.version += 1
         self.step += 1
-        self.policy.save_adapter(self.pusher.path(self.version))
         checkpoint.save(self.output_dir, checkpoint.Checkpoint(self.step, self.version, self.policy.state(),
                                                                entries))
-        push_s = await self.pusher.push(self.version)
+        push_s = await self.pusher.push(self.version, self.policy)
         await self._ack(entries)
         self.episodes_trained += len(entries)
 

@@ -20,6 +20,7 @@ so the result does not depend on how samples were split; then the gradient norm 
 from __future__ import annotations
 
 import contextlib
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,12 +89,23 @@ class Policy:
                                                     attn_implementation="sdpa")
         base.config.use_cache = False
         self.pad_token_id = base.config.pad_token_id if base.config.pad_token_id is not None else 0
-        from peft import LoraConfig, TaskType, get_peft_model
+        self.lora = settings.finetune == "lora"
+        self.reference = None
+        if self.lora:
+            from peft import LoraConfig, TaskType, get_peft_model
 
-        base.enable_input_require_grads()
-        config = LoraConfig(task_type=TaskType.CAUSAL_LM, r=settings.lora_rank, lora_alpha=settings.lora_alpha,
-                            target_modules=list(settings.lora_target_modules), lora_dropout=0.0, bias="none")
-        self.actor = Actor(get_peft_model(base, config))
+            base.enable_input_require_grads()
+            config = LoraConfig(task_type=TaskType.CAUSAL_LM, r=settings.lora_rank,
+                                lora_alpha=settings.lora_alpha, target_modules=list(settings.lora_target_modules),
+                                lora_dropout=0.0, bias="none")
+            model = get_peft_model(base, config)
+        else:
+            model = base
+            if settings.kl_coef > 0:  # a frozen copy of the initial weights for the KL term
+                self.reference = Actor(copy.deepcopy(base).requires_grad_(False).eval())
+                self.reference.packing_samples = False
+                self.reference.to(self.device)
+        self.actor = Actor(model)
         self.actor.packing_samples = False
         self.actor.to(self.device)
         self.trainable = [p for p in self.actor.parameters() if p.requires_grad]
@@ -110,15 +122,19 @@ class Policy:
     def peft_model(self) -> Any:
         return self.actor.model
 
-    def _log_probs(self, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        output = self.actor(batch.sequences.to(self.device), attention_mask=batch.attention_mask.to(self.device),
-                            return_output=True)
+    def _log_probs(self, batch: MicroBatch, actor: Actor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        output = (actor or self.actor)(batch.sequences.to(self.device),
+                                       attention_mask=batch.attention_mask.to(self.device), return_output=True)
         return processed_log_probs(output["logits"], batch)
 
     @torch.no_grad()
     def log_probs(self, batch: MicroBatch, reference: bool = False) -> torch.Tensor:
-        """Log-probs of tokens[1:] without gradients; `reference`: of the base model (adapter off)."""
+        """Log-probs of tokens[1:] without gradients; `reference`: of the initial policy (the base model:
+        the adapter disabled, or the frozen copy when every weight trains)."""
         self.actor.eval()
+        if reference and not self.lora:
+            assert self.reference is not None, "the reference model exists only with kl_coef > 0"
+            return self._log_probs(batch, self.reference)[0]
         context = self.peft_model.disable_adapter() if reference else contextlib.nullcontext()
         with context:
             return self._log_probs(batch)[0]
@@ -180,6 +196,33 @@ class Policy:
     def save_adapter(self, path: Path) -> None:
         """The LoRA adapter as a PEFT folder (adapter_config.json + adapter_model.safetensors)."""
         self.peft_model.save_pretrained(str(path), safe_serialization=True)
+
+    @torch.no_grad()
+    def weights(self) -> dict[str, torch.Tensor]:
+        """Every weight of the policy under the base model's own parameter names (what an inference server
+        loads): the trained weights, or with a LoRA the base weights with the adapter merged in."""
+        if not self.lora:
+            return {n: p.detach().contiguous() for n, p in self.actor.model.named_parameters()}
+        self.peft_model.merge_adapter()
+        try:
+            merged = {}
+            for name, p in self.peft_model.named_parameters():
+                if "lora_" in name:
+                    continue
+                name = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+                merged[name] = p.detach().clone().contiguous()
+            return merged
+        finally:
+            self.peft_model.unmerge_adapter()
+
+    def save_weights(self, path: Path) -> None:
+        """`weights()` as one safetensors file (the CPU transport of a full push)."""
+        from safetensors.torch import save_file
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        save_file({n: t.to("cpu") for n, t in self.weights().items()}, str(tmp))
+        tmp.replace(path)
 
     def state(self) -> dict[str, Any]:
         trainable = {n: p.detach().clone() for n, p in self.actor.named_parameters() if p.requires_grad}

@@ -1,5 +1,7 @@
 """Pushing a new policy to the inference servers, and moving the policy pointer the gateway reads.
 
+Two ways, the same calls against `rlgate serve` and vLLM: `LoraPusher` and `FullPusher` (below).
+
 `--push lora`, the same calls against `rlgate serve` and vLLM (`--enable-lora`,
 `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`):
 
@@ -16,9 +18,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import structlog
@@ -48,12 +52,12 @@ class LoraPusher:
     def path(self, version: int) -> Path:
         return (self.adapters_dir / adapter_name(version)).resolve()
 
-    async def push(self, version: int) -> float:
-        """Load version `version`'s adapter everywhere, move the pointer, retire version - 2; seconds taken."""
+    async def push(self, version: int, policy: Any) -> float:
+        """Save `policy`'s adapter as version `version`, load it everywhere, move the pointer, retire
+        version - 2; seconds taken."""
         t0 = time.perf_counter()
         name, path = adapter_name(version), self.path(version)
-        if not (path / "adapter_config.json").is_file():
-            raise PushError(f"no adapter at {path}")
+        policy.save_adapter(path)
         async with aiohttp.ClientSession(timeout=self.timeout) as session:
             for url in self.server_urls:
                 await self._post(session, f"{url}/v1/load_lora_adapter",
@@ -68,12 +72,81 @@ class LoraPusher:
         return time.perf_counter() - t0
 
     async def _post(self, session: aiohttp.ClientSession, url: str, body: dict, missing_ok: bool = False) -> None:
+        await _post(session, url, body, missing_ok)
+
+
+async def _post(session: aiohttp.ClientSession, url: str, body: dict | None, missing_ok: bool = False) -> None:
+    try:
+        async with session.post(url, json=body) as response:
+            text = await response.text()
+            if response.status == 404 and missing_ok:
+                return
+            if response.status != 200:
+                raise PushError(f"{url} answered {response.status}: {text[:500]}")
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise PushError(f"{url} unreachable: {exc}") from exc
+
+
+class FullPusher:
+    """`--push full`: vLLM's weight-transfer phases with the CPU transport of `rlgate serve` (a safetensors
+    file of the merged weights at a path every server can read):
+
+    1. the policy pointer is marked `draining`; after `push_drain_s` every gateway holds new calls (or
+       answers 429) and calls already admitted keep their old version tag;
+    2. `POST /pause?mode=wait` on every server: admitted requests finish on the old weights;
+    3. once per server `POST /init_weight_transfer_engine {"init_info": {}}`, then `/start_weight_update`,
+       `/update_weights {"update_info": {"path": ...}}`, `/finish_weight_update {"weight_version": "N"}`;
+    4. `POST /resume`, then the pointer moves to (N, no adapter, draining off): the held calls go on,
+       tagged N. If the update fails, the servers resume, the pointer stays at N - 1 without draining,
+       and the error propagates (the step's episodes are not acknowledged).
+
+    Against vLLM on GPUs the tensors travel by NCCL through vLLM's own trainer-side client
+    (`vllm.distributed.weight_transfer`); that path is not built here (no GPU to verify it on).
+    """
+
+    def __init__(self, server_urls: list[str], weights_dir: Path, store: EpisodeStore, base_model: str,
+                 drain_s: float, timeout_s: float = 300.0) -> None:
+        self.server_urls = [u.rstrip("/") for u in server_urls]
+        self.weights_dir = weights_dir
+        self.store = store
+        self.base_model = base_model
+        self.drain_s = drain_s
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.initialized: set[str] = set()
+
+    def path(self, version: int) -> Path:
+        return (self.weights_dir / f"policy-v{version}.safetensors").resolve()
+
+    async def push(self, version: int, policy: Any) -> float:
+        t0 = time.perf_counter()
+        path = self.path(version)
+        await asyncio.to_thread(policy.save_weights, path)
+        previous = Policy(version=version - 1, base_model=self.base_model)
+        await self.store.set_policy(previous.model_copy(update={"draining": True}))
+        pushed = False
         try:
-            async with session.post(url, json=body) as response:
-                text = await response.text()
-                if response.status == 404 and missing_ok:
-                    return
-                if response.status != 200:
-                    raise PushError(f"{url} answered {response.status}: {text[:500]}")
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise PushError(f"{url} unreachable: {exc}") from exc
+            await asyncio.sleep(self.drain_s)
+            async with aiohttp.ClientSession(timeout=self.timeout) as session:
+                for url in self.server_urls:
+                    if url not in self.initialized:
+                        await _post(session, f"{url}/init_weight_transfer_engine", {"init_info": {}})
+                        self.initialized.add(url)
+                paused = []
+                try:
+                    for url in self.server_urls:
+                        await _post(session, f"{url}/pause?mode=wait", None)
+                        paused.append(url)
+                    for url in self.server_urls:
+                        await _post(session, f"{url}/start_weight_update", None)
+                        await _post(session, f"{url}/update_weights", {"update_info": {"path": str(path)}})
+                        await _post(session, f"{url}/finish_weight_update", {"weight_version": str(version)})
+                    pushed = True
+                finally:
+                    for url in paused:
+                        await _post(session, f"{url}/resume", None)
+        finally:
+            current = Policy(version=version, base_model=self.base_model) if pushed else previous
+            await self.store.set_policy(current)
+        old = self.path(version - 2)
+        old.unlink(missing_ok=True)
+        return time.perf_counter() - t0

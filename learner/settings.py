@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -27,8 +27,13 @@ class LearnerSettings(BaseSettings):
         description="Every inference server's base URL (no /v1); adapters are loaded on each.")
     output_dir: Path = Field(Path("learner_output"), description="Adapters, checkpoints and TensorBoard "
                              "logs. The inference servers must read adapters from the same paths.")
-    push: Literal["lora"] = Field("lora", description="How weights reach the inference servers: save a "
-                                  "LoRA adapter and load it as policy-v{N}.")
+    push: Literal["lora", "full"] = Field(
+        "lora", description="How weights reach the inference servers: lora saves the adapter and loads it as "
+        "policy-v{N}; full sends the whole (merged) weights through vLLM's weight-transfer phases, with "
+        "the gateways drained and the servers paused meanwhile.")
+    finetune: Literal["lora", "full"] = Field("lora", description="Train a LoRA adapter, or every weight.")
+    push_drain_s: float = Field(0.5, ge=0, description="Full push: how long to wait after telling the "
+                                "gateways to hold new calls (at least twice their RLGATE_POLICY_POLL_S).")
     resume: bool = Field(False, description="Continue from the last checkpoint in output_dir.")
 
     # Steps and groups
@@ -84,3 +89,9 @@ class LearnerSettings(BaseSettings):
     seed: int = 0
     threads: int = Field(0, ge=0, description="torch threads (0: torch's default).")
     tensorboard: bool = True
+
+    @model_validator(mode="after")
+    def _push_matches_finetune(self) -> LearnerSettings:
+        if self.push == "lora" and self.finetune == "full":
+            raise ValueError("--push lora needs --finetune lora (full fine-tuning has no adapter to push)")
+        return self

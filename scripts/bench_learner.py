@@ -1,5 +1,5 @@
-"""Learner benchmark: one update's time and tokens/s against batch size, and the LoRA push against a real
-`rlgate serve` (save the adapter, load it on the server, move the policy pointer, unload version - 2).
+"""Learner benchmark: one update's time and tokens/s against batch size, and the LoRA and full pushes against
+a real `rlgate serve` (everything a push does, from saving the weights to moving the policy pointer).
 
     .venv/bin/python scripts/bench_learner.py                        # tiny model, CPU
     .venv/bin/python scripts/bench_learner.py --device cuda --hidden 512 --layers 8    # on a GPU
@@ -63,9 +63,9 @@ def bench_updates(settings: LearnerSettings, sizes: list[int], args: argparse.Na
     return rows
 
 
-async def bench_push(settings: LearnerSettings, model: Path, repeat: int) -> list[float]:
+async def bench_push(settings: LearnerSettings, model: Path, repeat: int) -> dict[str, list[float]]:
     from episodes import EpisodeStore
-    from learner.push import LoraPusher
+    from learner.push import FullPusher, LoraPusher
 
     sys.path.insert(0, str(ROOT / "tests"))
     from conftest import start_rlgate_serve
@@ -75,14 +75,15 @@ async def bench_push(settings: LearnerSettings, model: Path, repeat: int) -> lis
     store = EpisodeStore.from_url(args.redis_url, prefix=f"bench-learner-{int(time.time())}")
     try:
         policy = Policy(settings)
-        pusher = LoraPusher([serve.url], logs / "adapters", store, "tiny")
-        times = []
-        for version in range(1, repeat + 2):
-            t0 = time.perf_counter()
-            policy.save_adapter(pusher.path(version))
-            await pusher.push(version)
-            if version > 1:  # the first push warms up
-                times.append(time.perf_counter() - t0)
+        times: dict[str, list[float]] = {"lora": [], "full": []}
+        pushers = {"lora": LoraPusher([serve.url], logs / "adapters", store, "tiny"),
+                   # no gateway polls this store: no drain wait
+                   "full": FullPusher([serve.url], logs / "weights", store, "tiny", drain_s=0.0)}
+        for kind, pusher in pushers.items():
+            for version in range(1, repeat + 2):
+                seconds = await pusher.push(version, policy)
+                if version > 1:  # the first push warms up
+                    times[kind].append(seconds)
         await store.redis.delete(store.keys.policy)
         return times
     finally:
@@ -117,10 +118,14 @@ if __name__ == "__main__":
     for r in rows:
         print(f"| {r['samples']} | {r['micro_batches']} | {r['step_s']:.3f} | {r['action_tokens_per_s']:,.0f} | "
               f"{r['tokens_per_s']:,.0f} |")
-    push = []
+    push: dict[str, list[float]] = {}
     if args.device == "cpu":
         push = asyncio.run(bench_push(settings, model, args.repeat))
-        print(f"\nLoRA push to rlgate serve (save + load_lora_adapter + pointer + unload v-2): median "
-              f"{statistics.median(push) * 1000:.1f} ms, max {max(push) * 1000:.1f} ms over {len(push)} pushes")
+        print("\n| push to rlgate serve | median ms | max ms | pushes |\n|---|---:|---:|---:|")
+        labels = {"lora": "LoRA (save adapter, load_lora_adapter, pointer, unload v-2)",
+                  "full": "full (save safetensors, pause, start/update/finish, resume, pointer)"}
+        for kind, times in push.items():
+            print(f"| {labels[kind]} | {statistics.median(times) * 1000:.1f} | {max(times) * 1000:.1f} | "
+                  f"{len(times)} |")
     if args.json:
-        args.json.write_text(json.dumps({"updates": rows, "lora_push_s": push}, indent=2))
+        args.json.write_text(json.dumps({"updates": rows, "push_s": push}, indent=2))

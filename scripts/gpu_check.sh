@@ -69,8 +69,7 @@ async def push():
     store = EpisodeStore.from_url(redis_url)
     policy = Policy(LearnerSettings(model=model, device="cuda", tensorboard=False))
     pusher = LoraPusher([base], out / "adapters", store, "tiny")
-    policy.save_adapter(pusher.path(1))
-    t = await pusher.push(1)
+    t = await pusher.push(1, policy)
     await store.aclose()
     return t
 seconds = asyncio.run(push())

@@ -116,7 +116,7 @@ def test_a_step_pushes_an_adapter_that_serves_the_next_call(stack, redis_client:
     assert all(redis_client.hget(f"rlgate:rollout:{{{rid}}}", "status") == b"consumed" for rid in rids)
     assert redis_client.xpending("rlgate:episodes", "learners")["pending"] == 0
     assert redis_client.hgetall("rlgate:policy") == {b"version": b"1", b"adapter": b"policy-v1",
-                                                      b"base_model": MODEL.encode()}
+                                                      b"base_model": MODEL.encode(), b"draining": b"0"}
     models = [m["id"] for m in httpx.get(f"{serve.url}/v1/models").json()["data"]]
     assert models == [MODEL, "policy-v1"]
 
@@ -206,3 +206,39 @@ def test_a_learner_killed_mid_step_redelivers_and_trains_nothing_twice(stack, re
     assert all(redis_client.hget(f"rlgate:rollout:{{{rid}}}", "status") == b"consumed" for rid in rids)
     assert redis_client.xpending("rlgate:episodes", "learners")["pending"] == 0
     assert redis_client.hget("rlgate:policy", "version") == b"1"
+
+
+def test_a_full_push_updates_the_servers_weights_and_the_version(stack, redis_client: redis.Redis,
+                                                                  tmp_path: Path):
+    serve, gateway, model = stack
+    for task, values in {"f1": [1.0, 0.0, 0.0, 1.0], "f2": [0.0, 1.0, 0.0, 0.0]}.items():
+        for r in values:
+            episode(gateway, task, r)
+    probe = {"model": MODEL, "prompt": [50, 43, 51, 61], "max_tokens": 1, "temperature": 0, "logprobs": 1}
+    before = httpx.post(f"{serve.url}/v1/completions", json=probe, timeout=30).json()["choices"][0]["logprobs"]
+    out = tmp_path / "learner"
+    proc = learner(model, serve, out, finetune="full", push="full", push_drain_s="0.2")
+    assert proc.wait(timeout=240) == 0, (out.parent / "learner.log").read_text()[-4000:]
+    [step] = steps(out)
+    assert step["policy_version"] == 1 and step["samples"] == 16
+    assert httpx.get(f"{serve.url}/weight_info").json() == {"weight_version": "1"}
+    assert httpx.get(f"{serve.url}/is_paused").json() == {"is_paused": False}
+    assert redis_client.hgetall("rlgate:policy") == {b"version": b"1", b"adapter": b"", b"base_model": b"tiny",
+                                                      b"draining": b"0"}
+    after = httpx.post(f"{serve.url}/v1/completions", json=probe, timeout=30).json()["choices"][0]["logprobs"]
+    assert after != before  # the base model itself changed
+    time.sleep(0.3)
+    rid = uuid.uuid4().hex
+    client = openai.OpenAI(base_url=f"{gateway.url}/rollouts/{rid}/v1", api_key="unused")
+    client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, logit_bias=BIAS)
+    [call] = calls_of(gateway, rid)
+    assert call["policy_version"] == 1 and call["model"] == MODEL
+    # put the server's weights back for the other tests of this module
+    post = lambda path, body=None: httpx.post(f"{serve.url}{path}", json=body, timeout=60)  # noqa: E731
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+    original = AutoModelForCausalLM.from_pretrained(model)
+    save_file({n: p.detach().contiguous() for n, p in original.named_parameters()}, str(tmp_path / "orig.st"))
+    assert post("/start_weight_update").status_code == 200
+    assert post("/update_weights", {"update_info": {"path": str(tmp_path / "orig.st")}}).status_code == 200
+    assert post("/finish_weight_update", {"weight_version": "0"}).status_code == 200

@@ -106,3 +106,40 @@ def test_state_round_trip_restores_weights_and_optimizer(tiny: Path):
     for (n, p), (_, q) in zip(policy.actor.named_parameters(), other.actor.named_parameters(), strict=True):
         assert torch.equal(p, q), n
     assert other.optimizer.state_dict()["state"].keys() == policy.optimizer.state_dict()["state"].keys()
+
+
+def test_full_finetuning_trains_every_weight(tiny: Path):
+    policy = Policy(settings(tiny, finetune="full", push="full", kl_coef=0.1))
+    before = {n: p.detach().clone() for n, p in policy.actor.named_parameters()}
+    stats = policy.update(micro_batches(build_samples(transitions()), 10_000, policy.pad_token_id))
+    assert stats.kl == pytest.approx(0.0, abs=1e-6)  # the reference is the initial policy: no KL yet
+    changed = [n for n, p in policy.actor.named_parameters() if not torch.equal(p, before[n])]
+    assert len(changed) == len(before)
+    assert "lora" not in "".join(changed)
+
+
+def test_merged_weights_reproduce_the_lora_policy(tiny: Path, tmp_path: Path):
+    """What a full push sends for a LoRA policy: the base weights with the adapter merged, under the base
+    model's own names; loaded into a plain model they give the policy's log-probs."""
+    from transformers import AutoModelForCausalLM
+
+    policy = Policy(settings(tiny))
+    batches = micro_batches(build_samples(transitions()), 10_000, policy.pad_token_id)
+    for _ in range(3):
+        policy.update(batches)
+    policy.save_weights(tmp_path / "w.safetensors")
+    from safetensors.torch import load_file
+
+    plain = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    missing, unexpected = plain.load_state_dict(load_file(str(tmp_path / "w.safetensors")), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to the embeddings
+    [batch] = batches
+    with torch.no_grad():
+        logits = plain(batch.sequences, attention_mask=batch.attention_mask,
+                       position_ids=(batch.attention_mask.cumsum(-1) - 1).clamp(min=0)).logits.float()
+    ours = policy.log_probs(batch)
+    theirs = processed_log_probs(logits, batch)[0]
+    mask = batch.action_mask
+    assert torch.allclose(ours[mask], theirs[mask], atol=1e-4)
+    base = policy.log_probs(batch, reference=True)
+    assert not torch.allclose(ours[mask], base[mask], atol=1e-3)  # the adapter did change the policy

@@ -1,0 +1,153 @@
+"""`rlgate serve`'s full-weight updates and pause/resume, vLLM's RL routes, against a real server process."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from conftest import Proc, start_rlgate_serve
+
+pytest.importorskip("torch")
+
+from inference.tiny_model import build_tiny_model  # noqa: E402
+
+PROMPT = [72, 105, 33, 32, 50, 43, 51, 61]
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[tuple[Proc, Path]]:
+    proc = start_rlgate_serve(build_tiny_model(tmp_path / "tiny", seed=0), tmp_path, "tiny")
+    yield proc, tmp_path
+    proc.kill(signal.SIGTERM)
+
+
+def greedy_top(url: str) -> tuple[int, float]:
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 1, "temperature": 0, "logprobs": 1,
+            "return_token_ids": True}
+    answer = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+    assert answer.status_code == 200, answer.text
+    choice = answer.json()["choices"][0]
+    return choice["token_ids"][0], choice["logprobs"]["token_logprobs"][0]
+
+
+def direct_top(model_dir: Path) -> tuple[int, float]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([PROMPT])).logits[0, -1].float(), -1)
+    return int(logp.argmax()), float(logp.max())
+
+
+def save_weights(model_dir: Path, file: Path) -> None:
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    save_file({n: p.detach().contiguous() for n, p in model.named_parameters()}, str(file))
+
+
+def post(url: str, path: str, body: dict | None = None) -> httpx.Response:
+    return httpx.post(f"{url}{path}", json=body, timeout=60) if body is not None else \
+        httpx.post(f"{url}{path}", timeout=60)
+
+
+def test_a_full_weight_update_changes_the_outputs_and_bumps_the_version(served):
+    proc, tmp = served
+    before = greedy_top(proc.url)
+    other = build_tiny_model(tmp / "other", seed=7)
+    save_weights(other, tmp / "v1.safetensors")
+    assert httpx.get(f"{proc.url}/weight_info").json() == {"weight_version": "default"}
+
+    assert post(proc.url, "/init_weight_transfer_engine", {"init_info": {}}).json() == \
+        {"message": "Weight transfer initialized"}
+    assert post(proc.url, "/start_weight_update").json() == {"message": "Weight update started"}
+    assert post(proc.url, "/update_weights", {"update_info": {"path": str(tmp / "v1.safetensors")}}).json() == \
+        {"message": "Weights updated"}
+    # the version changes only when the update finishes
+    assert httpx.get(f"{proc.url}/weight_info").json() == {"weight_version": "default"}
+    assert post(proc.url, "/finish_weight_update", {"weight_version": "1"}).json() == \
+        {"message": "Weight update finished"}
+    assert httpx.get(f"{proc.url}/weight_info").json() == {"weight_version": "1"}
+
+    after = greedy_top(proc.url)
+    assert after != before
+    token, logprob = direct_top(other)
+    assert after[0] == token and after[1] == pytest.approx(logprob, abs=1e-4)
+    assert post(proc.url, "/update_weight_version", {"new_version": "v-two"}).json() == \
+        {"success": True, "new_version": "v-two"}
+    assert httpx.get(f"{proc.url}/weight_info").json() == {"weight_version": "v-two"}
+
+
+def test_calls_out_of_order_and_bad_updates_are_client_errors(served):
+    proc, tmp = served
+    assert post(proc.url, "/start_weight_update").status_code == 409  # not initialised
+    assert post(proc.url, "/init_weight_transfer_engine", {"init_info": {"bogus": 1}}).status_code == 400
+    assert post(proc.url, "/init_weight_transfer_engine", {"init_info": {}}).status_code == 200
+    missing = post(proc.url, "/update_weights", {"update_info": {"path": "/nonexistent"}})
+    assert missing.status_code == 409 and missing.json()["error"]["type"] == "ConflictError"
+    assert post(proc.url, "/finish_weight_update").status_code == 409
+    assert post(proc.url, "/start_weight_update").status_code == 200
+    assert post(proc.url, "/start_weight_update").status_code == 409
+    before = greedy_top(proc.url)
+    bad = post(proc.url, "/update_weights", {"update_info": {"path": str(tmp / "none.safetensors")}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "update_info"
+    # a failed update clears the active flag (as vLLM), and changed nothing
+    assert post(proc.url, "/finish_weight_update").status_code == 409
+    from safetensors.torch import save_file
+    save_file({"model.embed_tokens.weight": torch.zeros(3, 3)}, str(tmp / "wrong.safetensors"))
+    assert post(proc.url, "/start_weight_update").status_code == 200
+    wrong = post(proc.url, "/update_weights", {"update_info": {"path": str(tmp / "wrong.safetensors")}})
+    assert wrong.status_code == 400 and "shape" in wrong.json()["error"]["message"]
+    assert greedy_top(proc.url) == before
+    assert httpx.get(f"{proc.url}/weight_info").json() == {"weight_version": "default"}
+
+
+def test_paused_server_answers_503_with_retry_after_and_resumes(served):
+    proc, _ = served
+    assert post(proc.url, "/pause?mode=abort").json() == {"status": "paused"}
+    assert httpx.get(f"{proc.url}/is_paused").json() == {"is_paused": True}
+    refused = httpx.post(f"{proc.url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+    assert refused.json()["error"]["type"] == "ServiceUnavailableError"
+    assert post(proc.url, "/pause?mode=sideways").status_code == 400
+    assert post(proc.url, "/resume").json() == {"status": "resumed"}
+    assert httpx.get(f"{proc.url}/is_paused").json() == {"is_paused": False}
+    greedy_top(proc.url)
+
+
+def test_pause_keep_holds_new_requests_until_resume(served):
+    proc, _ = served
+    post(proc.url, "/pause?mode=keep")
+    answers: list[httpx.Response] = []
+    thread = threading.Thread(target=lambda: answers.append(httpx.post(
+        f"{proc.url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2}, timeout=30)))
+    thread.start()
+    time.sleep(0.5)
+    assert not answers  # held
+    post(proc.url, "/resume")
+    thread.join(timeout=30)
+    assert answers and answers[0].status_code == 200
+
+
+def test_pause_wait_lets_admitted_requests_finish_first(served):
+    proc, _ = served
+    answers: list[httpx.Response] = []
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 1500, "logit_bias": {"256": -100, "258": -100}}
+    thread = threading.Thread(target=lambda: answers.append(httpx.post(
+        f"{proc.url}/v1/completions", json=body, timeout=60)))
+    thread.start()
+    time.sleep(1.0)  # admitted and generating (1,500 tokens take seconds)
+    paused = post(proc.url, "/pause?mode=wait")
+    assert paused.status_code == 200 and answers, "pause(wait) returned before the request finished"
+    assert answers[0].status_code == 200, answers[0].text
+    assert answers[0].json()["choices"][0]["finish_reason"] == "length"
+    thread.join()
+    post(proc.url, "/resume")
