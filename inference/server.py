@@ -2,8 +2,12 @@
 
 Endpoints (docs/vllm-wire-format.md has the field-by-field contract): `POST /v1/chat/completions`,
 `POST /v1/completions` (both with `stream`), `GET /v1/models`, `GET /health`, `POST /tokenize`,
-`POST /detokenize`. Tools are parsed hermes-style (`inference.tools`), as `vllm serve
---enable-auto-tool-choice --tool-call-parser hermes`.
+`POST /detokenize`, runtime LoRA (`/v1/load_lora_adapter`, `/v1/unload_lora_adapter`), and vLLM's RL
+routes for pause/resume and full-weight updates (`inference.weights`: `/pause`, `/resume`, `/is_paused`,
+`/init_weight_transfer_engine`, `/start_weight_update`, `/update_weights`, `/finish_weight_update`,
+`/update_weight_version`, `/weight_info`; vLLM serves these only with VLLM_SERVER_DEV_MODE=1, so keep
+either server on a private network behind the gateway). Tools are parsed hermes-style
+(`inference.tools`), as `vllm serve --enable-auto-tool-choice --tool-call-parser hermes`.
 
 How it differs from vLLM, on purpose or not yet:
 - Streams are generated first, then sent as vLLM's chunk sequence (one chunk per token): the first chunk
@@ -21,6 +25,11 @@ How it differs from vLLM, on purpose or not yet:
   `--generation-config auto`; penalties, min_p, min_tokens and ignore_eos are a 400 unless neutral.
 - Completions `echo` with `logprobs` reports log-probs of the completion tokens only (no prompt log-probs).
 - `system_fingerprint` is `rlgate-<hash8 of the model path>`.
+- Weight transfer uses a CPU transport, a safetensors file at a path (`inference.weights`), where vLLM
+  uses NCCL or IPC; calls out of order are 409 (vLLM: 500); paused servers add `Retry-After: 1` to their
+  503; `/pause?mode=abort` answers only queued requests with `finish_reason: "abort"` (the running batch,
+  milliseconds long here, finishes).
+- `/v1/responses` is not served.
 
 Entry points: `build_app(model_dir, ...)` (a FastAPI app) and `serve(model_dir, host, port, ...)`, which
 `rlgate serve --model DIR --port N` runs; it prints `READY <port>` once listening.

@@ -16,7 +16,6 @@ import asyncio
 import json
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time

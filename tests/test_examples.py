@@ -14,11 +14,9 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
-
 from conftest import ROOT, Proc, start_gateway, start_rlgate_serve
 
 EXAMPLES = ["openai_sdk_agent", "langchain_agent", "openai_agents_sdk_agent", "autogen_agent"]

@@ -10,7 +10,6 @@ import uuid
 
 import httpx
 import redis
-
 from conftest import Proc, start_gateway
 
 BODY = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}

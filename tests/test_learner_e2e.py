@@ -18,7 +18,6 @@ import httpx
 import openai
 import pytest
 import redis
-
 from conftest import REDIS_URL, ROOT, Proc, start_gateway, start_rlgate_serve
 
 pytest.importorskip("openrlhf")
@@ -78,10 +77,9 @@ def calls_of(gateway: Proc, rid: str) -> list[dict]:
 def test_the_servers_log_probs_are_the_learners(stack, redis_client: redis.Redis, tmp_path: Path):
     """What `rlgate serve` reported for a biased, tempered sample is what the learner computes."""
     from learner.policy import Policy
-    from learner.samples import build_samples, micro_batches
+    from learner.samples import Transition, build_samples, micro_batches
     from learner.settings import LearnerSettings
     from learner.transitions import sampling_processing
-    from learner.samples import Transition
 
     serve, gateway, model = stack
     rid = episode(gateway, "t", 1.0, calls=3)

@@ -11,7 +11,6 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-
 from conftest import Proc, start_rlgate_serve
 
 pytest.importorskip("torch")
