@@ -3,12 +3,15 @@ stream entries the step trained on (acknowledged only after the checkpoint is on
 succeeded; a restarted learner re-pushes the checkpoint's version and acknowledges those entries, so
 that no episode is trained twice).
 
-One file, `checkpoint/latest.pt`, replaced atomically (written next to it, fsynced, renamed).
+`checkpoint/v{N}/` holds the policy's state (`Policy.save`: torch tensors, or DeepSpeed's checkpoint);
+`checkpoint/latest.pt` names it and holds the rest, and is replaced atomically (written next to it,
+fsynced, renamed) only after the state is complete; older state folders are deleted after that.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +25,7 @@ from episodes import ClosedEpisode
 class Checkpoint:
     step: int
     version: int
-    policy_state: dict[str, Any]
+    policy_dir: Path
     trained: list[ClosedEpisode]
 
 
@@ -30,21 +33,26 @@ def _file(output_dir: Path) -> Path:
     return output_dir / "checkpoint" / "latest.pt"
 
 
-def save(output_dir: Path, checkpoint: Checkpoint) -> Path:
+def save(output_dir: Path, step: int, version: int, policy: Any, trained: list[ClosedEpisode]) -> Path:
     target = _file(output_dir)
-    target.parent.mkdir(parents=True, exist_ok=True)
+    state_dir = target.parent / f"v{version}"
+    shutil.rmtree(state_dir, ignore_errors=True)  # a half-written one from a crash
+    policy.save(state_dir)
     tmp = target.with_suffix(".tmp")
     payload = {
-        "step": checkpoint.step,
-        "version": checkpoint.version,
-        "policy": checkpoint.policy_state,
-        "trained": [(e.entry_id, e.rollout_id, e.task_id, e.reward) for e in checkpoint.trained],
+        "step": step,
+        "version": version,
+        "policy_dir": state_dir.name,
+        "trained": [(e.entry_id, e.rollout_id, e.task_id, e.reward) for e in trained],
     }
     with tmp.open("wb") as f:
         torch.save(payload, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, target)
+    for old in target.parent.glob("v*"):
+        if old.is_dir() and old != state_dir:
+            shutil.rmtree(old, ignore_errors=True)
     return target
 
 
@@ -55,4 +63,4 @@ def load(output_dir: Path) -> Checkpoint | None:
     payload = torch.load(target, weights_only=True)
     trained = [ClosedEpisode(entry_id, rollout_id, task_id, reward)
                for entry_id, rollout_id, task_id, reward in payload["trained"]]
-    return Checkpoint(payload["step"], payload["version"], payload["policy"], trained)
+    return Checkpoint(payload["step"], payload["version"], target.parent / payload["policy_dir"], trained)

@@ -64,7 +64,7 @@ class Collector:
         """Wait for a step's groups (or until `deadline_s` seconds passed: then [] if none is ready)."""
         started = time.monotonic()
         while True:
-            groups = self._take()
+            groups = await self._take()
             if groups:
                 return groups
             if deadline_s is not None and time.monotonic() - started > deadline_s:
@@ -92,7 +92,7 @@ class Collector:
             if not self.keep_singletons:
                 await self._drop(self.waiting.pop(key))
 
-    def _take(self) -> list[Group]:
+    async def _take(self) -> list[Group]:
         now = time.monotonic()
         ordered = sorted(self.waiting.items(), key=lambda item: item[1].first_seen)
         ready = [(k, g) for k, g in ordered
@@ -100,8 +100,13 @@ class Collector:
         if len(ready) >= self.tasks_per_step:
             chosen = ready[: self.tasks_per_step]
         elif ordered and now - ordered[0][1].first_seen >= self.max_group_wait_s:
-            overdue = [(k, g) for k, g in ordered if now - g.first_seen >= self.max_group_wait_s]
-            chosen = (ready + [item for item in overdue if item not in ready])[: self.tasks_per_step]
+            overdue = [(k, g) for k, g in ordered if now - g.first_seen >= self.max_group_wait_s
+                       and (k, g) not in ready]
+            if not self.keep_singletons:  # alone after the wait: no baseline, dropped
+                for key, group in [(k, g) for k, g in overdue if len(g.episodes) == 1]:
+                    await self._drop(self.waiting.pop(key))
+                overdue = [(k, g) for k, g in overdue if len(g.episodes) > 1]
+            chosen = (ready + overdue)[: self.tasks_per_step]
         else:
             return []
         groups = []

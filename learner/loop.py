@@ -58,7 +58,8 @@ class Learner:
             self.pusher = LoraPusher(settings.inference_urls, self.output_dir / "adapters", self.store, base_model)
         else:
             self.pusher = FullPusher(settings.inference_urls, self.output_dir / "weights", self.store, base_model,
-                                     settings.push_drain_s)
+                                     settings.push_drain_s, transport=settings.push_transport,
+                                     nccl_address=settings.push_nccl_address, nccl_port=settings.push_nccl_port)
         self.step = 0
         self.version = 0
         self.writer = None
@@ -86,7 +87,7 @@ class Learner:
         if saved is None:
             log.info("no_checkpoint", output_dir=str(self.output_dir))
             return
-        self.policy.load_state(saved.policy_state)
+        self.policy.load(saved.policy_dir)
         self.step, self.version = saved.step, saved.version
         if self.version > 0:
             await self.pusher.push(self.version, self.policy)  # harmless if it had already been pushed
@@ -116,8 +117,7 @@ class Learner:
 
         self.version += 1
         self.step += 1
-        checkpoint.save(self.output_dir, checkpoint.Checkpoint(self.step, self.version, self.policy.state(),
-                                                               entries))
+        checkpoint.save(self.output_dir, self.step, self.version, self.policy, entries)
         push_s = await self.pusher.push(self.version, self.policy)
         await self._ack(entries)
         self.episodes_trained += len(entries)

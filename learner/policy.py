@@ -14,7 +14,8 @@ the importance correction against the rollout log-probs absorbs what differs.
 One update (per epoch over a step's samples): gradients of all micro-batches are accumulated, each
 micro-batch's loss scaled by the step's totals (OpenRLHF's `batch_num_tokens` / `global_batch_size`),
 so the result does not depend on how samples were split; then the gradient norm is clipped and AdamW
-(torch's) steps.
+steps: torch's (`engine=torch`), or DeepSpeed's engine through OpenRLHF's strategy (`engine=deepspeed`,
+`learner._deepspeed`).
 """
 
 from __future__ import annotations
@@ -109,8 +110,18 @@ class Policy:
         self.actor.packing_samples = False
         self.actor.to(self.device)
         self.trainable = [p for p in self.actor.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.trainable, lr=settings.learning_rate,
-                                           weight_decay=settings.weight_decay)
+        self.deepspeed = None
+        if settings.engine == "deepspeed":
+            from learner._deepspeed import DeepSpeedEngine
+
+            self.deepspeed = DeepSpeedEngine(self.actor, self.device, zero_stage=settings.zero_stage,
+                                             learning_rate=settings.learning_rate,
+                                             weight_decay=settings.weight_decay,
+                                             max_grad_norm=settings.max_grad_norm, seed=settings.seed)
+            self.actor = self.deepspeed.actor  # its module is now the DeepSpeed engine
+        else:
+            self.optimizer = torch.optim.AdamW(self.trainable, lr=settings.learning_rate,
+                                               weight_decay=settings.weight_decay)
         level, mode = IS_SCHEMES[settings.is_correction]
         self.loss_fn = PolicyLoss(
             clip_eps_low=settings.clip_eps_low, clip_eps_high=settings.clip_eps_high,
@@ -120,7 +131,8 @@ class Policy:
 
     @property
     def peft_model(self) -> Any:
-        return self.actor.model
+        """The Hugging Face (peft) model itself, inside the DeepSpeed engine if there is one."""
+        return getattr(self.actor.model, "module", self.actor.model)
 
     def _log_probs(self, batch: MicroBatch, actor: Actor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         output = (actor or self.actor)(batch.sequences.to(self.device),
@@ -150,7 +162,8 @@ class Policy:
             raise ValueError("no action tokens to train on")
         references = [self.log_probs(b, reference=True) for b in batches] if s.kl_coef > 0 else None
         self.actor.train()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.deepspeed is None:
+            self.optimizer.zero_grad(set_to_none=True)
         sums = dict(loss=0.0, policy_loss=0.0, kl=0.0, clip=0.0, ppo_kl=0.0, rollout_kl=0.0, filt=0.0, entropy=0.0)
         for i, batch in enumerate(batches):
             mask = batch.action_mask.to(self.device)
@@ -166,7 +179,10 @@ class Policy:
                 kl_loss = (kl * mask).sum() / total_tokens
                 loss = loss + s.kl_coef * kl_loss
                 sums["kl"] += float(kl_loss)
-            loss.backward()
+            if self.deepspeed is None:
+                loss.backward()
+            else:
+                self.deepspeed.backward(loss)
             share = batch.num_actions / total_tokens  # the micro-batch's share of the step's tokens
             sums["loss"] += float(loss.detach())
             sums["policy_loss"] += float(policy_loss.detach())
@@ -179,12 +195,16 @@ class Policy:
                 sums["rollout_kl"] += float(masked_mean(batch.rollout_logprobs.to(self.device) - log_probs.detach(),
                                                         mask.float(), dim=None)) * share
             sums["entropy"] += masked_entropy(z, mask) * share
-        if s.max_grad_norm > 0:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.trainable, s.max_grad_norm))
+        if self.deepspeed is not None:
+            grad_norm = self.deepspeed.step()
         else:
-            grad_norm = float(torch.norm(torch.stack([p.grad.norm() for p in self.trainable if p.grad is not None])))
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+            if s.max_grad_norm > 0:
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(self.trainable, s.max_grad_norm))
+            else:
+                grad_norm = float(torch.norm(torch.stack([p.grad.norm() for p in self.trainable
+                                                          if p.grad is not None])))
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         return UpdateStats(loss=sums["loss"], policy_loss=sums["policy_loss"], kl=sums["kl"],
                            clip_ratio=sums["clip"], ppo_kl=sums["ppo_kl"], rollout_kl=sums["rollout_kl"],
                            is_filter_ratio=sums["filt"], entropy=sums["entropy"], grad_norm=grad_norm,
@@ -224,15 +244,24 @@ class Policy:
         save_file({n: t.to("cpu") for n, t in self.weights().items()}, str(tmp))
         tmp.replace(path)
 
-    def state(self) -> dict[str, Any]:
+    def save(self, directory: Path) -> None:
+        """The trainable weights, the optimizer and the RNG into `directory` (DeepSpeed: its checkpoint)."""
+        directory.mkdir(parents=True, exist_ok=True)
+        torch.save({"torch_rng": torch.get_rng_state()}, directory / "rng.pt")
+        if self.deepspeed is not None:
+            self.deepspeed.save(directory)
+            return
         trainable = {n: p.detach().clone() for n, p in self.actor.named_parameters() if p.requires_grad}
-        return {"trainable": trainable, "optimizer": self.optimizer.state_dict(),
-                "torch_rng": torch.get_rng_state()}
+        torch.save({"trainable": trainable, "optimizer": self.optimizer.state_dict()}, directory / "policy.pt")
 
-    def load_state(self, state: dict[str, Any]) -> None:
+    def load(self, directory: Path) -> None:
+        torch.set_rng_state(torch.load(directory / "rng.pt", weights_only=True)["torch_rng"])
+        if self.deepspeed is not None:
+            self.deepspeed.load(directory)
+            return
+        state = torch.load(directory / "policy.pt", weights_only=True)
         params = dict(self.actor.named_parameters())
         with torch.no_grad():
             for name, value in state["trainable"].items():
                 params[name].copy_(value)
         self.optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["torch_rng"])

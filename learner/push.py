@@ -100,12 +100,18 @@ class FullPusher:
        tagged N. If the update fails, the servers resume, the pointer stays at N - 1 without draining,
        and the error propagates (the step's episodes are not acknowledged).
 
-    Against vLLM on GPUs the tensors travel by NCCL through vLLM's own trainer-side client
-    (`vllm.distributed.weight_transfer`); that path is not built here (no GPU to verify it on).
+    With `transport="nccl"` (vLLM on GPUs), step 3 is vLLM's own trainer-side client instead
+    (`learner._vllm_nccl`, NOT RUN: no GPU was available): the tensors are broadcast over NCCL during
+    `/update_weights` and the version is set with `/update_weight_version`.
     """
 
     def __init__(self, server_urls: list[str], weights_dir: Path, store: EpisodeStore, base_model: str,
-                 drain_s: float, timeout_s: float = 300.0) -> None:
+                 drain_s: float, timeout_s: float = 300.0, transport: str = "safetensors",
+                 nccl_address: str = "127.0.0.1", nccl_port: int = 29600) -> None:
+        self.transport = transport
+        self.nccl_address = nccl_address
+        self.nccl_port = nccl_port
+        self._senders: dict[str, Any] = {}
         self.server_urls = [u.rstrip("/") for u in server_urls]
         self.weights_dir = weights_dir
         self.store = store
@@ -120,23 +126,34 @@ class FullPusher:
     async def push(self, version: int, policy: Any) -> float:
         t0 = time.perf_counter()
         path = self.path(version)
-        await asyncio.to_thread(policy.save_weights, path)
+        if self.transport == "safetensors":
+            await asyncio.to_thread(policy.save_weights, path)
         previous = Policy(version=version - 1, base_model=self.base_model)
         await self.store.set_policy(previous.model_copy(update={"draining": True}))
         pushed = False
         try:
             await asyncio.sleep(self.drain_s)
             async with aiohttp.ClientSession(timeout=self.timeout) as session:
-                for url in self.server_urls:
-                    if url not in self.initialized:
+                for i, url in enumerate(self.server_urls):
+                    if url in self.initialized:
+                        continue
+                    if self.transport == "nccl":
+                        from learner._vllm_nccl import VllmNcclSender
+
+                        self._senders[url] = await asyncio.to_thread(VllmNcclSender, url, self.nccl_address,
+                                                                     self.nccl_port + i)
+                    else:
                         await _post(session, f"{url}/init_weight_transfer_engine", {"init_info": {}})
-                        self.initialized.add(url)
+                    self.initialized.add(url)
                 paused = []
                 try:
                     for url in self.server_urls:
                         await _post(session, f"{url}/pause?mode=wait", None)
                         paused.append(url)
                     for url in self.server_urls:
+                        if self.transport == "nccl":
+                            await asyncio.to_thread(self._senders[url].send, policy.weights(), str(version))
+                            continue
                         await _post(session, f"{url}/start_weight_update", None)
                         await _post(session, f"{url}/update_weights", {"update_info": {"path": str(path)}})
                         await _post(session, f"{url}/finish_weight_update", {"weight_version": str(version)})

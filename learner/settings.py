@@ -31,6 +31,12 @@ class LearnerSettings(BaseSettings):
         "lora", description="How weights reach the inference servers: lora saves the adapter and loads it as "
         "policy-v{N}; full sends the whole (merged) weights through vLLM's weight-transfer phases, with "
         "the gateways drained and the servers paused meanwhile.")
+    push_transport: Literal["safetensors", "nccl"] = Field(
+        "safetensors", description="Full push: a safetensors file the servers read (rlgate serve; the servers "
+        "must see output_dir), or NCCL through vLLM's trainer-side client (vLLM on GPUs; not run yet).")
+    push_nccl_address: str = Field("127.0.0.1", description="NCCL transport: this learner's address as the "
+                                   "vLLM workers reach it.")
+    push_nccl_port: int = Field(29600, description="NCCL transport: the first rendezvous port (one per server).")
     finetune: Literal["lora", "full"] = Field("lora", description="Train a LoRA adapter, or every weight.")
     push_drain_s: float = Field(0.5, ge=0, description="Full push: how long to wait after telling the "
                                 "gateways to hold new calls (at least twice their RLGATE_POLICY_POLL_S).")
@@ -84,6 +90,10 @@ class LearnerSettings(BaseSettings):
         "tis", description="Importance correction against the rollout log-probs (OpenRLHF's options).")
     is_threshold_low: float = 0.5
     is_threshold_high: float = 5.0
+    engine: Literal["torch", "deepspeed"] = Field(
+        "torch", description="torch: AdamW in this process; deepspeed: OpenRLHF's DeepspeedStrategy (ZeRO "
+        "stage `zero_stage`, gloo on a CPU, nccl on a GPU; one process).")
+    zero_stage: int = Field(1, ge=0, le=3, description="DeepSpeed ZeRO stage (engine=deepspeed).")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the policy trains (auto: cuda "
                                                    "if available); bf16 weights on a GPU, float32 on the CPU.")
     seed: int = 0

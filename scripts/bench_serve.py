@@ -4,7 +4,8 @@ Builds the tiny model (`rlgate make-tiny-model`) into a temporary folder, starts
 drives POST /v1/chat/completions (one user message, `max_tokens` 8, temperature 1) from `concurrency`
 workers for a fixed number of requests per cell, after a warm-up. The server and the load generator share
 the machine's cores. Then it times runtime LoRA loads (POST /v1/load_lora_adapter of a peft adapter on
-q_proj/v_proj, r=8) and unloads. Full-weight updates are not built yet, so they are not measured.
+q_proj/v_proj, r=8) and unloads, and full-weight updates through vLLM's phases (start_weight_update,
+update_weights from a safetensors file of every weight, finish_weight_update with a version).
 
 Run:  .venv/bin/python scripts/bench_serve.py [--requests 400] [--concurrency 1 16 32] [--max-tokens 8]
 """
@@ -76,10 +77,22 @@ def time_lora(base_url: str, model: Path, tmp: Path, runs: int = 5) -> dict[str,
             response.read()
         return time.perf_counter() - t0
 
-    times: dict[str, list[float]] = {"LoRA load": [], "LoRA unload": []}
+    times: dict[str, list[float]] = {"LoRA load": [], "LoRA unload": [], "full-weight update": []}
     for _ in range(runs):
         times["LoRA load"].append(post("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": str(adapter)}))
         times["LoRA unload"].append(post("/v1/unload_lora_adapter", {"lora_name": "a"}))
+
+    from safetensors.torch import save_file
+
+    weights = tmp / "weights.safetensors"
+    save_file({n: p.detach().contiguous() for n, p in base.named_parameters()}, str(weights))
+    post("/init_weight_transfer_engine", {"init_info": {}})
+    for version in range(runs):
+        t0 = time.perf_counter()
+        post("/start_weight_update", {})
+        post("/update_weights", {"update_info": {"path": str(weights)}})
+        post("/finish_weight_update", {"weight_version": str(version)})
+        times["full-weight update"].append(time.perf_counter() - t0)
     return times
 
 

@@ -240,3 +240,30 @@ def test_a_full_push_updates_the_servers_weights_and_the_version(stack, redis_cl
     assert post("/start_weight_update").status_code == 200
     assert post("/update_weights", {"update_info": {"path": str(tmp_path / "orig.st")}}).status_code == 200
     assert post("/finish_weight_update", {"weight_version": "0"}).status_code == 200
+
+
+@pytest.mark.timeout(900)
+def test_the_learner_on_deepspeed_trains_pushes_and_resumes(stack, redis_client: redis.Redis, tmp_path: Path):
+    """`--engine deepspeed`: OpenRLHF's DeepspeedStrategy (ZeRO-1, gloo, fp32 on a CPU) does the update;
+    its checkpoint is what a resumed learner continues from."""
+    serve, gateway, model = stack
+    for task in ("d1", "d2"):
+        for i in range(4):
+            episode(gateway, task, float(i % 2))
+    out = tmp_path / "learner"
+    first = learner(model, serve, out, engine="deepspeed", zero_stage="1")
+    assert first.wait(timeout=600) == 0, (out.parent / "learner.log").read_text()[-4000:]
+    [step] = steps(out)
+    assert step["policy_version"] == 1 and step["grad_norm"] > 0 and step["samples"] == 16
+    assert (out / "checkpoint" / "v1" / "policy").is_dir()  # DeepSpeed's own checkpoint layout
+    time.sleep(0.3)
+    for task in ("d3", "d4"):
+        for i in range(4):
+            episode(gateway, task, float(i % 2))
+    again = learner(model, serve, out, engine="deepspeed", zero_stage="1", resume="true", max_steps="2")
+    assert again.wait(timeout=600) == 0, (out.parent / "learner.log").read_text()[-4000:]
+    one, two = steps(out)
+    assert two["step"] == 2 and two["policy_version"] == 2 and two["staleness_mean"] == 0
+    assert redis_client.hget("rlgate:policy", "version") == b"2"
+    log = (out.parent / "learner.log").read_text()
+    assert '"event": "resumed"' in log or '"event":"resumed"' in log
