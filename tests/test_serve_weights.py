@@ -138,15 +138,25 @@ def test_pause_keep_holds_new_requests_until_resume(served):
 
 def test_pause_wait_lets_admitted_requests_finish_first(served):
     proc, _ = served
-    answers: list[httpx.Response] = []
+    answers: list[tuple[float, httpx.Response]] = []
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 1500, "logit_bias": {"256": -100, "258": -100}}
-    thread = threading.Thread(target=lambda: answers.append(httpx.post(
-        f"{proc.url}/v1/completions", json=body, timeout=60)))
+
+    def call() -> None:
+        response = httpx.post(f"{proc.url}/v1/completions", json=body, timeout=120)
+        answers.append((time.monotonic(), response))
+
+    thread = threading.Thread(target=call)
     thread.start()
-    time.sleep(1.0)  # admitted and generating (1,500 tokens take seconds)
+    time.sleep(1.0)  # admitted and generating (1,500 tokens take several seconds)
+    t0 = time.monotonic()
     paused = post(proc.url, "/pause?mode=wait")
-    assert paused.status_code == 200 and answers, "pause(wait) returned before the request finished"
-    assert answers[0].status_code == 200, answers[0].text
-    assert answers[0].json()["choices"][0]["finish_reason"] == "length"
-    thread.join()
+    t_paused = time.monotonic()
+    thread.join(timeout=120)
+    assert paused.status_code == 200 and answers
+    answered_at, answer = answers[0]
+    assert answer.status_code == 200, answer.text
+    choice = answer.json()["choices"][0]
+    assert choice["finish_reason"] == "length" and answer.json()["usage"]["completion_tokens"] == 1500
+    assert t_paused - t0 > 0.2  # /pause waited for the request ...
+    assert answered_at - t_paused < 1.0  # ... until it was done (its answer followed at once)
     post(proc.url, "/resume")
