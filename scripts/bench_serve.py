@@ -85,7 +85,8 @@ def time_lora(base_url: str, model: Path, tmp: Path, runs: int = 5) -> dict[str,
     from safetensors.torch import save_file
 
     weights = tmp / "weights.safetensors"
-    save_file({n: p.detach().contiguous() for n, p in base.named_parameters()}, str(weights))
+    plain = transformers.AutoModelForCausalLM.from_pretrained(model, local_files_only=True)  # peft changed `base`
+    save_file({n: p.detach().contiguous() for n, p in plain.named_parameters()}, str(weights))
     post("/init_weight_transfer_engine", {"init_info": {}})
     for version in range(runs):
         t0 = time.perf_counter()
