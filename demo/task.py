@@ -8,9 +8,11 @@ An episode has one or two LLM calls, both one-token completions on the policy:
 
 The reward (the `math_answer` reward job, on the rq worker) is 1 if the final digit is the last digit of
 A+B. A model that answers by itself is right one time in ten; one that calls the calculator and reads its
-result is right almost always. The tiny model starts out calling the calculator about one time in eleven
-(it has no reason to prefer "C"), so its success rate starts near 10-20%; reinforcement learning with
-identical credit (both calls of a rewarded episode get its advantage) teaches it to call the tool.
+result is right almost always. The tiny model built with seed 0 starts out calling the calculator about
+one time in twenty (measured: 4.7% over 200 questions), so its success rate starts near 10-15%;
+reinforcement learning with identical credit (both calls of a rewarded episode get its advantage) teaches
+it to call the tool. (Offering "C" slightly less, a bias of 99.8, made the first call so rare that a run
+collapsed onto guessing before it found the tool: measured once, 13% -> 4% in 10 minutes.)
 
 The sampling is what a careful agent would send a small model: `max_tokens=1`, a `logit_bias` of +100 on
 the allowed tokens (C and the digits, then the digits only), so that every sample is a valid action, and

@@ -226,8 +226,8 @@ class DemoCommand(BaseSettings):
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis to use (a redis-server is started "
                            "for the demo if none answers there).")
     concurrency: int = Field(16, description="Agent episodes in flight.")
-    tasks_per_step: int = Field(8, description="Task groups per training step.")
-    rollouts_per_task: int = Field(8, description="Episodes per task (the GRPO group).")
+    tasks_per_step: int = Field(16, description="Task groups per training step.")
+    rollouts_per_task: int = Field(4, description="Episodes per task (the GRPO group).")
     learning_rate: float = Field(2e-3, description="The learner's AdamW learning rate (LoRA).")
     seed: int = Field(0, description="Seed of the tiny model, the questions and the learner.")
 
