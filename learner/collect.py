@@ -103,7 +103,7 @@ class Collector:
             overdue = [(k, g) for k, g in ordered if now - g.first_seen >= self.max_group_wait_s
                        and (k, g) not in ready]
             if not self.keep_singletons:  # alone after the wait: no baseline, dropped
-                for key, group in [(k, g) for k, g in overdue if len(g.episodes) == 1]:
+                for key in [k for k, g in overdue if len(g.episodes) == 1]:
                     await self._drop(self.waiting.pop(key))
                 overdue = [(k, g) for k, g in overdue if len(g.episodes) > 1]
             chosen = (ready + overdue)[: self.tasks_per_step]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import sys
 import time
 from dataclasses import asdict
 from typing import Any
@@ -69,6 +70,11 @@ class Learner:
             self.writer = SummaryWriter(str(self.output_dir / "tensorboard"))
         self.started = time.monotonic()
         self.episodes_trained = 0
+        self.progress = None
+        if sys.stderr.isatty():  # a progress bar on a terminal; the log lines go on as they are
+            from tqdm import tqdm
+
+            self.progress = tqdm(total=settings.max_steps or None, desc="learner", unit="step", file=sys.stderr)
 
     async def run(self) -> None:
         try:
@@ -80,6 +86,8 @@ class Learner:
         finally:
             if self.writer is not None:
                 self.writer.close()
+            if self.progress is not None:
+                self.progress.close()
             await self.store.aclose()
 
     async def _resume(self) -> None:
@@ -178,6 +186,12 @@ class Learner:
 
     def _log(self, metrics: dict[str, Any]) -> None:
         log.info("step", **{k: round(v, 6) if isinstance(v, float) else v for k, v in metrics.items()})
+        if self.progress is not None:
+            self.progress.update(1)
+            self.progress.set_postfix_str(
+                f"v{metrics['policy_version']} reward {metrics['reward_mean']:.3f} "
+                f"success {metrics['success_rate']:.0%} {metrics['episodes_per_second']:.1f} episodes/s "
+                f"loss {metrics['loss']:.4f}", refresh=True)
         with (self.output_dir / "steps.jsonl").open("a") as f:
             f.write(json.dumps(metrics) + "\n")
         if self.writer is not None:
