@@ -57,8 +57,8 @@ def free_port() -> int:
 def _spawn(cfg: DemoConfig, name: str, args: list[str], env: dict[str, str] | None = None,
            stdout: int | None = None) -> subprocess.Popen:
     log = (cfg.workdir / "logs" / f"{name}.log").open("ab")
-    process = subprocess.Popen(args, env={**os.environ, **(env or {})}, stdout=stdout or log,
-                               stderr=log if stdout is None else log, text=stdout is not None)
+    process = subprocess.Popen(args, env={**os.environ, **(env or {})}, stdout=stdout or log, stderr=log,
+                               text=stdout is not None)
     cfg.processes[name] = process
     return process
 

@@ -63,12 +63,10 @@ class WeightUpdateConflict(ServeError):
 class WeightSync:
     """The pause gate in front of generation and the weight-update state machine of one model."""
 
-    def __init__(self, model: nn.Module, scheduler: Scheduler, backend: str = "safetensors") -> None:
+    def __init__(self, model: nn.Module, scheduler: Scheduler) -> None:
         self.model = model
         self.scheduler = scheduler
-        self.backend = backend
         self.version = "default"
-        self.paused = False
         self.mode: PauseMode = "abort"
         self._resumed = asyncio.Event()
         self._resumed.set()
@@ -77,6 +75,10 @@ class WeightSync:
         self._idle.set()
         self.initialized = False
         self.active = False
+
+    @property
+    def paused(self) -> bool:
+        return not self._resumed.is_set()
 
     # -----------------------------------------------------------------------------------------------------
     # Pause gate
@@ -100,7 +102,7 @@ class WeightSync:
     async def pause(self, mode: PauseMode) -> None:
         if mode not in ("abort", "wait", "keep"):
             raise BadRequest(f"mode must be abort, wait or keep, not {mode!r}", param="mode")
-        self.paused, self.mode = True, mode
+        self.mode = mode
         self._resumed.clear()
         if mode == "abort":
             self.scheduler.abort_pending()
@@ -108,15 +110,12 @@ class WeightSync:
             await self._idle.wait()  # abort: only the running batch is left; wait: everything admitted
 
     def resume(self) -> None:
-        self.paused = False
         self._resumed.set()
 
     # -----------------------------------------------------------------------------------------------------
     # Weight transfer
 
     def init(self, init_info: dict[str, Any]) -> None:
-        if self.backend != "safetensors":
-            raise BadRequest(f"unknown weight transfer backend {self.backend!r}")
         if init_info:
             raise BadRequest(f"Invalid init_info for safetensors: unexpected {sorted(init_info)}", param="init_info")
         self.initialized = True

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import statistics
 import sys
 import time
 from dataclasses import asdict
@@ -137,9 +138,10 @@ class Learner:
             "policy_version": self.version,
             "episodes": len(entries),
             "groups": len(views),
-            "reward_mean": sum(rewards) / len(rewards) if rewards else math.nan,
+            "reward_mean": statistics.fmean(rewards) if rewards else math.nan,
             "success_rate": sum(r >= s.success_threshold for r in rewards) / len(rewards) if rewards else math.nan,
-            "group_reward_std": _mean([_std([v.reward for v in g]) for g in views]),
+            "group_reward_std": statistics.fmean(
+                statistics.stdev([v.reward for v in g]) if len(g) > 1 else 0.0 for g in views),
             "samples": stats.samples,
             "tokens": stats.tokens,
             "calls": counts["calls"],
@@ -199,17 +201,6 @@ class Learner:
                 if key not in ("step", "time") and isinstance(value, (int, float)) and math.isfinite(value):
                     self.writer.add_scalar(f"learner/{key}", value, metrics["step"])
             self.writer.flush()
-
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else math.nan
-
-
-def _std(values: list[float]) -> float:
-    if len(values) < 2:
-        return 0.0
-    m = _mean(values)
-    return math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1))
 
 
 def run(settings: LearnerSettings) -> None:

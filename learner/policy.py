@@ -68,11 +68,13 @@ def processed_log_probs(logits: torch.Tensor, batch: MicroBatch) -> tuple[torch.
 
 
 def masked_entropy(z: torch.Tensor, mask: torch.Tensor) -> float:
-    """Mean entropy -sum p log p of the processed distributions at the action positions."""
+    """Mean entropy -sum p log p of the processed distributions at the action positions (only those rows
+    are normalised: the prompt positions are most of a batch and never logged)."""
     with torch.no_grad():
-        logp = torch.log_softmax(z.float(), dim=-1)
-        entropy = -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1)
-        return float(masked_mean(entropy, mask.float(), dim=None)) if mask.any() else 0.0
+        if not mask.any():
+            return 0.0
+        logp = torch.log_softmax(z[mask].float(), dim=-1)
+        return float(-(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1).mean())
 
 
 class Policy:

@@ -60,19 +60,17 @@ class LoraPusher:
         policy.save_adapter(path)
         async with aiohttp.ClientSession(timeout=self.timeout) as session:
             for url in self.server_urls:
-                await self._post(session, f"{url}/v1/load_lora_adapter",
+                await _post(session, f"{url}/v1/load_lora_adapter",
                                  {"lora_name": name, "lora_path": str(path), "load_inplace": True})
             await self.store.set_policy(Policy(version=version, adapter=name, base_model=self.base_model))
             old = version - 2
             if old >= 1:
                 for url in self.server_urls:
-                    await self._post(session, f"{url}/v1/unload_lora_adapter", {"lora_name": adapter_name(old)},
+                    await _post(session, f"{url}/v1/unload_lora_adapter", {"lora_name": adapter_name(old)},
                                      missing_ok=True)
                 shutil.rmtree(self.path(old), ignore_errors=True)
         return time.perf_counter() - t0
 
-    async def _post(self, session: aiohttp.ClientSession, url: str, body: dict, missing_ok: bool = False) -> None:
-        await _post(session, url, body, missing_ok)
 
 
 async def _post(session: aiohttp.ClientSession, url: str, body: dict | None, missing_ok: bool = False) -> None:

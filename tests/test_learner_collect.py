@@ -29,21 +29,28 @@ def run(coro):
     return asyncio.run(coro)
 
 
+def with_store(body):
+    """Run `body(store)` on a store of prefix "t", closed afterwards."""
+    async def go():
+        store = EpisodeStore.from_url(REDIS_URL, prefix="t")
+        try:
+            return await body(store)
+        finally:
+            await store.aclose()
+    return run(go())
+
+
 def test_a_step_takes_ready_groups_oldest_first(redis_client: redis.Redis):
     publish(redis_client, "a", 3)
     publish(redis_client, "b", 2)
     publish(redis_client, "c", 4)
 
-    async def go():
-        store = EpisodeStore.from_url(REDIS_URL, prefix="t")
-        try:
-            c = collector(store)
-            await c.start()
-            return await c.next_step(deadline_s=2), c.waiting_episodes()
-        finally:
-            await store.aclose()
+    async def body(store):
+        c = collector(store)
+        await c.start()
+        return await c.next_step(deadline_s=2), c.waiting_episodes()
 
-    groups, waiting = run(go())
+    groups, waiting = with_store(body)
     assert [(g.task_id, len(g.episodes)) for g in groups] == [("a", 3), ("c", 4)]
     assert waiting == 2  # b is incomplete and keeps waiting
 
@@ -54,18 +61,14 @@ def test_after_the_wait_incomplete_groups_train_and_lone_episodes_are_dropped(re
     publish(redis_client, "s", 1)  # alone: dropped after the wait
     publish(redis_client, None, 2)  # no task: groups of one from the start, dropped at once
 
-    async def go():
-        store = EpisodeStore.from_url(REDIS_URL, prefix="t")
-        try:
-            c = collector(store, tasks_per_step=3)
-            await c.start()
-            t0 = time.monotonic()
-            groups = await c.next_step(deadline_s=5)
-            return groups, time.monotonic() - t0, c.dropped_singletons, await c.stream.pending()
-        finally:
-            await store.aclose()
+    async def body(store):
+        c = collector(store, tasks_per_step=3)
+        await c.start()
+        t0 = time.monotonic()
+        groups = await c.next_step(deadline_s=5)
+        return groups, time.monotonic() - t0, c.dropped_singletons, await c.stream.pending()
 
-    groups, waited, dropped, pending = run(go())
+    groups, waited, dropped, pending = with_store(body)
     assert [(g.task_id, len(g.episodes)) for g in groups] == [("a", 3), ("b", 2)]
     assert waited >= 0.45 and dropped == 3
     assert pending == 5  # the dropped ones are acknowledged, the step's are not (the loop acks after training)
@@ -74,16 +77,12 @@ def test_after_the_wait_incomplete_groups_train_and_lone_episodes_are_dropped(re
 def test_groups_of_one_train_when_kept(redis_client: redis.Redis):
     publish(redis_client, None, 2)
 
-    async def go():
-        store = EpisodeStore.from_url(REDIS_URL, prefix="t")
-        try:
-            c = collector(store, singleton_groups="keep")
-            await c.start()
-            return await c.next_step(deadline_s=2)
-        finally:
-            await store.aclose()
+    async def body(store):
+        c = collector(store, singleton_groups="keep")
+        await c.start()
+        return await c.next_step(deadline_s=2)
 
-    groups = run(go())
+    groups = with_store(body)
     assert [(g.task_id, len(g.episodes)) for g in groups] == [(None, 1), (None, 1)]
 
 
@@ -92,23 +91,18 @@ def test_a_dead_learners_pending_episodes_come_back(redis_client: redis.Redis, s
     publish(redis_client, "a", 3)
     publish(redis_client, "b", 3)
 
-    async def go():
-        store = EpisodeStore.from_url(REDIS_URL, prefix="t")
-        try:
-            first = collector(store)
-            await first.start()
-            assert len(await first.next_step(deadline_s=2)) == 2  # read, never acknowledged: it "dies"
-            # a restarted learner with the same name takes its own back at once; another name claims them
-            # once they have been idle longer than reclaim_idle_s
-            second = Collector(ClosedEpisodes(store), "c0" if same_name else "c1", tasks_per_step=2,
-                               rollouts_per_task=3, max_group_wait_s=60, singleton_groups="drop",
-                               reclaim_idle_s=0.2)
-            await second.start()
-            if not same_name:
-                await asyncio.sleep(0.3)
-            return await second.next_step(deadline_s=3)
-        finally:
-            await store.aclose()
+    async def body(store):
+        first = collector(store)
+        await first.start()
+        assert len(await first.next_step(deadline_s=2)) == 2  # read, never acknowledged: it "dies"
+        # a restarted learner with the same name takes its own back at once; another name claims them
+        # once they have been idle longer than reclaim_idle_s
+        second = Collector(ClosedEpisodes(store), "c0" if same_name else "c1", tasks_per_step=2,
+                           rollouts_per_task=3, max_group_wait_s=60, singleton_groups="drop", reclaim_idle_s=0.2)
+        await second.start()
+        if not same_name:
+            await asyncio.sleep(0.3)
+        return await second.next_step(deadline_s=3)
 
-    groups = run(go())
+    groups = with_store(body)
     assert sorted((g.task_id, len(g.episodes)) for g in groups) == [("a", 3), ("b", 3)]
