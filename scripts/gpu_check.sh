@@ -4,9 +4,9 @@
 #
 #   scripts/gpu_check.sh WHEELS_DIR      # WHEELS_DIR: pip wheels of rlgate's learner extra, vllm, openrlhf
 #
-# Prepare WHEELS_DIR where the internet is reachable (same Python version as the GPU machine):
-#   pip download -d wheels '.[learner,test]' vllm==0.33.0 openrlhf==0.11.2 --no-deps-for openrlhf
-# (or: pip download -d wheels '.[learner,test]' vllm==0.33.0 && pip download -d wheels --no-deps openrlhf==0.11.2)
+# Prepare WHEELS_DIR where the internet is reachable (same Python version and platform as the GPU machine):
+#   pip download -d wheels setuptools wheel '.[learner,test]' vllm==0.33.0
+#   pip download -d wheels --no-deps openrlhf==0.11.2
 #
 # What it checks, printing one table at the end:
 #   1. the learner's update on CUDA (scripts/bench_learner.py --device cuda) on a larger tiny model
