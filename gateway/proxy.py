@@ -257,7 +257,7 @@ class Proxy:
             if response.status != 200:
                 await self._upstream_failed(call, response.status, await response.read(), send)
                 return
-            content_type = response.headers.get("Content-Type", "text/event-stream").encode()
+            content_type = response.headers.get("content-type", "text/event-stream").encode()
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", content_type), call.rollout_header]})
             pending = b""

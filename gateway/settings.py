@@ -30,6 +30,9 @@ class GatewaySettings(BaseSettings):
     )
     upstream_timeout_s: float = Field(600.0, description="Total time limit of one upstream call.")
     upstream_max_connections: int = Field(256, description="Keep-alive connection pool size to the upstream.")
+    upstream_keepalive_s: float = Field(
+        4.0, description="How long an idle upstream connection is kept; below the server's own keep-alive "
+        "(uvicorn's default, and vLLM's, is 5 s) so that the server rarely closes one under a request.")
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis holding rollouts and calls.")
     key_prefix: str = Field("rlgate", description="Prefix of every Redis key (lets deployments share a Redis).")
     redis_timeout_s: float = Field(5.0, description="Time limit of one Redis command.")

@@ -1,4 +1,4 @@
-"""Benchmark async HTTP clients for rlgate's upstream hot path (aiohttp vs httpx vs httpcore).
+"""Benchmark async HTTP clients for rlgate's upstream hot path (rlgate's own vs aiohttp, httpx, httpcore).
 
 Method
   * Upstream: a minimal HTTP/1.1 keep-alive server (raw asyncio protocol on uvloop) in a subprocess
@@ -124,8 +124,24 @@ def serve() -> None:
 # ----------------------------------------------------------------------------- clients
 async def make_client(lib: str, conc: int, url: str):
     """Return (plain, stream, close); plain/stream(body) -> number of response body bytes."""
-    mod = importlib.import_module(lib)
     hdrs = {"Content-Type": "application/json"}
+    if lib == "rlgate":  # gateway._http, what the gateway uses
+        from gateway._http import Client
+
+        c = Client(url.rsplit(PATH, 1)[0], limit=conc, headers=hdrs)
+
+        async def plain(body):
+            async with c.request("POST", PATH, body) as r:
+                return len(await r.read())
+
+        async def stream(body):
+            n = 0
+            async with c.request("POST", PATH, body) as r:
+                async for chunk in r.chunks():
+                    n += len(chunk)
+            return n
+        return plain, stream, c.aclose
+    mod = importlib.import_module(lib)
     if lib == "aiohttp":
         s = mod.ClientSession(connector=mod.TCPConnector(limit=conc, limit_per_host=conc),
                               auto_decompress=False)
@@ -172,6 +188,8 @@ async def drive(fn, body: bytes, conc: int, n: int, lat: list | None = None) -> 
 
 
 def _installed(pkg: str) -> bool:
+    if pkg == "rlgate":
+        pkg = "gateway"
     return importlib.util.find_spec(pkg) is not None
 
 
@@ -200,7 +218,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--requests", type=int, default=3000, help="requests per cell per round")
     ap.add_argument("--warmup", type=int, default=300)
-    ap.add_argument("--clients", default="aiohttp,httpx,httpcore,httpx2,httpcore2",
+    ap.add_argument("--clients", default="rlgate,aiohttp,httpx,httpcore,httpx2,httpcore2",
                     help="comma-separated; ones not installed are skipped (httpx2/httpcore2 optional)")
     ap.add_argument("--no-uvloop", action="store_true", help="run all clients on the stdlib loop")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
