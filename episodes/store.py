@@ -85,6 +85,7 @@ class EpisodeStore:
         return _guard(self.timeout_s + extra_s)
 
     async def aclose(self) -> None:
+        await self._record.aclose()
         await self.redis.aclose()
 
     async def ping(self) -> None:

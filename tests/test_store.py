@@ -235,3 +235,75 @@ def test_a_cancelled_store_call_stays_cancelled(redis_client: redis.Redis):
         return stuck
 
     assert run(go()) == 0
+
+
+@pytest.fixture()
+def password_redis(tmp_path):
+    """A redis-server of its own that requires a user and password (ACL) and has databases 0-15."""
+    import shutil
+    import subprocess
+    import time
+
+    from conftest import free_port
+
+    server = shutil.which("redis-server")
+    if server is None:
+        pytest.skip("redis-server is not installed")
+    port = free_port()
+    process = subprocess.Popen([server, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                "--appendonly", "no", "--requirepass", "default-secret",
+                                "--user", "gw", "on", ">gw-secret", "~*", "+@all"],
+                               stdout=subprocess.DEVNULL, cwd=tmp_path)
+    client = redis.Redis(port=port, password="default-secret")
+    for _ in range(100):
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    yield port
+    process.terminate()
+    process.wait()
+
+
+def test_the_record_connection_authenticates_and_selects_the_database(password_redis: int):
+    async def go(url: str):
+        store = EpisodeStore.from_url(url, prefix="t", timeout_s=2)
+        try:
+            return await store.record_calls("auth", None, [_record("auth")])
+        finally:
+            await store.aclose()
+
+    for url, db in ((f"redis://gw:gw-secret@127.0.0.1:{password_redis}/3", 3),
+                    (f"redis://:default-secret@127.0.0.1:{password_redis}/0", 0)):
+        assert run(go(url)) == 0
+        client = redis.Redis(port=password_redis, password="default-secret", db=db)
+        assert client.llen(Keys("t").calls("auth")) == 1
+        client.flushdb()
+    with pytest.raises(StoreUnavailable, match="refused"):
+        run(go(f"redis://gw:wrong@127.0.0.1:{password_redis}/3"))
+
+
+def test_records_go_out_in_one_write_per_loop_turn_and_survive_a_killed_connection(redis_client: redis.Redis):
+    async def go():
+        store = EpisodeStore.from_url(REDIS_URL, prefix="t")
+        try:
+            await store.record_calls("k0", None, [_record("k0")])
+            conn = store._record._pipe._conn
+            writes = []
+            write = conn.transport.write
+            conn.transport.write = lambda data: (writes.append(data), write(data))[1]
+            await asyncio.gather(*(store.record_calls(f"k{i}", None, [_record(f"k{i}")]) for i in range(1, 11)))
+            # Redis drops the connection (a restart, a failover, `CLIENT KILL`): the next call reconnects
+            redis_client.client_kill_filter(_type="normal", skipme=True)
+            await asyncio.sleep(0.1)
+            assert conn.lost
+            await store.record_calls("k11", None, [_record("k11")])
+            return writes, store._record._pipe._conn is not conn
+        finally:
+            await store.aclose()
+
+    writes, reconnected = run(go())
+    assert len(writes) == 1 and writes[0].count(b"EVALSHA") == 10
+    assert reconnected
+    assert all(redis_client.llen(Keys("t").calls(f"k{i}")) == 1 for i in range(12))
