@@ -26,7 +26,7 @@ from gateway._asgi import disconnected, error_event, read_json, send_body
 from gateway.air import AutomaticRewards
 from gateway.metrics import GatewayMetrics
 from gateway.settings import GatewaySettings
-from gateway.streaming import DONE, RESPONSES_FINAL, StreamAssembler, event_data, split_events, strip_chunk
+from gateway.streaming import DONE, StreamRelay
 from gateway.upstream import Upstream
 
 log = structlog.get_logger("rlgate.gateway")
@@ -249,8 +249,8 @@ class Proxy:
     async def _stream(self, call: Call, upstream_body: bytes, injected: capture.Injected, send: Any,
                       disconnect: asyncio.Future[None]) -> None:
         endpoint = call.endpoint
-        assembler = StreamAssembler(endpoint)
-        held: bytes | None = None  # the final event, released after the commit
+        relay = StreamRelay(endpoint, injected)
+        assembler = relay.assembler
         failure: CallError | None = None  # what went wrong on our side of the stream, if anything
         ttfb_ms = None
         async with self.upstream.request("POST", UPSTREAM_PATHS[endpoint], upstream_body) as response:
@@ -260,36 +260,15 @@ class Proxy:
             content_type = response.headers.get("content-type", "text/event-stream").encode()
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", content_type), call.rollout_header]})
-            pending = b""
             try:
                 async for data in self.upstream.chunks(response):
                     if disconnect.done():
                         break  # leaving the block closes the upstream connection: vLLM aborts the request
                     if ttfb_ms is None:
                         ttfb_ms = (time.perf_counter() - call.t0) * 1000
-                    events, pending = split_events(pending + data)
-                    out = []
-                    for event in events:
-                        if event.startswith(DONE):
-                            held = event
-                            continue
-                        payload = event_data(event)
-                        if payload is None:
-                            out.append(event)
-                            continue
-                        chunk = orjson.loads(payload)
-                        assembler.feed(chunk)
-                        if endpoint == "responses" and chunk.get("type") in RESPONSES_FINAL:
-                            held = event
-                            continue
-                        if injected.any and "error" not in chunk:
-                            if not strip_chunk(endpoint, chunk, injected):
-                                continue
-                            event = b"data: " + orjson.dumps(chunk)
-                        out.append(event)
+                    out = relay.relay(data)
                     if out:
-                        await send({"type": "http.response.body", "body": b"\n\n".join(out) + b"\n\n",
-                                    "more_body": True})
+                        await send({"type": "http.response.body", "body": out, "more_body": True})
             except errors.GatewayError as exc:
                 failure = CallError(status=exc.status, type=exc.type, message=exc.message)
             except (ValueError, AttributeError, TypeError) as exc:
@@ -298,7 +277,7 @@ class Proxy:
         client_gone = disconnect.done()
         if client_gone:
             assembler.error = _client_gone()
-        elif failure is None and held is None and assembler.error is None:
+        elif failure is None and relay.held is None and assembler.error is None:
             failure = CallError(status=502, type="upstream_error",
                                 message="the upstream stream ended before its final event")
         if failure is not None and not client_gone:
@@ -325,7 +304,7 @@ class Proxy:
             if endpoint != "responses":
                 tail += DONE + b"\n\n"
         else:
-            tail = b"" if held is None else held + b"\n\n"
+            tail = b"" if relay.held is None else relay.held + b"\n\n"
         await send({"type": "http.response.body", "body": tail})
 
     # -----------------------------------------------------------------------------------------------------

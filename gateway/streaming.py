@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
+
 from episodes import CallError, CallResponse, Endpoint
 from gateway.capture import Injected, Transition, sampled_logprobs, strip_response
 
@@ -14,16 +16,34 @@ RESPONSES_FINAL = frozenset({"response.completed", "response.failed", "response.
 
 
 def split_events(buffer: bytes) -> tuple[list[bytes], bytes]:
-    """Complete SSE events (each without its blank-line terminator) and the unfinished rest."""
-    if b"\r\n" in buffer:
+    """Complete SSE events (each without its blank-line terminator) and the unfinished rest.
+
+    Searches single bytes only (memchr): CPython 3.11 finds two-byte needles such as `\n\n` 20-60 times
+    slower, which cost ~10 us per 11 KB stream per pass (measured).
+    """
+    if buffer.find(b"\r") != -1:
         buffer = buffer.replace(b"\r\n", b"\n")
-    parts = buffer.split(b"\n\n")
-    return parts[:-1], parts[-1]
+    events = []
+    find = buffer.find
+    start = 0
+    while True:
+        end = find(b"\n", start)
+        if end == -1:
+            return events, buffer[start:]
+        if buffer[end + 1:end + 2] == b"\n":  # a one-line event, as vLLM sends them
+            events.append(buffer[start:end])
+            start = end + 2
+            continue
+        blank = find(b"\n\n", end)  # an event of several lines
+        if blank == -1:
+            return events, buffer[start:]
+        events.append(buffer[start:blank])
+        start = blank + 2
 
 
 def event_data(event: bytes) -> bytes | None:
     """The payload of an event's `data:` line(s), or None for comments and data-less events."""
-    if event.startswith(b"data: ") and b"\n" not in event:  # vLLM's chat and completions events
+    if event.startswith(b"data: ") and event.find(b"\n") == -1:  # vLLM's chat and completions events
         return event[6:]
     data = None
     for line in event.split(b"\n"):
@@ -33,6 +53,56 @@ def event_data(event: bytes) -> bytes | None:
                 value = value[1:]
             data = value if data is None else data + b"\n" + value
     return data
+
+
+class StreamRelay:
+    """Turns the upstream's stream into the agent's, block by block, while assembling the record.
+
+    `relay(data)` returns the bytes to pass on now (events with the injected fields stripped); the final
+    event (`[DONE]`, or the last event of a `responses` stream) is kept back in `held` until the call is
+    committed. Raises ValueError (or TypeError, AttributeError) on a malformed chunk.
+    """
+
+    def __init__(self, endpoint: Endpoint, injected: Injected) -> None:
+        self.endpoint = endpoint
+        self.injected = injected
+        self.assembler = StreamAssembler(endpoint)
+        self.held: bytes | None = None
+        self._pending = b""
+
+    def relay(self, data: bytes) -> bytes:
+        if self._pending:
+            data = self._pending + data
+        events, self._pending = split_events(data)
+        endpoint, injected, feed = self.endpoint, self.injected, self.assembler.feed
+        strip = injected.any
+        out = []
+        for event in events:
+            if event.startswith(b"data: ") and event.find(b"\n") == -1:
+                payload = event[6:]
+            else:
+                payload = event_data(event)
+                if payload is None:  # a comment or an event without data: passed on as is
+                    out.append(event)
+                    continue
+            if payload == b"[DONE]":
+                self.held = event
+                continue
+            chunk = orjson.loads(payload)
+            feed(chunk)
+            if endpoint == "responses":
+                if chunk.get("type") in RESPONSES_FINAL:
+                    self.held = event
+                    continue
+            elif strip and "error" not in chunk:
+                if not strip_chunk(endpoint, chunk, injected):
+                    continue
+                event = b"data: " + orjson.dumps(chunk)
+            out.append(event)
+        if not out:
+            return b""
+        out.append(b"")
+        return b"\n\n".join(out)
 
 
 def strip_chunk(endpoint: Endpoint, chunk: dict[str, Any], injected: Injected) -> bool:
@@ -62,7 +132,7 @@ class _Choice:
         self.text: list[str] = []
         self.tool_calls: dict[int, dict[str, Any]] = {}
         self.token_ids: list[int] | None = None
-        self.logprobs: list[float] | None = None
+        self.logprobs: list[Any] | None = None  # the chunks' `logprobs` objects, read in transitions()
         self.finish_reason: str | None = None
         self.stop_reason: Any = None
         self.prompt_token_ids: list[int] | None = None
@@ -73,6 +143,7 @@ class StreamAssembler:
 
     def __init__(self, endpoint: Endpoint) -> None:
         self.endpoint = endpoint
+        self.chat = endpoint == "chat.completions"
         self.id: str | None = None
         self.prompt_token_ids: list[int] | None = None
         self.usage: dict[str, Any] | None = None
@@ -81,53 +152,74 @@ class StreamAssembler:
         self._choices: dict[int, _Choice] = {}
 
     def feed(self, chunk: dict[str, Any]) -> None:
-        error = chunk.get("error")
+        get = chunk.get
+        error = get("error")
         if error is not None:
             self.error = stream_error(error)
             return
         if self.endpoint == "responses":
-            response = chunk.get("response")
+            response = get("response")
             if isinstance(response, dict):
                 self.final = response
-                if chunk.get("type") == "response.failed":
+                if get("type") == "response.failed":
                     self.error = stream_error({"type": "response_failed", **(response.get("error") or {})})
             return
         if self.id is None:
-            self.id = chunk.get("id")
-        prompt_token_ids = chunk.get("prompt_token_ids")
+            self.id = get("id")
+        prompt_token_ids = get("prompt_token_ids")
         if prompt_token_ids is not None:
             self.prompt_token_ids = prompt_token_ids
-        if chunk.get("usage"):
-            self.usage = chunk["usage"]
-        for c in chunk.get("choices") or ():
-            index = c.get("index", 0)
+        usage = get("usage")
+        if usage:
+            self.usage = usage
+        choices = get("choices")
+        if not choices:
+            return
+        chat = self.chat
+        for c in choices:
+            get = c.get
+            index = get("index", 0)
             state = self._choices.get(index)
             if state is None:
                 state = self._choices[index] = _Choice()
-            if self.endpoint == "chat.completions":
-                self._feed_delta(state, c.get("delta") or {})
+            if chat:
+                delta = get("delta")
+                if delta:
+                    content = delta.get("content")
+                    if content:
+                        state.content.append(content)
+                    if len(delta) > 1 or content is None:
+                        self._feed_delta(state, delta)
             else:
-                if c.get("text"):
-                    state.text.append(c["text"])
-                if c.get("prompt_token_ids") is not None:
-                    state.prompt_token_ids = c["prompt_token_ids"]
-            token_ids = c.get("token_ids")
+                text = get("text")
+                if text:
+                    state.text.append(text)
+                if get("prompt_token_ids") is not None:
+                    state.prompt_token_ids = get("prompt_token_ids")
+            token_ids = get("token_ids")
             if token_ids is not None:
-                state.token_ids = token_ids if state.token_ids is None else state.token_ids + token_ids
-            logprobs = sampled_logprobs(self.endpoint, c.get("logprobs"))
-            if logprobs is not None:
-                state.logprobs = logprobs if state.logprobs is None else state.logprobs + logprobs
-            if c.get("finish_reason") is not None:
-                state.finish_reason = c["finish_reason"]
-            if c.get("stop_reason") is not None:
-                state.stop_reason = c["stop_reason"]
+                if state.token_ids is None:
+                    state.token_ids = list(token_ids)
+                else:
+                    state.token_ids += token_ids
+            logprobs = get("logprobs")
+            if logprobs:
+                if state.logprobs is None:
+                    state.logprobs = [logprobs]
+                else:
+                    state.logprobs.append(logprobs)
+            finish_reason = get("finish_reason")
+            if finish_reason is not None:
+                state.finish_reason = finish_reason
+            stop_reason = get("stop_reason")
+            if stop_reason is not None:
+                state.stop_reason = stop_reason
 
     @staticmethod
     def _feed_delta(state: _Choice, delta: dict[str, Any]) -> None:
+        """Everything of a chat delta but its content (role, reasoning, tool-call fragments)."""
         if delta.get("role"):
             state.role = delta["role"]
-        if delta.get("content"):
-            state.content.append(delta["content"])
         reasoning = delta.get("reasoning") or delta.get("reasoning_content")
         if reasoning:
             state.reasoning.append(reasoning)
@@ -145,6 +237,16 @@ class StreamAssembler:
                 slot["function"]["name"] = function["name"]
             if function.get("arguments"):
                 slot["function"]["arguments"] += function["arguments"]
+
+    def _logprobs(self, state: _Choice) -> list[float] | None:
+        if state.logprobs is None:
+            return None
+        out: list[float] | None = None
+        for logprobs in state.logprobs:
+            values = sampled_logprobs(self.endpoint, logprobs)
+            if values is not None:
+                out = values if out is None else out + values
+        return out
 
     def transitions(self) -> list[Transition]:
         """The complete calls, one per choice in index order (one for `responses`)."""
@@ -172,7 +274,7 @@ class StreamAssembler:
                 response = CallResponse(id=self.id, text="".join(state.text), finish_reason=state.finish_reason,
                                         stop_reason=state.stop_reason, usage=self.usage)
                 prompt_ids = state.prompt_token_ids
-            out.append(Transition(index, response, prompt_ids, state.token_ids, state.logprobs))
+            out.append(Transition(index, response, prompt_ids, state.token_ids, self._logprobs(state)))
         return out
 
 
