@@ -3,17 +3,17 @@
 The gateway records every call with one EVALSHA. Through redis-py each costs a pool checkout, a pipeline
 object, redis-py's Python command packing and its retry wrapper: about a quarter of the gateway's CPU per
 call (measured with py-spy at concurrency 1). Here the calls share one connection in Redis's own
-pipelining model: each caller appends its packed command to a write buffer and a future to a FIFO; the
-buffer goes out in one write per event-loop iteration (so a batch grows with the load and a lone call
-goes out at once, with no timer), and replies, which Redis sends in order, resolve the futures in order
-(parsed by hiredis, the C parser redis-py itself uses).
+pipelining model: each caller appends a future to a FIFO and its packed command to a write buffer that
+goes out in one write per event-loop iteration, or, when nothing is in flight, writes it at once (so a
+batch grows with the load and a lone call waits for nothing, with no timer); replies, which Redis sends
+in order, resolve the futures in order (parsed by hiredis, the C parser redis-py itself uses).
 
 Failure rules, the same as before:
   * a caller that is cancelled while waiting does not cancel its write: the command was sent;
   * when the connection breaks, every caller waiting on it gets `redis.exceptions.ConnectionError`, and
     the next call opens a new connection;
   * a connection that answers nothing for `timeout_s` while commands wait is closed (a hung Redis), and
-    its callers get `redis.exceptions.TimeoutError`; callers bound their own wait as well (`store._guard`);
+    its callers get `redis.exceptions.TimeoutError`: a caller waits at most about twice `timeout_s`;
   * NOSCRIPT (Redis restarted or its script cache was flushed): the script is loaded and the command
     sent again.
 The connection parameters (host and port or unix path, database, user, password, TLS) are read from the
@@ -92,11 +92,15 @@ class _Connection(asyncio.Protocol):
         if self.lost:
             future.set_exception(redis_exc.ConnectionError("the connection to redis was closed"))
             return future
+        idle = not self.pending
         self.pending.append(future)
-        self.out.append(packed)
-        if not self.flush_scheduled:
-            self.flush_scheduled = True
-            self.loop.call_soon(self._flush)
+        if idle and not self.flush_scheduled and self.transport is not None:
+            self.transport.write(packed)  # nothing in flight: no batch to wait for, out at once
+        else:
+            self.out.append(packed)
+            if not self.flush_scheduled:
+                self.flush_scheduled = True
+                self.loop.call_soon(self._flush)
         if self.watchdog is None:
             self.watchdog = self.loop.call_later(self.timeout_s, self._check, self.replies)
         return future

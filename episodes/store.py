@@ -127,9 +127,14 @@ class EpisodeStore:
         expires_at = now + self.rollout_ttl_s
         args: list[Any] = [rollout_id, task_id or "", repr(now), SCHEMA_VERSION, repr(expires_at)]
         args.extend(record.model_dump_json() for record in records)
-        async with _guard(self.timeout_s):
+        # Bounded in time by the record connection's own watchdog (`_batch`), not by a timer per call.
+        try:
             code, value, *created = await self._record(
                 [self.keys.rollout(rollout_id), self.keys.calls(rollout_id)], args)
+        except (redis_exc.ConnectionError, redis_exc.TimeoutError, OSError) as exc:
+            raise StoreUnavailable(f"redis unavailable: {exc}") from exc
+        except redis_exc.RedisError as exc:
+            raise StoreUnavailable(f"redis error: {exc}") from exc
         if code == 0 and created[0]:  # a rollout born with its first call: schedule its expiry
             try:
                 async with _guard(self.timeout_s):

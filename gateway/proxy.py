@@ -231,8 +231,9 @@ class Proxy:
         if injected.any:
             capture.strip_response(call.endpoint, payload, injected)
             raw = orjson.dumps(payload)
-        await self._commit(call, records, "ok")
+        logged = await self._commit(call, records, "ok", log=False)
         await send_body(send, 200, raw, [_JSON, call.rollout_header])
+        self._log_call(call, records, *logged)  # after the answer: off the agent's latency
 
     async def _upstream_failed(self, call: Call, status: int, raw: bytes, send: Any) -> None:
         """An upstream error answer: recorded as a failed call, passed on with its status."""
@@ -291,13 +292,14 @@ class Proxy:
             records = self._records(call, [], failure, latency_ms, ttfb_ms)
         outcome = "client_disconnected" if client_gone else "ok" if assembler.error is None else "stream_error"
         try:
-            await self._commit(call, records, outcome)
+            logged = await self._commit(call, records, outcome, log=False)
         except errors.GatewayError as exc:
             # The agent has the content but not the end of the stream: it sees an error, never a success.
             await send({"type": "http.response.body", "body": error_event(endpoint, exc.status, exc.type,
                                                                            exc.message, exc.code)})
             return
         if client_gone:
+            self._log_call(call, records, *logged)
             return
         if failure is not None:  # recorded as failed; the agent learns it the way vLLM would tell it
             tail = error_event(endpoint, failure.status, failure.type, failure.message, failure.code)
@@ -306,6 +308,7 @@ class Proxy:
         else:
             tail = b"" if relay.held is None else relay.held + b"\n\n"
         await send({"type": "http.response.body", "body": tail})
+        self._log_call(call, records, *logged)  # after the answer: off the agent's latency
 
     # -----------------------------------------------------------------------------------------------------
     # Records
@@ -327,8 +330,12 @@ class Proxy:
             for t in transitions
         ]
 
-    async def _commit(self, call: Call, records: list[CallRecord], outcome: str) -> None:
-        """Record the call in Redis, or raise: the caller releases the answer only after this returns."""
+    async def _commit(self, call: Call, records: list[CallRecord], outcome: str, log: bool = True
+                      ) -> tuple[str, int | None]:
+        """Record the call in Redis, or raise: the caller releases the answer only after this returns.
+
+        Returns (outcome, index) for the call's log line; with `log=False` the caller writes that line
+        (`_log_call`) once the answer is out."""
         t = time.perf_counter()
         try:
             index = await self.store.record_calls(call.rollout_id, call.task_id, records)
@@ -337,8 +344,9 @@ class Proxy:
             if self.settings.on_store_error == "pass":
                 log.error("call_not_recorded", **call.log_keys(), endpoint=call.endpoint, error=str(exc),
                           hint="on_store_error=pass: the agent got an answer that is not in Redis")
-                self._log_call(call, records, "not_recorded", None)
-                return
+                if log:
+                    self._log_call(call, records, "not_recorded", None)
+                return "not_recorded", None
             self.metrics.calls.labels(call.endpoint, "store_unavailable").inc()
             log.error("call_rejected_store_unavailable", **call.log_keys(), endpoint=call.endpoint,
                       error=str(exc))
@@ -353,7 +361,9 @@ class Proxy:
             raise errors.Conflict(str(exc), code="task_mismatch") from exc
         finally:
             self.metrics.store_latency.observe(time.perf_counter() - t)
-        self._log_call(call, records, outcome, index)
+        if log:
+            self._log_call(call, records, outcome, index)
+        return outcome, index
 
     def _log_call(self, call: Call, records: list[CallRecord], outcome: str, index: int | None) -> None:
         first = records[0]

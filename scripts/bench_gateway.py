@@ -15,6 +15,7 @@ Method
 
 Run
   .venv/bin/python scripts/bench_gateway.py [--rounds 3] [--requests 2000] [--litellm PATH|none]
+      [--cells unary:1,unary:32,stream:1,stream:32]
 """
 
 from __future__ import annotations
@@ -209,6 +210,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--requests", type=int, default=2000, help="requests per cell per round")
     ap.add_argument("--litellm", default=shutil.which("litellm") or "none", help="litellm binary, or none")
+    ap.add_argument("--cells", default="unary:1,unary:32,stream:1,stream:32",
+                    help="which cells to run, as mode:concurrency (mode unary or stream)")
     ap.add_argument("--upstream-only", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--bodies", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -261,7 +264,8 @@ def main() -> None:
                 raise
             targets["litellm"] = (f"http://127.0.0.1:{ll_port}/v1", litellm.pid)
 
-        cells = [(stream, conc) for stream in (False, True) for conc in (1, 32)]
+        cells = [(mode == "stream", int(conc)) for mode, conc in
+                 (cell.split(":") for cell in args.cells.split(","))]
         results: dict[tuple[str, bool, int], dict[str, list[float]]] = {}
         for url, _ in targets.values():  # warm-up
             for stream, conc in cells:
