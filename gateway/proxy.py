@@ -231,7 +231,7 @@ class Proxy:
         if injected.any:
             capture.strip_response(call.endpoint, payload, injected)
             raw = orjson.dumps(payload)
-        logged = await self._commit(call, records, "ok", log=False)
+        logged = await self._commit(call, records, "ok", write_log=False)
         await send_body(send, 200, raw, [_JSON, call.rollout_header])
         self._log_call(call, records, *logged)  # after the answer: off the agent's latency
 
@@ -292,7 +292,7 @@ class Proxy:
             records = self._records(call, [], failure, latency_ms, ttfb_ms)
         outcome = "client_disconnected" if client_gone else "ok" if assembler.error is None else "stream_error"
         try:
-            logged = await self._commit(call, records, outcome, log=False)
+            logged = await self._commit(call, records, outcome, write_log=False)
         except errors.GatewayError as exc:
             # The agent has the content but not the end of the stream: it sees an error, never a success.
             await send({"type": "http.response.body", "body": error_event(endpoint, exc.status, exc.type,
@@ -330,11 +330,11 @@ class Proxy:
             for t in transitions
         ]
 
-    async def _commit(self, call: Call, records: list[CallRecord], outcome: str, log: bool = True
+    async def _commit(self, call: Call, records: list[CallRecord], outcome: str, write_log: bool = True
                       ) -> tuple[str, int | None]:
         """Record the call in Redis, or raise: the caller releases the answer only after this returns.
 
-        Returns (outcome, index) for the call's log line; with `log=False` the caller writes that line
+        Returns (outcome, index) for the call's log line; with `write_log=False` the caller writes that line
         (`_log_call`) once the answer is out."""
         t = time.perf_counter()
         try:
@@ -344,7 +344,7 @@ class Proxy:
             if self.settings.on_store_error == "pass":
                 log.error("call_not_recorded", **call.log_keys(), endpoint=call.endpoint, error=str(exc),
                           hint="on_store_error=pass: the agent got an answer that is not in Redis")
-                if log:
+                if write_log:
                     self._log_call(call, records, "not_recorded", None)
                 return "not_recorded", None
             self.metrics.calls.labels(call.endpoint, "store_unavailable").inc()
@@ -361,7 +361,7 @@ class Proxy:
             raise errors.Conflict(str(exc), code="task_mismatch") from exc
         finally:
             self.metrics.store_latency.observe(time.perf_counter() - t)
-        if log:
+        if write_log:
             self._log_call(call, records, outcome, index)
         return outcome, index
 

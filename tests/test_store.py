@@ -294,12 +294,15 @@ def test_records_are_batched_per_loop_turn_and_survive_a_killed_connection(redis
             write = conn.transport.write
             conn.transport.write = lambda data: (writes.append(data), write(data))[1]
             await asyncio.gather(*(store.record_calls(f"k{i}", None, [_record(f"k{i}")]) for i in range(1, 11)))
-            # Redis drops the connection (a restart, a failover, `CLIENT KILL`): the next call reconnects
-            redis_client.client_kill_filter(_type="normal", skipme=True)
+            batches = list(writes)
+            # Redis drops the connection (a restart, a failover, `CLIENT KILL`): the next call reconnects.
+            # Only this connection is killed: other tests' processes share this Redis.
+            client_id = await store._record._pipe.call("CLIENT", "ID")
+            redis_client.client_kill_filter(_id=client_id)
             await asyncio.sleep(0.1)
             assert conn.lost
             await store.record_calls("k11", None, [_record("k11")])
-            return writes, store._record._pipe._conn is not conn
+            return batches, store._record._pipe._conn is not conn
         finally:
             await store.aclose()
 
