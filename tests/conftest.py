@@ -53,9 +53,9 @@ def redis_client() -> Iterator[redis.Redis]:
     client.close()
 
 
-def start_fake_vllm(tmp_path: Path, *args: str) -> Proc:
+def start_fake_vllm(tmp_path: Path, *args: str, port: int | None = None) -> Proc:
     log_path = tmp_path / f"fake_vllm_{time.monotonic_ns()}.log"
-    port = free_port()
+    port = port or free_port()
     process = subprocess.Popen(
         [sys.executable, str(ROOT / "tests" / "fake_vllm.py"), "--port", str(port), *args],
         stdout=subprocess.PIPE, stderr=log_path.open("wb"), text=True,

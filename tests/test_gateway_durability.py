@@ -65,10 +65,41 @@ def test_redis_dying_under_a_running_gateway(fake_vllm: Proc, tmp_path):
         server.kill()
         server.wait()
         assert_openai_error(httpx.post(url, json=body), 503)
+        # Redis comes back (empty: no persistence here): the gateway reconnects and records again
+        server = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                   "--appendonly", "no"], stdout=subprocess.DEVNULL)
+        time.sleep(0.3)
+        assert httpx.post(url, json=body).status_code == 200
+        stored = rollout(proc, "r1")
+        assert len(stored["calls"]) == 1 and stored["calls"][0]["completion_token_ids"]
     finally:
         proc.kill()
         if server.poll() is None:
             server.kill()
+
+
+def test_upstream_restart_under_a_running_gateway(tmp_path, redis_client):
+    """The upstream goes away and comes back on the same port: the gateway's pooled connections to the old
+    process are dropped, calls in between get 502, and later calls are served and recorded."""
+    upstream = start_fake_vllm(tmp_path)
+    port = int(upstream.url.split(":")[2].split("/")[0])
+    proc = start_gateway(tmp_path, upstream.url)
+    try:
+        url = f"{proc.url}/rollouts/restart/v1/chat/completions"
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4}
+        with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:  # several pooled connections
+            assert {r.status_code for r in pool.map(lambda _: httpx.post(url, json=body), range(16))} == {200}
+        upstream.kill(signal.SIGKILL)
+        assert_openai_error(httpx.post(url, json=body), 502)
+        upstream = start_fake_vllm(tmp_path, port=port)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
+            assert {r.status_code for r in pool.map(lambda _: httpx.post(url, json=body), range(16))} == {200}
+        calls = rollout(proc, "restart")["calls"]
+        assert len(calls) == 33
+        assert sum(call["error"] is None for call in calls) == 32
+    finally:
+        proc.kill()
+        upstream.kill()
 
 
 def test_sigkill_loses_no_answered_call(tmp_path, redis_client):
