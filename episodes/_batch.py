@@ -58,6 +58,8 @@ class _Connection(asyncio.Protocol):
         self.flush_scheduled = False
         self.lost = False
         self.replies = 0  # replies received so far: the watchdog's measure of progress
+        self.commands = 0  # commands sent, and the writes that carried them (for the batch size)
+        self.writes = 0
         self.watchdog: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: Any) -> None:
@@ -94,8 +96,10 @@ class _Connection(asyncio.Protocol):
             return future
         idle = not self.pending
         self.pending.append(future)
+        self.commands += 1
         if idle and not self.flush_scheduled and self.transport is not None:
             self.transport.write(packed)  # nothing in flight: no batch to wait for, out at once
+            self.writes += 1
         else:
             self.out.append(packed)
             if not self.flush_scheduled:
@@ -119,6 +123,7 @@ class _Connection(asyncio.Protocol):
         data = b"".join(self.out) if len(self.out) != 1 else self.out[0]
         self.out.clear()
         self.transport.write(data)
+        self.writes += 1
 
     def _check(self, replies_then: int) -> None:
         self.watchdog = None
@@ -151,6 +156,8 @@ class Pipeline:
         self._conn: _Connection | None = None
         self._connecting: asyncio.Future[_Connection] | None = None
         self._closed = False
+        self.connects = 0  # connections opened so far (more than one: Redis dropped one)
+        self._sent = [0, 0]  # commands and writes of connections already closed
 
     async def call(self, *args: Any) -> Any:
         """The reply to one command; a Redis error reply is returned as a `hiredis.ReplyError`."""
@@ -158,6 +165,15 @@ class Pipeline:
         if conn is None or conn.lost:
             conn = await self._connection()
         return await conn.call(pack(args))
+
+    def stats(self) -> dict[str, int]:
+        """Counters for metrics: connections opened, commands sent, the writes that carried them, and
+        commands waiting for their reply now."""
+        conn = self._conn
+        live = (conn.commands, conn.writes, len(conn.pending)) if conn is not None and not conn.lost else (
+            (conn.commands, conn.writes, 0) if conn is not None else (0, 0, 0))
+        return {"connects": self.connects, "commands": self._sent[0] + live[0], "writes": self._sent[1] + live[1],
+                "in_flight": live[2]}
 
     async def aclose(self) -> None:
         self._closed = True
@@ -206,7 +222,12 @@ class Pipeline:
         if self._closed:
             conn.fail(redis_exc.ConnectionError("the store is shutting down"))
             raise redis_exc.ConnectionError("the store is shutting down")
+        old = self._conn
+        if old is not None:
+            self._sent[0] += old.commands
+            self._sent[1] += old.writes
         self._conn = conn
+        self.connects += 1
         return conn
 
     def _ssl_context(self) -> ssl_module.SSLContext:
@@ -241,6 +262,9 @@ class ScriptBatcher:
         if isinstance(reply, hiredis.ReplyError):
             raise redis_exc.ResponseError(str(reply))
         return reply
+
+    def stats(self) -> dict[str, int]:
+        return self._pipe.stats()
 
     async def aclose(self) -> None:
         await self._pipe.aclose()

@@ -84,6 +84,10 @@ class EpisodeStore:
         blocking reads) and translates its failures into `StoreUnavailable`."""
         return _guard(self.timeout_s + extra_s)
 
+    def record_stats(self) -> dict[str, int]:
+        """The record connection's counters (`_batch.Pipeline.stats`), for the gateway's metrics."""
+        return self._record.stats()
+
     async def aclose(self) -> None:
         await self._record.aclose()
         await self.redis.aclose()

@@ -70,6 +70,7 @@ class Gateway:
         self.store = EpisodeStore.from_url(settings.redis_url, prefix=settings.key_prefix,
                                            timeout_s=settings.redis_timeout_s, rollout_ttl_s=settings.rollout_ttl_s)
         self.upstream = Upstream(settings)
+        self.metrics.watch(self.upstream.connections, self.store.record_stats)
         self.proxy = Proxy(settings, self.store, self.upstream, self.metrics)
         self.api = build_api(self)
         self._background: list[Callable[[], Awaitable[None]]] = [self.proxy.poll_policy_version]

@@ -29,6 +29,10 @@ class Upstream:
     async def start(self) -> None:
         pass
 
+    def connections(self) -> tuple[int, int]:
+        """(open, idle) connections of the pool."""
+        return self._client.open_connections, self._client.idle_connections
+
     async def aclose(self) -> None:
         await self._client.aclose()
 

@@ -72,6 +72,11 @@ def test_redis_dying_under_a_running_gateway(fake_vllm: Proc, tmp_path):
         assert httpx.post(url, json=body).status_code == 200
         stored = rollout(proc, "r1")
         assert len(stored["calls"]) == 1 and stored["calls"][0]["completion_token_ids"]
+        metrics = httpx.get(f"{proc.url}/metrics").text
+        assert "rlgate_gateway_record_connects_total 2.0" in metrics  # one connection per Redis life
+        # per Redis life: EVALSHA (NOSCRIPT: a new Redis has no scripts), SCRIPT LOAD, EVALSHA
+        assert "rlgate_gateway_record_commands_total 6.0" in metrics
+        assert "rlgate_gateway_record_in_flight 0.0" in metrics
     finally:
         proc.kill()
         if server.poll() is None:
@@ -94,6 +99,10 @@ def test_upstream_restart_under_a_running_gateway(tmp_path, redis_client):
         upstream = start_fake_vllm(tmp_path, port=port)
         with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
             assert {r.status_code for r in pool.map(lambda _: httpx.post(url, json=body), range(16))} == {200}
+        metrics = httpx.get(f"{proc.url}/metrics").text
+        opened = float(metrics.split('rlgate_gateway_upstream_connections{state="open"} ')[1].split()[0])
+        idle = float(metrics.split('rlgate_gateway_upstream_connections{state="idle"} ')[1].split()[0])
+        assert 1 <= idle <= opened <= 8  # the new process's connections only, back in the pool
         calls = rollout(proc, "restart")["calls"]
         assert len(calls) == 33
         assert sum(call["error"] is None for call in calls) == 32
