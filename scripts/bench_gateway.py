@@ -15,7 +15,9 @@ Method
 
 Run
   .venv/bin/python scripts/bench_gateway.py [--rounds 3] [--requests 2000] [--litellm PATH|none]
-      [--cells unary:1,unary:32,stream:1,stream:32]
+      [--cells unary:1,unary:32,stream:1,stream:32] [--py-spy PREFIX]
+  (the CPU of py-spy itself is not the gateway's, but its sampling slows the gateway: profile in a run
+  of its own, not in the one whose numbers you keep)
 """
 
 from __future__ import annotations
@@ -212,6 +214,9 @@ def main() -> None:
     ap.add_argument("--litellm", default=shutil.which("litellm") or "none", help="litellm binary, or none")
     ap.add_argument("--cells", default="unary:1,unary:32,stream:1,stream:32",
                     help="which cells to run, as mode:concurrency (mode unary or stream)")
+    ap.add_argument("--py-spy", metavar="PREFIX",
+                    help="profile the gateway with py-spy during its cells (last round): PREFIX-<cell>.svg "
+                    "flame graphs; py-spy comes with the bench extra")
     ap.add_argument("--upstream-only", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--bodies", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -273,9 +278,19 @@ def main() -> None:
         for r in range(args.rounds):
             for stream, conc in cells:
                 for name, (url, pid) in targets.items():
+                    spy = None
+                    if args.py_spy and name == "rlgate" and r == args.rounds - 1:
+                        out = f"{args.py_spy}-{'stream' if stream else 'unary'}-c{conc}.svg"
+                        spy = subprocess.Popen([shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(pid), "--rate", "1000",
+                                                "--nonblocking", "--output", out], stdout=subprocess.DEVNULL,
+                                               stderr=subprocess.DEVNULL)
+                        time.sleep(1.0)  # py-spy attaches
                     cpu0 = tree_cpu_seconds(pid) if pid else 0.0
                     wall, lat, ttfb = uvloop.run(drive(f"{url}/chat/completions", stream, conc, args.requests))
                     cpu = (tree_cpu_seconds(pid) - cpu0) if pid else float("nan")
+                    if spy is not None:
+                        spy.send_signal(signal.SIGINT)  # py-spy writes its flame graph and exits
+                        spy.wait(timeout=60)
                     cell = results.setdefault((name, stream, conc), {"rps": [], "lat": [], "ttfb": [], "cpu": []})
                     cell["rps"].append(len(lat) / wall)
                     cell["lat"].extend(lat)
