@@ -111,6 +111,9 @@ class _Connection(asyncio.Protocol):
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
+        if self.response is None:  # bytes on an idle connection: not a server to keep talking to
+            self.close()
+            return
         self.received = True
         try:
             self.parser.feed_data(data)
