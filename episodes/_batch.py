@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import hashlib
+import socket
 import ssl as ssl_module
 from typing import Any
 
@@ -186,17 +187,20 @@ class Pipeline:
             raise redis_exc.ConnectionError("the store is shutting down")
         if self._connecting is None:
             self._connecting = asyncio.ensure_future(self._open())
-        connecting = self._connecting
-        try:
-            # shield: one caller's cancellation must not abort the connection the others wait for
-            return await asyncio.shield(connecting)
-        finally:
-            if connecting.done():
-                self._connecting = None
+            self._connecting.add_done_callback(self._connected)
+        # shield: one caller's cancellation must not abort the connection the others wait for
+        return await asyncio.shield(self._connecting)
+
+    def _connected(self, attempt: asyncio.Future[_Connection]) -> None:
+        if self._connecting is attempt:  # the next caller after a failed attempt starts a new one
+            self._connecting = None
+        if not attempt.cancelled():
+            attempt.exception()  # retrieved: a failure nobody waited for is not "never retrieved"
 
     async def _open(self) -> _Connection:
         loop = asyncio.get_running_loop()
         kw = self._kwargs
+        conn: _Connection | None = None
         try:
             async with asyncio.timeout(self._timeout_s):
                 if kw.get("path"):
@@ -217,8 +221,17 @@ class Pipeline:
                     if isinstance(reply, hiredis.ReplyError):  # wrong password, no such database
                         conn.fail(redis_exc.ConnectionError(str(reply)))
                         raise redis_exc.ConnectionError(f"redis refused the connection: {reply}")
-        except OSError as exc:
-            raise redis_exc.ConnectionError(f"cannot connect to redis: {exc}") from exc
+        except BaseException as exc:
+            if conn is not None and not conn.lost:  # e.g. timed out logging in: close what was opened
+                conn.fail(redis_exc.ConnectionError("the connection attempt failed"))
+            if isinstance(exc, OSError):
+                raise redis_exc.ConnectionError(f"cannot connect to redis: {exc}") from exc
+            raise
+        sock = conn.transport.get_extra_info("socket") if conn.transport is not None else None
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            # a peer that vanishes without a FIN (a dead host, a dropped NAT entry) is found by the
+            # kernel too, not only by the watchdog while commands wait
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         if self._closed:
             conn.fail(redis_exc.ConnectionError("the store is shutting down"))
             raise redis_exc.ConnectionError("the store is shutting down")

@@ -46,7 +46,7 @@ class Response:
     """An answer whose status line and headers have arrived; its body is read with `read()` or
     `chunks()`."""
 
-    __slots__ = ("status", "headers", "_conn", "_buffer", "_buffered", "_complete", "_error")
+    __slots__ = ("status", "headers", "_conn", "_buffer", "_buffered", "_complete", "_error", "_whole")
 
     def __init__(self, conn: _Connection) -> None:
         self.status = 0
@@ -56,9 +56,12 @@ class Response:
         self._buffered = 0
         self._complete = False
         self._error: BaseException | None = None
+        self._whole = False  # read() wants the whole body: reading never pauses for it
 
     async def read(self) -> bytes:
         """The whole body."""
+        self._whole = True
+        self._conn.resume(force=True)
         while not self._complete:
             await self._wait()
         data = b"".join(self._buffer) if len(self._buffer) != 1 else self._buffer[0]
@@ -128,7 +131,7 @@ class _Connection(asyncio.Protocol):
         self.lost = True
         response = self.response
         if response is not None and not response._complete:
-            if self.headers_done and _until_close(response.headers):
+            if exc is None and self.headers_done and _until_close(response.headers):
                 response._complete = True  # a body delimited by the end of the connection
                 self._wake()
             else:
@@ -153,7 +156,8 @@ class _Connection(asyncio.Protocol):
         assert response is not None
         response._buffer.append(body)
         response._buffered += len(body)
-        if response._buffered > _HIGH_WATER and not self.reading_paused and self.transport is not None:
+        if (response._buffered > _HIGH_WATER and not response._whole and not self.reading_paused
+                and self.transport is not None):
             self.transport.pause_reading()
             self.reading_paused = True
         self._wake()
@@ -166,13 +170,18 @@ class _Connection(asyncio.Protocol):
     # -- used by the pool and the response
 
     def start(self, data: bytes, deadline: float | None) -> Response:
-        assert self.transport is not None
-        self.response = Response(self)
+        self.response = response = Response(self)
         self.received = self.headers_done = False
+        if not self.usable():  # closed since it was released: the request fails unsent (and is retried)
+            response._error = HTTPError("the server closed the connection")
+            return response
         if deadline is not None:
             self.timer = self.loop.call_at(deadline, self._timed_out)
         self.transport.write(data)
-        return self.response
+        return response
+
+    def usable(self) -> bool:
+        return not self.lost and self.transport is not None and not self.transport.is_closing()
 
     async def wait(self) -> None:
         self.waiter = self.loop.create_future()
@@ -181,9 +190,9 @@ class _Connection(asyncio.Protocol):
         finally:
             self.waiter = None
 
-    def resume(self) -> None:
+    def resume(self, force: bool = False) -> None:
         response = self.response
-        if self.reading_paused and response is not None and response._buffered < _LOW_WATER:
+        if self.reading_paused and response is not None and (force or response._buffered < _LOW_WATER):
             self.reading_paused = False
             if self.transport is not None:
                 self.transport.resume_reading()
@@ -195,7 +204,7 @@ class _Connection(asyncio.Protocol):
             self.timer = None
         response, self.response = self.response, None
         reusable = (response is not None and response._complete and response._error is None
-                    and self.keep_alive and not self.lost)
+                    and self.keep_alive and self.usable())
         if not reusable:
             self.close()
         return reusable
@@ -301,8 +310,8 @@ class Client:
                     ) -> tuple[_Connection, Response]:
         for attempt in (0, 1):
             conn, reused = await self._acquire(loop, deadline)
-            response = conn.start(data, deadline)
             try:
+                response = conn.start(data, deadline)
                 while not conn.headers_done:
                     await response._wait()
             except HTTPError:
@@ -325,7 +334,7 @@ class Client:
         now = time.monotonic()
         while self._idle:
             conn = self._idle.pop()
-            if not conn.lost and now - conn.idle_since < self.keepalive_s:
+            if conn.usable() and now - conn.idle_since < self.keepalive_s:
                 return conn, True
             conn.close()
             self._open -= 1
@@ -333,15 +342,26 @@ class Client:
             waiter: asyncio.Future[_Connection | None] = loop.create_future()
             self._waiters.append(waiter)
             try:
-                handed = await waiter
+                if deadline is None:
+                    handed = await waiter
+                else:  # the request's deadline covers waiting for a connection too
+                    async with asyncio.timeout_at(deadline):
+                        handed = await waiter
             except BaseException:
                 if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
-                    self._release_to_pool(waiter.result())  # handed over just as we were cancelled
+                    handed = waiter.result()
+                    if handed is not None:
+                        self._release_to_pool(handed)  # handed over just as we were cancelled
+                    else:
+                        self._wake_waiter()  # a free slot we cannot use: the next waiter's
                 else:
                     _discard(self._waiters, waiter)
                 raise
             if handed is not None:
-                return handed, True
+                if handed.usable():
+                    return handed, True
+                handed.close()  # closed since it was released: its slot is ours to reopen
+                self._open -= 1
         self._open += 1
         try:
             timeout = self.connect_timeout_s if deadline is None else min(

@@ -286,11 +286,12 @@ class Proxy:
         latency_ms = (time.perf_counter() - call.t0) * 1000
         try:
             records = self._records(call, assembler.transitions(), assembler.error, latency_ms, ttfb_ms)
-        except ValueError as exc:
+        except (ValueError, TypeError, AttributeError, KeyError) as exc:  # a malformed chunk's leftovers
             failure = failure or CallError(status=502, type="upstream_error",
                                            message=f"unreadable stream from the inference server: {str(exc)[:300]}")
             records = self._records(call, [], failure, latency_ms, ttfb_ms)
-        outcome = "client_disconnected" if client_gone else "ok" if assembler.error is None else "stream_error"
+        outcome = ("client_disconnected" if client_gone else "ok" if records[0].error is None
+                   else "stream_error")
         try:
             logged = await self._commit(call, records, outcome, write_log=False)
         except errors.GatewayError as exc:

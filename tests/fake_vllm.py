@@ -23,6 +23,7 @@ Test hooks (vLLM ignores unknown request fields, so these are safe to send):
 ``fake_status: int`` answers that HTTP status with a vLLM-shaped error body;
 ``fake_fail_after: int`` makes a chat/completions stream send that many
 content chunks, then the error event vLLM sends mid-stream, then [DONE];
+``fake_bad_logprobs: true`` garbles a stream's log-probs (``content`` not a list);
 ``fake_drop_after: int`` makes a stream send that many frames, then drop the
 connection (a crashed server); ``fake_chunk_delay_ms: float`` paces one
 stream's frames; ``fake_write_size: int`` writes a stream in pieces of that
@@ -329,6 +330,8 @@ class FakeVLLM:
         drop_after = body.get("fake_drop_after")
         if drop_after is not None:  # a crashed server: some frames, then the connection just ends
             frames = list(frames)[:drop_after]
+        if body.get("fake_bad_logprobs"):  # a chunk vLLM would never send: `logprobs.content` not a list
+            frames = [f.replace(b'"logprobs":{"content":[', b'"logprobs":{"content":5,"x":[') for f in frames]
         write_size = body.get("fake_write_size")
         if write_size:  # small TCP writes: events arrive split across the client's reads
             data = b"".join(frames)

@@ -91,6 +91,18 @@ def test_error_in_the_middle_of_a_stream(gateway: Proc, redis_client):
                                             extra_body={"fake_fail_after": 1}))
 
 
+def test_a_stream_with_malformed_log_probs_is_a_recorded_error(gateway: Proc, redis_client):
+    rid = uuid.uuid4().hex
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 8, "stream": True, "fake_bad_logprobs": True}
+    with httpx.stream("POST", f"{gateway.url}/rollouts/{rid}/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        lines = [line for line in response.iter_lines() if line.startswith("data:")]
+    assert "data: [DONE]" in lines and "error" in json.loads(lines[-2][6:])  # vLLM's way: error, then [DONE]
+    [call] = rollout(gateway, rid)["calls"]
+    assert call["error"]["status"] == 502 and "unreadable stream" in call["error"]["message"]
+    assert call["completion_token_ids"] is None  # nothing of a garbled stream is trained on
+
+
 def test_strict_gateway_body_limit_and_required_rollout(fake_vllm: Proc, tmp_path, redis_client):
     proc = start_gateway(tmp_path, fake_vllm.url, require_rollout_id="true", max_body_bytes="2000")
     try:

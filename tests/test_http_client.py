@@ -318,3 +318,86 @@ async def test_nothing_listening_is_an_error():
             pass
     assert client.open_connections == 0
     await client.aclose()
+
+
+@on_uvloop
+async def test_a_large_body_read_whole_never_stalls():
+    payload = b"x" * (3 << 20)  # far above the read-pausing mark, read with read()
+
+    async def big(reader, writer, body):
+        writer.write(fixed(payload))
+        await writer.drain()
+        return True
+
+    async with Server(big) as server:
+        client = Client(server.url, timeout_s=5)
+        async with client.request("POST", "/chat/completions", b"{}") as response:
+            assert await response.read() == payload
+        await client.aclose()
+
+
+def _slow(delay: float) -> Handler:
+    async def slow(reader, writer, body):
+        await asyncio.sleep(delay)
+        writer.write(fixed(b"ok"))
+        await writer.drain()
+        return True
+    return slow
+
+
+@on_uvloop
+async def test_the_deadline_covers_waiting_for_a_connection():
+    async with Server(_slow(1.0)) as server:
+        client = Client(server.url, limit=1)
+        holder = asyncio.create_task(_get(client))
+        await asyncio.sleep(0.1)
+        loop = asyncio.get_running_loop()
+        t = loop.time()
+        with pytest.raises(TimeoutError):
+            async with client.request("GET", "/x", timeout_s=0.3):
+                pass
+        assert loop.time() - t < 0.8  # not until the holder is done
+        assert await holder == b"ok"
+        assert await _get(client) == b"ok"  # and the pool is whole
+        await client.aclose()
+
+
+@on_uvloop
+async def test_a_connection_closed_before_its_release_is_not_handed_on():
+    async with Server(_slow(0.05)) as server:
+        client = Client(server.url, limit=1)
+
+        async def holder():
+            async with client.request("GET", "/x") as response:
+                body = await response.read()
+                response._conn.transport.close()  # the connection dies as the request ends
+                return body
+
+        first = asyncio.create_task(holder())
+        await asyncio.sleep(0.01)
+        waiting = asyncio.create_task(_get(client))
+        assert await first == b"ok"
+        assert await asyncio.wait_for(waiting, 5) == b"ok"
+        assert client.open_connections == 1
+        await client.aclose()
+
+
+@on_uvloop
+async def test_a_cancelled_waiter_passes_its_turn_on():
+    async with Server(_slow(0.2)) as server:
+        client = Client(server.url, limit=1)
+        first = asyncio.create_task(_get(client))
+        await asyncio.sleep(0.05)
+        second = asyncio.create_task(_get(client))
+        third = asyncio.create_task(_get(client))
+        await asyncio.sleep(0.05)
+        first.cancel()  # its connection is closed: the slot goes to `second`, which is cancelled too
+        await asyncio.sleep(0)
+        second.cancel()
+        assert await asyncio.wait_for(third, 5) == b"ok"
+        await client.aclose()
+
+
+async def _get(client: Client) -> bytes:
+    async with client.request("GET", "/x") as response:
+        return await response.read()
