@@ -241,12 +241,21 @@ class StreamAssembler:
     def _logprobs(self, state: _Choice) -> list[float] | None:
         if state.logprobs is None:
             return None
-        out: list[float] | None = None
+        out: list[float] = []
+        found = False
+        if self.chat:  # the common case inline: `content[].logprob`
+            for logprobs in state.logprobs:
+                content = logprobs.get("content")
+                if content is not None:
+                    out.extend([entry["logprob"] for entry in content])
+                    found = True
+            return out if found else None
         for logprobs in state.logprobs:
             values = sampled_logprobs(self.endpoint, logprobs)
             if values is not None:
-                out = values if out is None else out + values
-        return out
+                out.extend(values)
+                found = True
+        return out if found else None
 
     def transitions(self) -> list[Transition]:
         """The complete calls, one per choice in index order (one for `responses`)."""
