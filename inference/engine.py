@@ -23,6 +23,7 @@ log-probs it reports is its `--logprobs-mode` (raw or processed); the learner mu
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -42,6 +43,9 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     stop_token_ids: tuple[int, ...] = ()
     top_logprobs: int = 0
+    # Called with a row's tokens after each one it samples: True ends the row ("stop"). The model sets it
+    # for stop strings, so that a row stops where vLLM's would instead of running on to max_tokens.
+    stop: Callable[[list[int]], bool] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -112,6 +116,8 @@ class Engine:
                     done[r], row.finish_reason, row.stop_token_id = True, "stop", token
                 elif len(row.token_ids) >= budgets[r]:
                     done[r] = True
+                elif params[r].stop is not None and params[r].stop(row.token_ids):
+                    done[r], row.finish_reason = True, "stop"
             if all(done):
                 break
             alive = torch.tensor([0 if d else 1 for d in done], dtype=torch.long)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -125,8 +126,29 @@ class Model:
         """Generate with the base model, or with the LoRA adapter named `model`."""
         adapter = self.adapters.loaded.get(model) if model else None
         scheduler = adapter.scheduler if adapter is not None else self.scheduler
+        if stops:
+            params = replace(params, stop=self._stop_check(stops))
         async with self.weights.admit():
             return self.finish(await scheduler.generate(prompt, params), params, stops)
+
+    def _stop_check(self, stops: list[str]) -> Callable[[list[int]], bool] | None:
+        """Whether a row's text holds a stop string, from the text of its last tokens only.
+
+        `finish` cuts the output at the first token whose text completes a stop string; this check ends
+        generation there. It must never fire before that token: a match in the decoded tail is a match
+        in the whole text (UTF-8 resynchronizes after a cut character, which decodes as U+FFFD, so stop
+        strings holding U+FFFD are not checked early). It may fire later (a stop string spread over more
+        tokens than the tail holds), which only costs the tokens generated meanwhile.
+        """
+        if any("\ufffd" in s for s in stops):
+            return None
+        span = 4 * max(len(s) for s in stops) + 4  # tokens: a character is at most 4 byte-level tokens
+        text = self.detok.text
+
+        def hit(ids: list[int]) -> bool:
+            tail = text(ids[-span:])
+            return any(s in tail for s in stops)
+        return hit
 
     def finish(self, done: Completion, params: SamplingParams, stops: list[str]) -> Output:
         """Apply stop strings to an engine completion and decode it."""

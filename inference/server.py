@@ -12,10 +12,10 @@ either server on a private network behind the gateway). Tools are parsed hermes-
 How it differs from vLLM, on purpose or not yet:
 - Streams are generated first, then sent as vLLM's chunk sequence (one chunk per token): the first chunk
   arrives only when the whole completion is done. Token-by-token streaming needs an engine step API.
-- Stop strings are applied after generation: the tokens up to and including the one that completed the
-  stop string are kept (as vLLM keeps them), the text ends before it; the engine keeps sampling up to
-  max_tokens (or EOS) and those extra tokens are dropped: wasted compute, not a wire difference. An engine
-  stop callback would end the row there.
+- Stop strings end a row where vLLM's would: the engine checks the text of each row's last tokens after
+  every token (`Model._stop_check`), and the answer keeps the tokens up to and including the one that
+  completed the stop string (as vLLM keeps them), its text ending before it. A stop string holding U+FFFD
+  (a byte-level model's broken UTF-8) is only cut afterwards, the engine sampling on to max_tokens.
 - Streamed tool calls follow vLLM's hermes deltas (name first, then argument fragments), but only when the
   whole text parses as tool calls; otherwise the text streams as content, as the non-streaming answer has it
   (vLLM's parser may send partial call deltas for a call it cannot finish).

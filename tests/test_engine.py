@@ -7,6 +7,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from dataclasses import replace  # noqa: E402
+
 from inference.engine import Engine, SamplingParams, processed_logits  # noqa: E402
 
 VOCAB, PAD, EOS = 300, 0, 1
@@ -150,3 +152,65 @@ def test_engine_on_the_tiny_model_built_by_the_cli(tmp_path):
     [free] = engine.generate([prompt], [SamplingParams(max_tokens=6, seed=0)])
     assert len(free.token_ids) >= 1 and len(free.logprobs) == len(free.token_ids)
     assert free.logprobs == pytest.approx(direct_logprobs(model, prompt, free.token_ids, SamplingParams()), abs=2e-4)
+
+
+def test_a_stop_callback_ends_its_row_and_no_other(engine):
+    params = [SamplingParams(max_tokens=12, seed=1), SamplingParams(max_tokens=12, seed=2)]
+    free = engine.generate(PROMPTS[:2], params)
+    calls = []
+
+    def third(ids):
+        calls.append(list(ids))
+        return len(ids) == 3
+
+    stopped = engine.generate(PROMPTS[:2], [SamplingParams(max_tokens=12, seed=1, stop=third), params[1]])
+    assert stopped[0].token_ids == free[0].token_ids[:3] and stopped[0].finish_reason == "stop"
+    assert calls == [free[0].token_ids[:1], free[0].token_ids[:2], free[0].token_ids[:3]]
+    assert stopped[1].token_ids == free[1].token_ids  # its batch neighbour is untouched
+
+
+def test_stop_strings_end_generation_where_the_answer_is_cut(tmp_path):
+    """`rlgate serve`'s model stops a row at the token whose text completes a stop string: the same
+    answer as running to max_tokens and cutting afterwards, with no tokens generated past the cut."""
+    import asyncio
+    import random
+    import subprocess
+    import sys
+
+    from inference.model import Model
+
+    path = tmp_path / "tiny"
+    subprocess.run([sys.executable, "-m", "rlgate", "make-tiny-model", str(path), "--seed", "3"], check=True,
+                   capture_output=True)
+    model = Model(path, "tiny", batch_window_s=0.0)
+    prompt = model.tokenizer.encode("hello there")
+    rng = random.Random(0)
+
+    async def go():
+        model.scheduler.start()
+        try:
+            cases = 0
+            for seed in range(12):
+                params = SamplingParams(max_tokens=40, seed=seed, temperature=1.0)
+                whole = await model.generate(prompt, params, [])
+                if len(whole.text) < 6:
+                    continue
+                # a random byte-level model writes invalid UTF-8 too (U+FFFD in the text): stop strings
+                # holding U+FFFD are cut afterwards only, by design, so take ones without it
+                candidates = [whole.text[i:i + n] for i in range(len(whole.text) - 3) for n in (1, 2, 3)
+                              if "\ufffd" not in whole.text[i:i + n]]
+                if not candidates:
+                    continue
+                stop = rng.choice(candidates)
+                late = model.finish(model.engine.generate([prompt], [params])[0], params, [stop])
+                early = await model.generate(prompt, params, [stop])  # with the early stop
+                assert early == late, (seed, stop)
+                assert early.finish_reason == "stop" and early.stop_reason == stop
+                sampled = model.engine.generate([prompt], [replace(params, stop=model._stop_check([stop]))])[0]
+                assert sampled.token_ids == early.token_ids  # nothing generated past the cut
+                cases += 1
+            return cases
+        finally:
+            await model.scheduler.aclose()
+
+    assert asyncio.run(go()) >= 6
