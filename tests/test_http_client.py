@@ -77,6 +77,17 @@ def fixed(body: bytes, extra: bytes = b"") -> bytes:
     return b"HTTP/1.1 200 OK\r\nContent-Length: " + str(len(body)).encode() + b"\r\n" + extra + b"\r\n" + body
 
 
+def answer(data: bytes, keep: bool = True, delay: float = 0.0) -> Handler:
+    """A handler that answers every request with `data` (after `delay`), then keeps the connection or not."""
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, body: bytes) -> bool:
+        if delay:
+            await asyncio.sleep(delay)
+        writer.write(data)
+        await writer.drain()
+        return keep
+    return handler
+
+
 async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, body: bytes) -> bool:
     writer.write(fixed(b"echo:" + body))
     await writer.drain()
@@ -126,12 +137,7 @@ async def test_chunked_stream_arrives_before_the_answer_ends():
 
 @on_uvloop
 async def test_connection_close_and_close_delimited_bodies():
-    async def close_delimited(reader, writer, body):
-        writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nuntil the end")
-        await writer.drain()
-        return False
-
-    async with Server(close_delimited) as server:
+    async with Server(answer(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nuntil the end", keep=False)) as server:
         client = Client(server.url)
         for _ in range(2):
             async with client.request("GET", "/models") as response:
@@ -142,12 +148,8 @@ async def test_connection_close_and_close_delimited_bodies():
 
 @on_uvloop
 async def test_an_idle_connection_the_server_closed_is_replaced_and_the_request_sent_once():
-    async def answer_then_close(reader, writer, body):
-        writer.write(fixed(b"ok"))
-        await writer.drain()
-        return False  # closes the connection after the answer, the way an idle keep-alive expires
-
-    async with Server(answer_then_close) as server:
+    # closes the connection after each answer, the way an idle keep-alive expires
+    async with Server(answer(fixed(b"ok"), keep=False)) as server:
         client = Client(server.url)
         async with client.request("POST", "/completions", b"{}") as response:
             assert await response.read() == b"ok"
@@ -268,12 +270,7 @@ async def test_a_response_left_unread_closes_its_connection():
 async def test_a_slow_consumer_pauses_reading_and_gets_every_byte():
     payload = bytes(range(256)) * 4096 * 4  # 4 MiB
 
-    async def big(reader, writer, body):
-        writer.write(fixed(payload))
-        await writer.drain()
-        return True
-
-    async with Server(big) as server:
+    async with Server(answer(fixed(payload))) as server:
         client = Client(server.url)
         received = bytearray()
         paused = False
@@ -289,16 +286,8 @@ async def test_a_slow_consumer_pauses_reading_and_gets_every_byte():
 
 @on_uvloop
 async def test_broken_answers_are_errors():
-    async def garbage(reader, writer, body):
-        writer.write(b"this is not HTTP\r\n\r\n")
-        await writer.drain()
-        return True
-
-    async def short(reader, writer, body):
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly this")
-        await writer.drain()
-        return False
-
+    garbage = answer(b"this is not HTTP\r\n\r\n")
+    short = answer(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly this", keep=False)
     for handler, match in ((garbage, "malformed"), (short, "closed the connection")):
         async with Server(handler) as server:
             client = Client(server.url)
@@ -324,30 +313,16 @@ async def test_nothing_listening_is_an_error():
 async def test_a_large_body_read_whole_never_stalls():
     payload = b"x" * (3 << 20)  # far above the read-pausing mark, read with read()
 
-    async def big(reader, writer, body):
-        writer.write(fixed(payload))
-        await writer.drain()
-        return True
-
-    async with Server(big) as server:
+    async with Server(answer(fixed(payload))) as server:
         client = Client(server.url, timeout_s=5)
         async with client.request("POST", "/chat/completions", b"{}") as response:
             assert await response.read() == payload
         await client.aclose()
 
 
-def _slow(delay: float) -> Handler:
-    async def slow(reader, writer, body):
-        await asyncio.sleep(delay)
-        writer.write(fixed(b"ok"))
-        await writer.drain()
-        return True
-    return slow
-
-
 @on_uvloop
 async def test_the_deadline_covers_waiting_for_a_connection():
-    async with Server(_slow(1.0)) as server:
+    async with Server(answer(fixed(b"ok"), delay=1.0)) as server:
         client = Client(server.url, limit=1)
         holder = asyncio.create_task(_get(client))
         await asyncio.sleep(0.1)
@@ -364,7 +339,7 @@ async def test_the_deadline_covers_waiting_for_a_connection():
 
 @on_uvloop
 async def test_a_connection_closed_before_its_release_is_not_handed_on():
-    async with Server(_slow(0.05)) as server:
+    async with Server(answer(fixed(b"ok"), delay=0.05)) as server:
         client = Client(server.url, limit=1)
 
         async def holder():
@@ -384,7 +359,7 @@ async def test_a_connection_closed_before_its_release_is_not_handed_on():
 
 @on_uvloop
 async def test_a_cancelled_waiter_passes_its_turn_on():
-    async with Server(_slow(0.2)) as server:
+    async with Server(answer(fixed(b"ok"), delay=0.2)) as server:
         client = Client(server.url, limit=1)
         first = asyncio.create_task(_get(client))
         await asyncio.sleep(0.05)
