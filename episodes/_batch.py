@@ -49,8 +49,9 @@ def pack(args: tuple[Any, ...]) -> bytes:
 
 
 class _Connection(asyncio.Protocol):
-    def __init__(self, loop: asyncio.AbstractEventLoop, timeout_s: float) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, timeout_s: float, counts: Pipeline) -> None:
         self.loop = loop
+        self.counts = counts  # commands and writes, counted for the pipeline across its connections
         self.timeout_s = timeout_s
         self.transport: asyncio.Transport | None = None
         self.reader = hiredis.Reader()
@@ -59,8 +60,6 @@ class _Connection(asyncio.Protocol):
         self.flush_scheduled = False
         self.lost = False
         self.replies = 0  # replies received so far: the watchdog's measure of progress
-        self.commands = 0  # commands sent, and the writes that carried them (for the batch size)
-        self.writes = 0
         self.watchdog: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: Any) -> None:
@@ -97,10 +96,10 @@ class _Connection(asyncio.Protocol):
             return future
         idle = not self.pending
         self.pending.append(future)
-        self.commands += 1
+        self.counts.commands += 1
         if idle and not self.flush_scheduled and self.transport is not None:
             self.transport.write(packed)  # nothing in flight: no batch to wait for, out at once
-            self.writes += 1
+            self.counts.writes += 1
         else:
             self.out.append(packed)
             if not self.flush_scheduled:
@@ -124,7 +123,7 @@ class _Connection(asyncio.Protocol):
         data = b"".join(self.out) if len(self.out) != 1 else self.out[0]
         self.out.clear()
         self.transport.write(data)
-        self.writes += 1
+        self.counts.writes += 1
 
     def _check(self, replies_then: int) -> None:
         self.watchdog = None
@@ -158,7 +157,8 @@ class Pipeline:
         self._connecting: asyncio.Future[_Connection] | None = None
         self._closed = False
         self.connects = 0  # connections opened so far (more than one: Redis dropped one)
-        self._sent = [0, 0]  # commands and writes of connections already closed
+        self.commands = 0  # commands sent, and the writes that carried them (for the batch size)
+        self.writes = 0
 
     async def call(self, *args: Any) -> Any:
         """The reply to one command; a Redis error reply is returned as a `hiredis.ReplyError`."""
@@ -171,10 +171,9 @@ class Pipeline:
         """Counters for metrics: connections opened, commands sent, the writes that carried them, and
         commands waiting for their reply now."""
         conn = self._conn
-        live = (conn.commands, conn.writes, len(conn.pending)) if conn is not None and not conn.lost else (
-            (conn.commands, conn.writes, 0) if conn is not None else (0, 0, 0))
-        return {"connects": self.connects, "commands": self._sent[0] + live[0], "writes": self._sent[1] + live[1],
-                "in_flight": live[2]}
+        in_flight = len(conn.pending) if conn is not None else 0  # a lost connection has failed them all
+        return {"connects": self.connects, "commands": self.commands, "writes": self.writes,
+                "in_flight": in_flight}
 
     async def aclose(self) -> None:
         self._closed = True
@@ -205,11 +204,11 @@ class Pipeline:
             async with asyncio.timeout(self._timeout_s):
                 if kw.get("path"):
                     _, conn = await loop.create_unix_connection(
-                        lambda: _Connection(loop, self._timeout_s), kw["path"])
+                        lambda: _Connection(loop, self._timeout_s, self), kw["path"])
                 else:
                     ssl = self._ssl_context() if self._ssl else None
                     _, conn = await loop.create_connection(
-                        lambda: _Connection(loop, self._timeout_s), kw.get("host", "localhost"),
+                        lambda: _Connection(loop, self._timeout_s, self), kw.get("host", "localhost"),
                         int(kw.get("port", 6379)), ssl=ssl)
                 hello = []
                 if kw.get("password") is not None:
@@ -235,10 +234,6 @@ class Pipeline:
         if self._closed:
             conn.fail(redis_exc.ConnectionError("the store is shutting down"))
             raise redis_exc.ConnectionError("the store is shutting down")
-        old = self._conn
-        if old is not None:
-            self._sent[0] += old.commands
-            self._sent[1] += old.writes
         self._conn = conn
         self.connects += 1
         return conn

@@ -23,6 +23,13 @@ from episodes.keys import Keys, validate_id
 from episodes.records import SCHEMA_VERSION, CallRecord, IndexedCall, Policy, Rollout, RolloutView
 
 
+def _unavailable(exc: Exception) -> StoreUnavailable:
+    """The `StoreUnavailable` for a Redis failure."""
+    if isinstance(exc, (redis_exc.ConnectionError, redis_exc.TimeoutError, OSError)):
+        return StoreUnavailable(f"redis unavailable: {exc}")
+    return StoreUnavailable(f"redis error: {exc}")
+
+
 @asynccontextmanager
 async def _guard(timeout_s: float) -> AsyncIterator[None]:
     """Bound a Redis operation in time and translate every Redis failure into `StoreUnavailable`.
@@ -41,9 +48,7 @@ async def _guard(timeout_s: float) -> AsyncIterator[None]:
         task = asyncio.current_task()
         if task is not None and task.cancelling():
             raise asyncio.CancelledError() from exc
-        if isinstance(exc, (redis_exc.ConnectionError, redis_exc.TimeoutError, OSError)):
-            raise StoreUnavailable(f"redis unavailable: {exc}") from exc
-        raise StoreUnavailable(f"redis error: {exc}") from exc
+        raise _unavailable(exc) from exc
     # redis-py 8 can also swallow a cancellation and answer normally (measured: 25 of 40 cancelled
     # pollers kept running): a task that was asked to stop stops here.
     task = asyncio.current_task()
@@ -135,10 +140,8 @@ class EpisodeStore:
         try:
             code, value, *created = await self._record(
                 [self.keys.rollout(rollout_id), self.keys.calls(rollout_id)], args)
-        except (redis_exc.ConnectionError, redis_exc.TimeoutError, OSError) as exc:
-            raise StoreUnavailable(f"redis unavailable: {exc}") from exc
-        except redis_exc.RedisError as exc:
-            raise StoreUnavailable(f"redis error: {exc}") from exc
+        except (redis_exc.RedisError, OSError) as exc:
+            raise _unavailable(exc) from exc
         if code == 0 and created[0]:  # a rollout born with its first call: schedule its expiry
             try:
                 async with _guard(self.timeout_s):

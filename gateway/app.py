@@ -149,7 +149,6 @@ class Gateway:
                 return
 
     async def startup(self) -> None:
-        await self.upstream.start()
         self._tasks = [asyncio.create_task(job()) for job in self._background]
         _tune_gc()
         log.info("gateway_started", upstream=_redact(self.settings.upstream_url), upstream_kind=self.settings.upstream_kind,

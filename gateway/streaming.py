@@ -243,13 +243,6 @@ class StreamAssembler:
             return None
         out: list[float] = []
         found = False
-        if self.chat:  # the common case inline: `content[].logprob`
-            for logprobs in state.logprobs:
-                content = logprobs.get("content")
-                if content is not None:
-                    out.extend([entry["logprob"] for entry in content])
-                    found = True
-            return out if found else None
         for logprobs in state.logprobs:
             values = sampled_logprobs(self.endpoint, logprobs)
             if values is not None:

@@ -26,9 +26,6 @@ class Upstream:
                               timeout_s=settings.upstream_timeout_s, connect_timeout_s=10.0,
                               keepalive_s=settings.upstream_keepalive_s, headers=headers)
 
-    async def start(self) -> None:
-        pass
-
     def connections(self) -> tuple[int, int]:
         """(open, idle) connections of the pool."""
         return self._client.open_connections, self._client.idle_connections
