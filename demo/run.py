@@ -229,7 +229,7 @@ def summarize(cfg: DemoConfig, steps: list[dict[str, Any]], wall_s: float) -> di
                       "success_rate": s["success_rate"], "reward_mean": s["reward_mean"],
                       "seconds": round(s["time"] - t0, 3)})
     return {
-        # the first two steps' episodes (most served by the untrained policy): one step's 8 tasks are few
+        # the first two steps' episodes (most served by the untrained policy): one step's tasks are few
         "initial_success_rate": _window(steps[:2], 0) if steps else None,
         "final_success_rate": _window(steps, 3) if steps else None,
         "episodes": cumulative,

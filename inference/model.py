@@ -60,7 +60,8 @@ class Model:
         self.detok = Detokenizer(self.tokenizer)
         self.scheduler = Scheduler(self.engine, window_s=batch_window_s)
         self.adapters = Adapters(model, self.name, pad, self.eos_token_ids, batch_window_s)
-        self.weights = WeightSync(model, self.scheduler)
+        self.weights = WeightSync(model, self.scheduler, lambda: (
+            self.scheduler, *(adapter.scheduler for adapter in self.adapters.loaded.values())))
         self.fingerprint = f"rlgate-{hashlib.sha256(self.path.encode()).hexdigest()[:8]}"
         self.created = int(time.time())
 

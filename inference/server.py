@@ -20,6 +20,7 @@ How it differs from vLLM, on purpose or not yet:
   whole text parses as tool calls; otherwise the text streams as content, as the non-streaming answer has it
   (vLLM's parser may send partial call deltas for a call it cannot finish).
 - `tool_choice` "required" or a named function is not enforced by constrained decoding.
+- `/pause` accepts vLLM's `clear_cache` and ignores it: this server keeps no prefix cache between batches.
 - Text is decoded with `errors="replace"` (`inference.detokenize`); token ids are the record.
 - Sampling defaults come from the model's generation_config.json (temperature, top_p, top_k), as vLLM's
   `--generation-config auto`; penalties, min_p, min_tokens and ignore_eos are a 400 unless neutral.

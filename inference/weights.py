@@ -32,7 +32,7 @@ LoRA adapter loaded before a full update keeps the base weights it was merged in
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Literal
@@ -63,9 +63,13 @@ class WeightUpdateConflict(ServeError):
 class WeightSync:
     """The pause gate in front of generation and the weight-update state machine of one model."""
 
-    def __init__(self, model: nn.Module, scheduler: Scheduler) -> None:
+    def __init__(self, model: nn.Module, scheduler: Scheduler,
+                 queues: Callable[[], Iterable[Scheduler]] | None = None) -> None:
         self.model = model
-        self.scheduler = scheduler
+        self.scheduler = scheduler  # the base model's: a weight copy waits for its running batch
+        # every scheduler whose queued requests `pause?mode=abort` ends (the base model's and each
+        # LoRA adapter's, all of which `admit` gates)
+        self.queues = queues or (lambda: (scheduler,))
         self.version = "default"
         self.mode: PauseMode = "abort"
         self._resumed = asyncio.Event()
@@ -105,7 +109,8 @@ class WeightSync:
         self.mode = mode
         self._resumed.clear()
         if mode == "abort":
-            self.scheduler.abort_pending()
+            for queue in self.queues():
+                queue.abort_pending()
         if mode in ("abort", "wait"):
             await self._idle.wait()  # abort: only the running batch is left; wait: everything admitted
 

@@ -2,8 +2,7 @@
 
 Two ways, the same calls against `rlgate serve` and vLLM: `LoraPusher` and `FullPusher` (below).
 
-`--push lora`, the same calls against `rlgate serve` and vLLM (`--enable-lora`,
-`VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`):
+`--push lora` (vLLM needs `--enable-lora` and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`):
 
 1. the adapter of version N is a PEFT folder `adapters/policy-vN` (the servers must see the same path:
    one machine, or a shared volume in docker compose);
@@ -148,9 +147,10 @@ class FullPusher:
                     for url in self.server_urls:
                         await _post(session, f"{url}/pause?mode=wait", None)
                         paused.append(url)
+                    weights = policy.weights() if self.transport == "nccl" else None  # once for all servers
                     for url in self.server_urls:
-                        if self.transport == "nccl":
-                            await asyncio.to_thread(self._senders[url].send, policy.weights(), str(version))
+                        if weights is not None:
+                            await asyncio.to_thread(self._senders[url].send, weights, str(version))
                             continue
                         await _post(session, f"{url}/start_weight_update", None)
                         await _post(session, f"{url}/update_weights", {"update_info": {"path": str(path)}})

@@ -62,7 +62,8 @@ def bench_updates(settings: LearnerSettings, sizes: list[int], args: argparse.Na
     return rows
 
 
-async def bench_push(settings: LearnerSettings, model: Path, repeat: int) -> dict[str, list[float]]:
+async def bench_push(settings: LearnerSettings, model: Path, repeat: int, redis_url: str
+                     ) -> dict[str, list[float]]:
     from episodes import EpisodeStore
     from learner.push import FullPusher, LoraPusher
 
@@ -71,7 +72,7 @@ async def bench_push(settings: LearnerSettings, model: Path, repeat: int) -> dic
 
     logs = Path(tempfile.mkdtemp(prefix="bench_learner_"))
     serve = start_rlgate_serve(model, logs, "tiny")
-    store = EpisodeStore.from_url(args.redis_url, prefix=f"bench-learner-{int(time.time())}")
+    store = EpisodeStore.from_url(redis_url, prefix=f"bench-learner-{int(time.time())}")
     try:
         policy = Policy(settings)
         times: dict[str, list[float]] = {"lora": [], "full": []}
@@ -119,7 +120,7 @@ if __name__ == "__main__":
               f"{r['tokens_per_s']:,.0f} |")
     push: dict[str, list[float]] = {}
     if args.device == "cpu":
-        push = asyncio.run(bench_push(settings, model, args.repeat))
+        push = asyncio.run(bench_push(settings, model, args.repeat, args.redis_url))
         print("\n| push to rlgate serve | median ms | max ms | pushes |\n|---|---:|---:|---:|")
         labels = {"lora": "LoRA (save adapter, load_lora_adapter, pointer, unload v-2)",
                   "full": "full (save safetensors, pause, start/update/finish, resume, pointer)"}

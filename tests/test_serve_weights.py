@@ -160,3 +160,23 @@ def test_pause_wait_lets_admitted_requests_finish_first(served):
     assert t_paused - t0 > 0.2  # /pause waited for the request ...
     assert answered_at - t_paused < 1.0  # ... until it was done (its answer followed at once)
     post(proc.url, "/resume")
+
+
+def test_pause_abort_ends_the_queued_requests_of_every_scheduler():
+    """Requests queued for the base model and for a LoRA adapter (each has its own scheduler) all end
+    with finish_reason "abort" when the server pauses with mode=abort."""
+    import asyncio
+
+    from inference.engine import SamplingParams
+    from inference.scheduler import Scheduler
+    from inference.weights import WeightSync
+
+    async def go():
+        base, adapter = Scheduler(engine=None), Scheduler(engine=None)  # not started: requests stay queued
+        sync = WeightSync(torch.nn.Linear(1, 1), base, lambda: (base, adapter))
+        queued = [asyncio.ensure_future(s.generate([1, 2], SamplingParams(max_tokens=2))) for s in (base, adapter)]
+        await asyncio.sleep(0)
+        await sync.pause("abort")
+        return [(await q).finish_reason for q in queued]
+
+    assert asyncio.run(go()) == ["abort", "abort"]
