@@ -126,7 +126,8 @@ end
 return 0
 """
 
-# Attaches an intermediate reward to one call of an open or closed rollout.
+# Attaches an intermediate reward to one call of an open rollout. A closed one takes no more: a learner
+# may already have read it, and a reward it never sees must be refused, not silently kept.
 # KEYS[1] rollout hash, KEYS[2] calls list, KEYS[3] rewards hash (webhook) or AIR hash
 # ARGV[1] call index, ARGV[2] reward (canonical repr)
 # Returns {'ok'}, {'missing'}, {'no_call'} or {status} when the rollout takes no more rewards.
@@ -135,7 +136,7 @@ local status = redis.call('HGET', KEYS[1], 'status')
 if not status then
   return {'missing'}
 end
-if status ~= 'open' and status ~= 'closed' then
+if status ~= 'open' then
   return {status}
 end
 if tonumber(ARGV[1]) >= redis.call('LLEN', KEYS[2]) then
@@ -153,4 +154,24 @@ if status == 'open' then
   redis.call('HSET', KEYS[1], 'finish', ARGV[1])
 end
 return status or ''
+"""
+
+# A learner claims a closed rollout before training on it, so that an episode published twice (the
+# outbox repair after a closer died between XADD and marking it published) trains once: in one step,
+# and across learners. The claim is a lease: a dead learner's claim lapses, and the one that takes over
+# its pending stream entries (XAUTOCLAIM) can claim the rollout again. The owner may renew its own.
+# KEYS[1] rollout hash
+# ARGV[1] owner (the learner's consumer name), ARGV[2] now (unix seconds), ARGV[3] lease end
+# Returns 1 (claimed by ARGV[1]) or 0 (not closed any more, or claimed by another live learner).
+CLAIM = """
+if redis.call('HGET', KEYS[1], 'status') ~= 'closed' then
+  return 0
+end
+local owner = redis.call('HGET', KEYS[1], 'claimed_by')
+local till = tonumber(redis.call('HGET', KEYS[1], 'claimed_until') or '0')
+if owner and owner ~= ARGV[1] and till > tonumber(ARGV[2]) then
+  return 0
+end
+redis.call('HSET', KEYS[1], 'claimed_by', ARGV[1], 'claimed_until', ARGV[3])
+return 1
 """

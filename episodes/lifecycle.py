@@ -56,6 +56,7 @@ class EpisodeLifecycle:
         self._expire = redis.register_script(_lua.EXPIRE)
         self._fail = redis.register_script(_lua.FAIL)
         self._consume = redis.register_script(_lua.CONSUME)
+        self._claim = redis.register_script(_lua.CLAIM)
         self._set_call_reward = redis.register_script(_lua.SET_CALL_REWARD)
         self._set_finish = redis.register_script(_lua.SET_FINISH)
 
@@ -114,7 +115,8 @@ class EpisodeLifecycle:
     # Intermediate rewards, reward jobs, failure
 
     async def set_call_reward(self, rollout_id: str, index: int, reward: float, *, automatic: bool = False) -> None:
-        """Attach an intermediate reward r_t to call `index` (webhook, or AIR when `automatic`)."""
+        """Attach an intermediate reward r_t to call `index` (webhook, or AIR when `automatic`) of an open
+        rollout; `RolloutNotOpen` once it is closed (the learner may have read it already)."""
         target = self.keys.air(rollout_id) if automatic else self.keys.rewards(rollout_id)
         async with self.store.guard():
             reply = await self._set_call_reward(
@@ -145,12 +147,36 @@ class EpisodeLifecycle:
 
     async def fail(self, rollout_id: str, error: str) -> bool:
         """Mark an open rollout failed (not trained on); False if it was not open any more."""
+        return await self._fail_open(rollout_id, error) == "open"
+
+    async def mark_failed(self, rollout_id: str, error: str) -> None:
+        """Mark an open rollout failed on request, exactly once. It is never published, so no learner
+        trains on it. `RolloutNotFound`, `RolloutExpired`, or `RolloutNotOpen` (closed, consumed, failed
+        already) when it is not open; then nothing changed."""
+        before = await self._fail_open(rollout_id, error)
+        if before == "":
+            raise RolloutNotFound(f"no rollout {rollout_id!r}")
+        if before == "expired":
+            raise RolloutExpired(f"rollout {rollout_id!r} expired")
+        if before != "open":
+            raise RolloutNotOpen(rollout_id, before)
+
+    async def _fail_open(self, rollout_id: str, error: str) -> str:
+        """The FAIL script: the status before ('open': failed now; '' when missing)."""
         async with self.store.guard():
             before = _text(await self._fail(keys=[self.keys.rollout(rollout_id)],
                                             args=[error[:2000], repr(time.time())]))
             if before == "open":
                 await self.store.redis.zrem(self.keys.expiry, rollout_id)
-        return before == "open"
+        return before
+
+    async def claim(self, rollout_id: str, owner: str, lease_s: float) -> bool:
+        """Claim a closed rollout for training by `owner` for `lease_s` seconds (renewable by the same
+        owner). False when it is not closed any more (consumed, failed) or another owner's lease runs."""
+        now = time.time()
+        async with self.store.guard():
+            return bool(await self._claim(keys=[self.keys.rollout(rollout_id)],
+                                          args=[owner, repr(now), repr(now + lease_s)]))
 
     async def consume(self, rollout_id: str) -> bool:
         """Mark a closed rollout consumed by a learner; True only the first time."""

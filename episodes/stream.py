@@ -72,6 +72,17 @@ class ClosedEpisodes:
             await self.store.redis.xack(self.key, self.group, episode.entry_id)
         return first
 
+    async def claim(self, episode: ClosedEpisode, consumer: str, lease_s: float) -> bool:
+        """Claim the episode's rollout for training (`EpisodeLifecycle.claim`): False when it is no longer
+        closed or another learner's lease on it runs."""
+        return await self.lifecycle.claim(episode.rollout_id, consumer, lease_s)
+
+    async def drop(self, episode: ClosedEpisode) -> None:
+        """XACK an entry without marking its rollout consumed: a second copy of an episode that is trained
+        through another entry (in this step, or by another learner under its claim)."""
+        async with self.store.guard():
+            await self.store.redis.xack(self.key, self.group, episode.entry_id)
+
     async def reclaim(self, consumer: str, min_idle_ms: int, count: int = 64) -> list[ClosedEpisode]:
         """Take over up to `count` entries other consumers left pending for at least `min_idle_ms` (dead
         learners), following XAUTOCLAIM's cursor through the whole pending list."""

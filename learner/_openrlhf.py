@@ -115,11 +115,13 @@ def close_import_gaps() -> None:
 close_import_gaps()
 
 from openrlhf.models import Actor, PolicyLoss  # noqa: E402
+from openrlhf.models.loss import aggregate_loss  # noqa: E402
 from openrlhf.models.utils import compute_approx_kl, compute_entropy, log_probs_from_logits, masked_mean  # noqa: E402
 
 __all__ = [
     "Actor",
     "PolicyLoss",
+    "aggregate_loss",
     "close_import_gaps",
     "compute_approx_kl",
     "compute_entropy",

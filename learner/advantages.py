@@ -21,7 +21,10 @@ Estimators (OpenRLHF's names; eps = 1e-9 as in OpenRLHF):
 | `reinforce_baseline` | g_i - mean, then whitened over all action tokens of the step (`whiten`)      |
 | `dr_grpo`            | g_i - mean (no std division, no whitening)                                 |
 
-A group whose returns are all equal gets zero advantages under every estimator. A group with one unit
+The statistics are computed in float64, the mean as the mean of the units' mean returns (an episode's
+mean call return, or each call's return), so a group whose returns are all equal gets exactly zero
+advantages under every estimator (float32 per-call weights 1/T_e would leave a std of ~1e-8, the size of
+eps, and turn rounding noise into advantages of order 1). A group with one unit
 (one episode, or one call for `transitions`) has no baseline: its advantages are None and the caller
 decides (the learner drops it unless `singleton_groups="keep"`, which trains it with advantage g_i, as
 REINFORCE without a baseline would).
@@ -44,14 +47,16 @@ def group_advantages(returns: list[torch.Tensor], estimator: Estimator = "group_
                      over: Over = "episodes") -> list[torch.Tensor] | None:
     """Advantages for one group: one [T_e] tensor per episode (same shapes as `returns`), or None for a
     group with a single unit. Episodes without calls (T_e = 0) do not count as units."""
-    returns = [g.to(torch.float32) for g in returns]
+    returns = [g.to(torch.float64) for g in returns]
     episodes = [g for g in returns if g.numel() > 0]
     if over == "episodes":
         units = len(episodes)
         weights = [torch.full_like(g, 1.0 / g.numel()) if g.numel() else g for g in returns]
+        unit_means = [g.mean() for g in episodes]
     elif over == "transitions":
         units = sum(g.numel() for g in episodes)
         weights = [torch.ones_like(g) for g in returns]
+        unit_means = list(torch.cat(episodes)) if episodes else []
     else:
         raise ValueError(f"unknown statistics unit {over!r}")
     if estimator not in ("group_norm", "rloo", "reinforce_baseline", "dr_grpo"):
@@ -59,17 +64,21 @@ def group_advantages(returns: list[torch.Tensor], estimator: Estimator = "group_
     if units < 2:
         return None
     flat, w = torch.cat(returns), torch.cat(weights)
-    mean = (w * flat).sum() / units
+    if bool(flat.max() == flat.min()):  # exactly zero, whatever the rounding of the sums below
+        return [torch.zeros_like(g, dtype=torch.float32) for g in returns]
+    mean = torch.stack(unit_means).sum() / units
     if estimator == "group_norm":
         std = ((w * (flat - mean) ** 2).sum() / (units - 1)).sqrt()
-        return [(g - mean) / (std + EPS) for g in returns]
-    if estimator in ("reinforce_baseline", "dr_grpo"):
-        return [g - mean for g in returns]
-    # rloo: leave one unit out of the baseline
-    total = (w * flat).sum()
-    if over == "episodes":
-        return [g - (total - g.mean()) / (units - 1) if g.numel() else g for g in returns]
-    return [g - (total - g) / (units - 1) for g in returns]
+        out = [(g - mean) / (std + EPS) for g in returns]
+    elif estimator in ("reinforce_baseline", "dr_grpo"):
+        out = [g - mean for g in returns]
+    else:  # rloo: leave one unit out of the baseline
+        total = torch.stack(unit_means).sum()
+        if over == "episodes":
+            out = [g - (total - g.mean()) / (units - 1) if g.numel() else g for g in returns]
+        else:
+            out = [g - (total - g) / (units - 1) for g in returns]
+    return [a.to(torch.float32) for a in out]
 
 
 def whiten(advantages: list[torch.Tensor], token_counts: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -17,11 +17,13 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import statistics
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict
 from typing import Any
 
@@ -33,11 +35,15 @@ from learner import checkpoint
 from learner.collect import Collector, Group
 from learner.policy import Policy
 from learner.push import FullPusher, LoraPusher
-from learner.samples import build_samples, micro_batches
+from learner.samples import Transition, build_samples, micro_batches
 from learner.settings import LearnerSettings
 from learner.transitions import credited_transitions
 
 log = structlog.get_logger("rlgate.learner")
+
+
+class LogprobMismatch(RuntimeError):
+    """The server's recorded log-probs are not the learner's (see `Learner._check_logprobs`)."""
 
 
 class Learner:
@@ -54,7 +60,8 @@ class Learner:
                                    max_group_wait_s=settings.max_group_wait_s,
                                    singleton_groups=settings.singleton_groups)
         self.policy = Policy(settings)
-        base_model = settings.served_model_name or str(settings.model)
+        base_model = self.base_model = settings.served_model_name or str(settings.model)
+        self.logprobs_checked = settings.logprob_check_tolerance <= 0
         self.pusher: LoraPusher | FullPusher
         if settings.push == "lora":
             self.pusher = LoraPusher(settings.inference_urls, self.output_dir / "adapters", self.store, base_model)
@@ -108,13 +115,15 @@ class Learner:
         """Train on `groups`, push, acknowledge. Returns the step's metrics (None if nothing was trained)."""
         t0 = time.perf_counter()
         s = self.settings
-        views, entries, already = await self._read_episodes(groups)
-        per_episode, counts = credited_transitions(views, s, self.version)
+        views, entries, read_counts = await self._read_episodes(groups)
+        per_episode, counts = credited_transitions(views, s, self.version, self.base_model)
         samples = build_samples(per_episode, s.sample_shape)
         if not samples:
             await self._ack(entries)
-            log.info("step_skipped", episodes=len(entries), already_trained=already, **dict(counts))
+            log.info("step_skipped", episodes=len(entries), **dict(read_counts), **dict(counts))
             return None
+        if not self.logprobs_checked:
+            self.logprobs_checked = await asyncio.to_thread(self._check_logprobs, per_episode)
 
         batches = micro_batches(samples, s.micro_batch_tokens, self.policy.pad_token_id)
         # Every epoch's ratio is against the policy before this step's first update; with one epoch those
@@ -148,8 +157,11 @@ class Learner:
             "dropped_failed": counts["failed"],
             "dropped_other_agent": counts["other_agent"],
             "dropped_stale": counts["stale"],
+            "dropped_other_model": counts["other_model"],
+            "dropped_invalid_reward": read_counts["invalid_rewards"],
+            "duplicates": read_counts["duplicates"],
             "dropped_singleton": counts["singleton_episodes"] + self.collector.dropped_singletons,
-            "already_trained": already,
+            "already_trained": read_counts["already_trained"],
             "staleness_mean": counts["staleness_sum"] / max(1, counts["trained"]),
             **{k: v for k, v in asdict(stats).items() if k not in ("samples", "tokens")},
             "train_seconds": train_s,
@@ -162,25 +174,86 @@ class Learner:
         return metrics
 
     async def _read_episodes(self, groups: list[Group]
-                             ) -> tuple[list[list[RolloutView]], list[ClosedEpisode], int]:
-        """The groups' rollouts with their calls. Entries of rollouts that are not closed (consumed: trained
-        before a redelivery) are acknowledged and left out."""
+                             ) -> tuple[list[list[RolloutView]], list[ClosedEpisode], Counter]:
+        """The groups' rollouts with their calls, each claimed by this learner before it trains on it, so
+        that an episode trains at most once per step and once ever:
+
+        - an entry whose rollout is not closed any more (consumed: trained before a redelivery; failed)
+          is acknowledged and left out (`already_trained`);
+        - a second entry of a rollout already in this step (published twice), or one whose rollout
+          another learner holds the claim on, is dropped from the stream without consuming the rollout
+          (`duplicates`): the entry it is trained through is acknowledged after that training;
+        - an episode whose rewards are not finite in float32 is logged, acknowledged and skipped
+          (`invalid_rewards`): one bad episode never stops the learner.
+        """
         views: list[list[RolloutView]] = []
         entries: list[ClosedEpisode] = []
-        already = 0
+        counts: Counter = Counter()
+        taken: set[str] = set()
         for group in groups:
             kept = []
             for entry in group.episodes:
+                if entry.rollout_id in taken:
+                    await self.stream.drop(entry)
+                    counts["duplicates"] += 1
+                    continue
                 view = await self.store.get_rollout_view(entry.rollout_id)
                 if view is None or view.status != RolloutStatus.CLOSED or view.reward is None:
                     await self.stream.ack(entry)
-                    already += 1
+                    counts["already_trained"] += 1
                     continue
+                if not _finite_rewards(view):
+                    log.warning("episode_skipped", rollout_id=view.rollout_id, problem="a reward is not finite "
+                                "in float32", reward=view.reward)
+                    await self.stream.ack(entry)
+                    counts["invalid_rewards"] += 1
+                    continue
+                if not await self.stream.claim(entry, self.settings.consumer, self.collector.reclaim_idle_s):
+                    await self.stream.drop(entry)
+                    counts["duplicates"] += 1
+                    continue
+                taken.add(entry.rollout_id)
                 kept.append(view)
                 entries.append(entry)
             if kept:
                 views.append(kept)
-        return views, entries, already
+        return views, entries, counts
+
+    def _check_logprobs(self, per_episode: list[list[Transition]]) -> bool:
+        """Once, on the first step with calls served by the weights the learner holds now: recompute their
+        log-probs and compare with what the server recorded. True once checked (False: no such call yet).
+
+        The learner's log-probs are those of the distribution sampled from (`processed_logprobs`); with
+        `logprobs_mode=raw_logprobs` the server's are of the raw logits (no temperature, no logit_bias),
+        and the comparison is made on those. A mean absolute gap above `logprob_check_tolerance` nats
+        per token raises `LogprobMismatch` naming the likely causes."""
+        s = self.settings
+        fresh = [[t for t in episode if t.policy_version == self.version] for episode in per_episode]
+        if s.logprobs_mode == "raw_logprobs":
+            fresh = [[dataclasses.replace(t, temperature=1.0, logit_bias=()) for t in ep] for ep in fresh]
+        samples = build_samples(fresh, "transition")
+        if not samples:
+            return False
+        gap = tokens = 0.0
+        for batch in micro_batches(samples, s.micro_batch_tokens, self.policy.pad_token_id):
+            mask = batch.action_mask
+            ours = self.policy.log_probs(batch).cpu()
+            gap += float((ours - batch.rollout_logprobs).abs()[mask].sum())
+            tokens += int(mask.sum())
+        mean_gap = gap / max(tokens, 1)
+        log.info("logprob_check", policy_version=self.version, tokens=int(tokens), mean_abs_gap=round(mean_gap, 6),
+                 tolerance=s.logprob_check_tolerance, logprobs_mode=s.logprobs_mode)
+        if mean_gap > s.logprob_check_tolerance:
+            raise LogprobMismatch(
+                f"the inference server's log-probs differ from the learner's by {mean_gap:.3f} nats per token "
+                f"on average over {int(tokens)} tokens of calls served by policy version {self.version} "
+                f"(tolerance {s.logprob_check_tolerance}). Likely causes: the server reports log-probs of "
+                f"another processing than --logprobs-mode {s.logprobs_mode} says (vLLM's default is "
+                f"raw_logprobs: start it with --logprobs-mode processed_logprobs, or set the learner's "
+                f"logprobs_mode to the server's); or it serves other weights than the learner's (another "
+                f"model path, a different --served-model-name, a resumed learner whose adapter was not "
+                f"loaded). Set logprob_check_tolerance to 0 to skip this check.")
+        return True
 
     async def _ack(self, entries: list[ClosedEpisode]) -> None:
         for entry in entries:
@@ -203,8 +276,14 @@ class Learner:
             self.writer.flush()
 
 
+def _finite_rewards(view: RolloutView) -> bool:
+    """The episode's return and per-call rewards are finite as the float32 the learner computes in."""
+    values = [view.reward] + [r for c in view.calls for r in (c.reward, c.air_reward) if r is not None]
+    return bool(torch.isfinite(torch.tensor(values, dtype=torch.float64).to(torch.float32)).all())
+
+
 def run(settings: LearnerSettings) -> None:
     asyncio.run(Learner(settings).run())
 
 
-__all__ = ["Learner", "run"]
+__all__ = ["Learner", "LogprobMismatch", "run"]

@@ -29,7 +29,9 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
-from learner._openrlhf import Actor, PolicyLoss, compute_approx_kl, log_probs_from_logits, masked_mean
+from learner._openrlhf import (
+    Actor, PolicyLoss, aggregate_loss, compute_approx_kl, log_probs_from_logits, masked_mean,
+)
 from learner.samples import MicroBatch
 from learner.settings import LearnerSettings
 
@@ -46,6 +48,14 @@ class UpdateStats:
     clip_ratio: float
     ppo_kl: float
     rollout_kl: float  # mean(rollout log-prob - learner log-prob) over action tokens
+    # The importance weights w = exp(old - rollout) per action token (old: the learner's log-probs before
+    # the step's first update), whatever the correction scheme: their mean and max, the mean absolute log
+    # gap |old - rollout|, and the fraction outside [is_threshold_low, is_threshold_high] (the tokens TIS
+    # clamps and ICEPOP masks).
+    is_weight_mean: float
+    is_weight_max: float
+    logprob_gap: float
+    is_outside: float
     is_filter_ratio: float
     entropy: float
     grad_norm: float
@@ -124,7 +134,8 @@ class Policy:
         else:
             self.optimizer = torch.optim.AdamW(self.trainable, lr=settings.learning_rate,
                                                weight_decay=settings.weight_decay)
-        level, mode = IS_SCHEMES[settings.is_correction]
+        # raw_logprobs are not of the distribution sampled from: no importance correction against them
+        level, mode = IS_SCHEMES["off" if settings.logprobs_mode == "raw_logprobs" else settings.is_correction]
         self.loss_fn = PolicyLoss(
             clip_eps_low=settings.clip_eps_low, clip_eps_high=settings.clip_eps_high,
             dual_clip=settings.dual_clip, token_level_loss=settings.token_level_loss,
@@ -166,7 +177,9 @@ class Policy:
         self.actor.train()
         if self.deepspeed is None:
             self.optimizer.zero_grad(set_to_none=True)
-        sums = dict(loss=0.0, policy_loss=0.0, kl=0.0, clip=0.0, ppo_kl=0.0, rollout_kl=0.0, filt=0.0, entropy=0.0)
+        sums = dict(loss=0.0, policy_loss=0.0, kl=0.0, clip=0.0, ppo_kl=0.0, rollout_kl=0.0, filt=0.0, entropy=0.0,
+                    w_mean=0.0, gap=0.0, outside=0.0)
+        w_max = 0.0
         for i, batch in enumerate(batches):
             mask = batch.action_mask.to(self.device)
             log_probs, z = self._log_probs(batch)
@@ -178,9 +191,11 @@ class Policy:
             loss = policy_loss
             if references is not None:
                 kl = compute_approx_kl(log_probs, references[i].to(self.device), kl_estimator=s.kl_estimator)
-                kl_loss = (kl * mask).sum() / total_tokens
+                # aggregated as OpenRLHF's actor aggregates it: like the policy loss, over the step's totals
+                kl_loss = aggregate_loss(kl, mask, token_level_loss=s.token_level_loss,
+                                         batch_num_tokens=total_tokens, global_batch_size=total_samples)
                 loss = loss + s.kl_coef * kl_loss
-                sums["kl"] += float(kl_loss)
+                sums["kl"] += float(kl_loss.detach())
             if self.deepspeed is None:
                 loss.backward()
             else:
@@ -197,6 +212,13 @@ class Policy:
                 sums["rollout_kl"] += float(masked_mean(batch.rollout_logprobs.to(self.device) - log_probs.detach(),
                                                         mask.float(), dim=None)) * share
             sums["entropy"] += masked_entropy(z, mask) * share
+            if batch.num_actions:
+                log_w = (old - batch.rollout_logprobs.to(self.device)).detach()[mask]
+                w = log_w.exp()
+                sums["w_mean"] += float(w.sum()) / total_tokens
+                sums["gap"] += float(log_w.abs().sum()) / total_tokens
+                sums["outside"] += float(((w < s.is_threshold_low) | (w > s.is_threshold_high)).sum()) / total_tokens
+                w_max = max(w_max, float(w.max()))
         if self.deepspeed is not None:
             grad_norm = self.deepspeed.step()
         else:
@@ -210,6 +232,8 @@ class Policy:
         return UpdateStats(loss=sums["loss"], policy_loss=sums["policy_loss"], kl=sums["kl"],
                            clip_ratio=sums["clip"], ppo_kl=sums["ppo_kl"], rollout_kl=sums["rollout_kl"],
                            is_filter_ratio=sums["filt"], entropy=sums["entropy"], grad_norm=grad_norm,
+                           is_weight_mean=sums["w_mean"], is_weight_max=w_max, logprob_gap=sums["gap"],
+                           is_outside=sums["outside"],
                            tokens=total_tokens, samples=total_samples)
 
     # -----------------------------------------------------------------------------------------------------

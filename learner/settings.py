@@ -40,7 +40,9 @@ class LearnerSettings(BaseSettings):
     finetune: Literal["lora", "full"] = Field("lora", description="Train a LoRA adapter, or every weight.")
     push_drain_s: float = Field(0.5, ge=0, description="Full push: how long to wait after telling the "
                                 "gateways to hold new calls (at least twice their RLGATE_POLICY_POLL_S).")
-    resume: bool = Field(False, description="Continue from the last checkpoint in output_dir.")
+    resume: bool = Field(True, description="Continue from the last checkpoint in output_dir when there is one "
+                         "(its weights, optimizer, step and version; it re-pushes that version). --resume false "
+                         "starts fresh from the base weights at version 0.")
 
     # Steps and groups
     tasks_per_step: int = Field(8, ge=1, description="Task groups per training step.")
@@ -66,6 +68,15 @@ class LearnerSettings(BaseSettings):
     sample_shape: Literal["transition", "trajectory"] = "transition"
     max_staleness: int = Field(4, ge=0, description="Calls served by a policy more than this many versions "
                                "older than the one being trained are dropped.")
+    logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = Field(
+        "processed_logprobs", description="What the inference servers' log-probs are (vLLM's --logprobs-mode; "
+        "vLLM defaults to raw_logprobs). processed_logprobs: of the distribution sampled from (after "
+        "logit_bias and temperature), what the importance correction needs. raw_logprobs: of the raw "
+        "logits; the importance correction against them is turned off (is_correction is ignored).")
+    logprob_check_tolerance: float = Field(
+        0.5, ge=0, description="On the first step with calls served by the learner's current weights, the "
+        "learner recomputes their log-probs; a mean absolute gap above this (nats per token) stops it with "
+        "an error naming the likely cause (0: no check).")
     default_temperature: float = Field(1.0, gt=0, description="The temperature a call was sampled with "
                                        "when its request named none (the server's default).")
 

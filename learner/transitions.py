@@ -7,11 +7,18 @@ Per group (all episodes of one task in the step):
    statistics see every call of the group's episodes, including calls that are not trained below (other
    agents' calls count for the return and the baseline);
 3. only trainable calls become transitions: no error, the server's token ids and log-probs present,
-   made by one of `train_agents` (when set), served by a policy at most `max_staleness` versions old.
+   served by the trained policy (the base model's served name or one of its `policy-v{N}` adapters; a
+   judge or tool model called through the same gateway is not the policy), made by one of
+   `train_agents` (when set), served by a policy at most `max_staleness` versions old;
+4. `reinforce_baseline` only: the kept transitions' advantages are whitened over the step's trained
+   action tokens (`advantages.whiten`), as OpenRLHF whitens over the tokens it trains on; calls dropped
+   in 3 take no part.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -23,6 +30,8 @@ from learner.advantages import group_advantages, whiten
 from learner.credit import assign_credit
 from learner.samples import Transition
 from learner.settings import LearnerSettings
+
+_ADAPTER = re.compile(r"policy-v[0-9]+")
 
 
 def sampling_processing(request: dict[str, Any], default_temperature: float
@@ -38,14 +47,13 @@ def sampling_processing(request: dict[str, Any], default_temperature: float
     return temperature, pairs
 
 
-def credited_transitions(groups: Sequence[Sequence[RolloutView]], settings: LearnerSettings, version: int
-                         ) -> tuple[list[list[Transition]], Counter]:
+def credited_transitions(groups: Sequence[Sequence[RolloutView]], settings: LearnerSettings, version: int,
+                         base_model: str | None = None) -> tuple[list[list[Transition]], Counter]:
     """Per episode, its trainable calls as transitions (episodes in group order). Also counts what was
-    kept and dropped: calls, trained, failed, other_agent, stale, singleton_episodes."""
+    kept and dropped: calls, trained, failed, other_model, other_agent, stale, singleton_episodes.
+    `base_model` is the name the servers serve the trained policy under (None: any model counts)."""
     counts: Counter = Counter()
     out: list[list[Transition]] = []
-    per_group_adv: list[list[torch.Tensor]] = []
-    per_group_views: list[Sequence[RolloutView]] = []
     for views in groups:
         returns = []
         for view in views:
@@ -59,20 +67,11 @@ def credited_transitions(groups: Sequence[Sequence[RolloutView]], settings: Lear
                 counts["singleton_episodes"] += len(views)
                 continue
             advantages = returns  # no baseline: REINFORCE with the return itself
-        per_group_adv.append(advantages)
-        per_group_views.append(views)
-    if settings.estimator == "reinforce_baseline" and per_group_adv:
-        counts_per_call = [torch.tensor([len(c.completion_token_ids or ()) for c in v.calls])
-                           for views in per_group_views for v in views]
-        flat = whiten([a for adv in per_group_adv for a in adv], counts_per_call)
-        it = iter(flat)
-        per_group_adv = [[next(it) for _ in adv] for adv in per_group_adv]
-    for views, advantages in zip(per_group_views, per_group_adv, strict=True):
         for view, adv in zip(views, advantages, strict=True):
             episode = []
             for call, a in zip(view.calls, adv.tolist(), strict=True):
                 counts["calls"] += 1
-                reason = _skip_reason(call, settings, version)
+                reason = _skip_reason(call, settings, version, base_model)
                 if reason:
                     counts[reason] += 1
                     continue
@@ -85,12 +84,27 @@ def credited_transitions(groups: Sequence[Sequence[RolloutView]], settings: Lear
                 counts["trained"] += 1
                 counts["staleness_sum"] += version - call.policy_version
             out.append(episode)
+    if settings.estimator == "reinforce_baseline":
+        kept = [t for episode in out for t in episode]
+        if kept:
+            whitened = iter(whiten([torch.tensor([t.advantage]) for t in kept],
+                                   [torch.tensor([len(t.completion_ids)]) for t in kept]))
+            out = [[dataclasses.replace(t, advantage=float(next(whitened))) for t in episode]
+                   for episode in out]
     return out, counts
 
 
-def _skip_reason(call: IndexedCall, settings: LearnerSettings, version: int) -> str | None:
+def is_policy_model(model: str | None, base_model: str | None) -> bool:
+    """Whether a call's recorded model is the trained policy: its served base name or a `policy-v{N}`
+    adapter (records without a model, and a learner that names no base model, count as the policy)."""
+    return model is None or base_model is None or model == base_model or bool(_ADAPTER.fullmatch(model))
+
+
+def _skip_reason(call: IndexedCall, settings: LearnerSettings, version: int, base_model: str | None) -> str | None:
     if not call.trainable:
         return "failed"
+    if not is_policy_model(call.model, base_model):
+        return "other_model"
     if settings.train_agents and call.agent_name not in settings.train_agents:
         return "other_agent"
     if version - call.policy_version > settings.max_staleness:

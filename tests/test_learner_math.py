@@ -195,3 +195,82 @@ def test_micro_batches_respect_the_token_budget_and_pad_right():
             n = len(s.tokens)
             assert b.sequences[r, :n].tolist() == s.tokens and b.attention_mask[r, n:].sum() == 0
             assert b.action_mask[r].sum() == 2 and b.advantages[r, n - 1:].abs().sum() == 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# issue 12: properties against OpenRLHF's own estimator code
+
+
+@pytest.mark.parametrize("over", ["episodes", "transitions"])
+@pytest.mark.parametrize("estimator", ["group_norm", "rloo", "reinforce_baseline", "dr_grpo"])
+def test_equal_returns_give_exactly_zero_advantages(estimator: str, over: str):
+    """Per-episode 1/T weights in float32 once left a std of ~1e-8 (the size of eps): [1] and [1]*5 gave
+    -0.703 for every call under group_norm."""
+    got = group_advantages([torch.full((1,), 1.0), torch.full((5,), 1.0)], estimator, over)
+    assert all(bool((a == 0).all()) for a in got), got
+    g = torch.Generator().manual_seed(12)
+    for _ in range(500):
+        value = float(torch.rand((), generator=g)) * 10 - 5
+        returns = [torch.full((int(torch.randint(1, 9, (), generator=g)),), value) for _ in range(4)]
+        assert all(bool((a == 0).all()) for a in group_advantages(returns, estimator, over))
+
+
+@pytest.mark.parametrize("estimator", ["group_norm", "rloo", "reinforce_baseline", "dr_grpo"])
+def test_multi_call_episodes_of_every_group_size_equal_openrlhf(estimator: str):
+    """Identical credit over episodes of 1-5 calls, real-valued rewards, groups of 2-8 episodes: every
+    call's advantage is OpenRLHF's advantage of its episode (one sample per episode, its tokens the
+    episode's trained tokens). reinforce_baseline whitens over one group's tokens, as OpenRLHF's call on
+    that group does."""
+    g = torch.Generator().manual_seed(5)
+    for n in range(2, 9):
+        rewards = torch.randn(n, generator=g) * 3
+        calls = [int(x) for x in torch.randint(1, 6, (n,), generator=g)]
+        tokens = [torch.randint(1, 7, (t,), generator=g) for t in calls]
+        expected = _openrlhf_advantages(rewards, n, estimator, [int(t.sum()) for t in tokens])
+        returns = [assign_credit(float(r), torch.zeros(t)) for r, t in zip(rewards, calls, strict=True)]
+        ours = group_advantages(returns, estimator, "episodes")
+        if estimator == "reinforce_baseline":
+            ours = whiten(ours, tokens)
+        for mine, theirs in zip(ours, expected, strict=True):
+            assert close(mine, torch.full_like(mine, float(theirs[0])), tol=2e-5), (n, mine, theirs)
+            assert close(theirs, torch.full_like(theirs, float(theirs[0])))
+
+
+def _view(rid: str, reward: float, calls: list[tuple[str, int]]):
+    from episodes import RolloutView
+
+    return RolloutView.model_validate({
+        "rollout_id": rid, "task_id": "t", "status": "closed", "created_at": 0.0, "reward": reward,
+        "calls": [{"rollout_id": rid, "endpoint": "chat.completions", "policy_version": 0, "request": {},
+                   "started_at": 0.0, "latency_ms": 1.0, "index": i, "agent_name": agent, "model": model,
+                   "prompt_token_ids": [1, 2], "completion_token_ids": [3] * length,
+                   "completion_logprobs": [-0.5] * length}
+                  for i, (agent, length, *rest) in enumerate(calls) for model in [rest[0] if rest else "tiny"]],
+    })
+
+
+def test_reinforce_baseline_whitens_over_the_trained_tokens_only():
+    """The critic's calls count for the returns but are not trained: OpenRLHF, training only the
+    solver's tokens, whitens over those. Whitening over all calls once gave other advantages."""
+    from learner.settings import LearnerSettings
+    from learner.transitions import credited_transitions
+
+    views = [_view("a", 1.0, [("solver", 2), ("critic", 30)]), _view("b", 0.0, [("solver", 3), ("critic", 1)]),
+             _view("c", 0.0, [("solver", 1), ("critic", 1)])]
+    settings = LearnerSettings(estimator="reinforce_baseline", train_agents=["solver"], tensorboard=False)
+    per_episode, counts = credited_transitions([views], settings, 0, "tiny")
+    assert counts["other_agent"] == 3 and counts["trained"] == 3
+    got = [ep[0].advantage for ep in per_episode]
+    expected = _openrlhf_advantages(torch.tensor([1.0, 0.0, 0.0]), 3, "reinforce_baseline", [2, 3, 1])
+    assert got == pytest.approx([float(e[0]) for e in expected], abs=1e-5)
+
+
+def test_calls_to_other_models_are_not_trained_but_count_for_the_return():
+    from learner.settings import LearnerSettings
+    from learner.transitions import credited_transitions
+
+    views = [_view("a", 1.0, [("x", 2), ("x", 2, "judge-70b")]), _view("b", 0.0, [("x", 2, "policy-v3"), ("x", 2)])]
+    per_episode, counts = credited_transitions([views], LearnerSettings(tensorboard=False), 3, "tiny")
+    assert counts["other_model"] == 1 and counts["trained"] == 3
+    assert [[t.index for t in ep] for ep in per_episode] == [[0], [0, 1]]
+    assert per_episode[0][0].advantage == pytest.approx(2 ** -0.5, abs=1e-6)  # (1 - 0.5) / std([1, 0])

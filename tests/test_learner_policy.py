@@ -22,7 +22,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def settings(model: Path, **kw) -> LearnerSettings:
-    return LearnerSettings(model=model, tensorboard=False, learning_rate=1e-2, **kw)
+    return LearnerSettings(**{"model": model, "tensorboard": False, "learning_rate": 1e-2, **kw})
 
 
 def transitions(n: int = 6, bias=()) -> list[list[Transition]]:
@@ -147,3 +147,61 @@ def test_merged_weights_reproduce_the_lora_policy(tiny: Path, tmp_path: Path):
     assert torch.allclose(ours[mask], theirs[mask], atol=1e-4)
     base = policy.log_probs(batch, reference=True)
     assert not torch.allclose(ours[mask], base[mask], atol=1e-3)  # the adapter did change the policy
+
+
+def test_a_clipped_second_epoch_is_openrlhfs_loss_against_the_step_start(tiny: Path):
+    """epochs_per_step 2: the second pass's ratios are against the log-probs before the step's first
+    update, and large enough to clip; its loss and clip fraction are PolicyLoss's on the same tensors."""
+    policy = Policy(settings(tiny, learning_rate=0.05, is_correction="tis"))
+    [batch] = micro_batches(build_samples(transitions(4)), 10_000, policy.pad_token_id)
+    old = policy.log_probs(batch)
+    policy.update([batch], [old])
+    now = policy.log_probs(batch)
+    reference = PolicyLoss(clip_eps_low=0.2, clip_eps_high=0.28, is_correction_level="token",
+                           is_correction_mode="clip", is_correction_threshold=[0.5, 5.0])
+    want, clip_ratio = reference(now, old, batch.advantages, action_mask=batch.action_mask,
+                                 rollout_log_probs=batch.rollout_logprobs)[:2]
+    assert float(clip_ratio) > 0.1  # the case is clipped
+    stats = policy.update([batch], [old])
+    assert stats.policy_loss == pytest.approx(float(want), abs=1e-5)
+    assert stats.clip_ratio == pytest.approx(float(clip_ratio), abs=1e-6)
+
+
+@pytest.mark.parametrize("token_level", [True, False])
+def test_the_kl_term_is_aggregated_like_the_policy_loss(tiny: Path, token_level: bool):
+    """OpenRLHF's actor aggregates the KL penalty as its policy loss: a token mean, or with
+    token_level_loss false the mean over samples of each sample's token mean (it was always a token
+    mean here)."""
+    policy = Policy(settings(tiny, kl_coef=0.1, token_level_loss=token_level))
+    [batch] = micro_batches(build_samples(transitions()), 10_000, policy.pad_token_id)
+    policy.update([batch])  # away from the reference (the adapter starts as the identity)
+    log_ratio = policy.log_probs(batch) - policy.log_probs(batch, reference=True)
+    k3 = (-log_ratio).exp() - 1 + log_ratio  # Schulman's k3 of KL(pi || ref)
+    mask = batch.action_mask
+    per_token = float((k3 * mask).sum() / mask.sum())
+    per_sample = float(((k3 * mask).sum(-1) / mask.sum(-1)).mean())
+    assert abs(per_token - per_sample) > 1e-3 * per_token > 0  # the two reductions differ here
+    stats = policy.update([batch])
+    assert stats.kl == pytest.approx(per_token if token_level else per_sample, rel=1e-4)
+
+
+def test_importance_weight_statistics_are_logged(tiny: Path):
+    """Per step: the mean and max of exp(old - rollout) over action tokens, the mean |log gap| and the
+    fraction outside the IS thresholds (what TIS clamps, ICEPOP masks)."""
+    policy = Policy(settings(tiny))
+    [batch] = micro_batches(build_samples(transitions()), 10_000, policy.pad_token_id)
+    n = int(batch.action_mask.sum())  # rollout log-probs on both sides of the learner's ~ -5.5
+    batch.rollout_logprobs[batch.action_mask] = torch.tensor([-1.0, -5.6, -9.0] * n)[:n]
+    log_w = (policy.log_probs(batch) - batch.rollout_logprobs)[batch.action_mask]
+    w = log_w.exp()
+    stats = policy.update([batch])
+    assert stats.is_weight_mean == pytest.approx(float(w.mean()), rel=1e-5)
+    assert stats.is_weight_max == pytest.approx(float(w.max()), rel=1e-5)
+    assert stats.logprob_gap == pytest.approx(float(log_w.abs().mean()), rel=1e-5)
+    assert stats.is_outside == pytest.approx(float(((w < 0.5) | (w > 5.0)).float().mean()), abs=1e-6)
+    assert 0 < stats.is_outside < 1 and stats.is_weight_max > 5
+
+
+def test_raw_logprobs_mode_turns_the_importance_correction_off(tiny: Path):
+    policy = Policy(settings(tiny, logprobs_mode="raw_logprobs", is_correction="icepop"))
+    assert policy.loss_fn.is_correction_level == "off"

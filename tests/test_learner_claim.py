@@ -1,0 +1,73 @@
+"""A learner claims a closed episode before training on it (a lease in the rollout hash): with the real
+Redis, two learners racing for the same episode (published twice, delivered to both), a dead learner's
+lapsed claim, and a consumed episode."""
+
+from __future__ import annotations
+
+import asyncio
+
+import redis
+
+from conftest import REDIS_URL
+from episodes import CallRecord, ClosedEpisodes, EpisodeLifecycle, EpisodeStore, RolloutStatus
+
+
+def _record(rollout_id: str) -> CallRecord:
+    return CallRecord(rollout_id=rollout_id, endpoint="chat.completions", policy_version=0, request={},
+                      started_at=1.0, latency_ms=1.0, prompt_token_ids=[1], completion_token_ids=[2],
+                      completion_logprobs=[-0.5])
+
+
+def run(scenario):
+    async def go():
+        store = EpisodeStore.from_url(REDIS_URL, prefix="t")
+        try:
+            return await scenario(store, EpisodeLifecycle(store))
+        finally:
+            await store.aclose()
+
+    return asyncio.run(go())
+
+
+def test_one_learner_wins_a_race_for_an_episode_and_its_claim_lapses_when_it_dies(redis_client: redis.Redis):
+    async def scenario(store, lifecycle):
+        await store.record_calls("r", "task", [_record("r")])
+        assert await lifecycle.claim("r", "a", 60) is False  # open: nothing to train yet
+        await lifecycle.close("r", 1.0)
+        race = await asyncio.gather(*(lifecycle.claim("r", f"l{i % 5}", 60) for i in range(40)))
+        winners = {f"l{i % 5}" for i, won in enumerate(race) if won}
+        owner = winners.pop() if len(winners) == 1 else None
+        renewed = await lifecycle.claim("r", owner, 0.2)  # the owner renews, with a short lease now
+        other_before = await lifecycle.claim("r", "z", 60)
+        await asyncio.sleep(0.3)  # the owner "died": its lease ran out
+        other_after = await lifecycle.claim("r", "z", 60)
+        view = await store.get_rollout_view("r")
+        consumed = await lifecycle.consume("r")
+        after_consume = await lifecycle.claim("r", "z", 60)
+        return owner, winners, renewed, other_before, other_after, view, consumed, after_consume
+
+    owner, others, renewed, before, after, view, consumed, after_consume = run(scenario)
+    assert owner is not None and not others  # exactly one learner holds it
+    assert renewed and not before and after  # renewable by its owner; another gets it only after it lapses
+    assert view.status == RolloutStatus.CLOSED and consumed  # the claim fields stay out of the record
+    assert not after_consume  # consumed: never trained again
+    assert redis_client.hget("t:rollout:{r}", "claimed_by") == b"z"
+
+
+def test_drop_acknowledges_an_entry_without_consuming_its_rollout(redis_client: redis.Redis):
+    async def scenario(store, lifecycle):
+        await store.record_calls("d", "task", [_record("d")])
+        await lifecycle.close("d", 0.5)
+        stream = ClosedEpisodes(store)
+        await stream.ensure_group()
+        redis_client.xadd("t:episodes", {"rollout_id": "d", "task_id": "task", "reward": "0.5"})  # again
+        first, second = await stream.read("c0", count=10, block_ms=100)
+        await stream.drop(second)
+        pending_after_drop = await stream.pending()
+        status = (await store.get_rollout("d")).status
+        await stream.ack(first)
+        return pending_after_drop, status, await stream.pending(), (await store.get_rollout("d")).status
+
+    pending_after_drop, status, pending, final = run(scenario)
+    assert pending_after_drop == 1 and status == RolloutStatus.CLOSED
+    assert pending == 0 and final == RolloutStatus.CONSUMED
