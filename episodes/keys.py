@@ -13,6 +13,10 @@
 | `{prefix}:expiry`                  | zset   | gateway (rollout id -> expires_at)      | sweeper                  | none |
 | `{prefix}:outbox`                  | zset   | reward hooks, sweeper (id -> intent ts) | sweeper (repair)         | none |
 | `{prefix}:episodes`                | stream | reward hooks, sweeper (closed episodes) | learners (consumer group)| none |
+| `{prefix}:epoch`                   | string | gateway (SET NX, a random value)        | gateways (polled)        | none |
+| `{prefix}:health`                  | string | gateway `/healthz` (a write probe)      | nobody                   | 60 s |
+| `{prefix}:webhook:{<id>}`          | string | reward webhook (SET NX: a signed        | reward webhook           | 2 x  |
+|                                    |        | request's webhook-id, accepted once)    |                          | tol. |
 
 - The rollout hash holds the fields of `records.Rollout` (`status`, `reward`, `closed_at`, ... with
   JSON for `metadata`, `reward_metadata` and `finish`; absent means null) plus `published`, the outbox
@@ -21,6 +25,11 @@
 - The calls list holds one `records.CallRecord` as JSON per LLM transition, in commit order; a call's
   index is its position in the list (0-based), so it is never stored twice. A request with `n > 1`
   appends one entry per choice, in choice order, in the same script call.
+- A webhook key remembers a signed request's `webhook-id` for twice the signature tolerance
+  (`RLGATE_WEBHOOK_TOLERANCE_S`), as long as the request's timestamp can be accepted: the same id again is
+  refused (`409 webhook_replayed`), so a captured request cannot be sent twice.
+- The epoch marker tells a gateway that Redis lost its data: it is written once (SET NX) and only
+  disappears with the rest (`gateway.watch`).
 - Keys of one rollout carry the Redis Cluster hash tag `{<rid>}`, so every Lua script (they only ever
   touch one rollout's keys) hits one slot and runs unchanged on a cluster. The global keys (`policy`,
   `expiry`, `outbox`, `episodes`) are only touched by single-key commands.
@@ -30,6 +39,7 @@ many gateways, webhooks or workers race on it):
 
     open --reward--> closed --learner ack--> consumed
     open --TTL passed--> expired          (or closed with the configured fill reward)
+    open --POST /rollouts/{id}/fail--> failed   (an agent that crashed; never published, never trained)
     open --reward job gave up--> failed   (also at the TTL, if a reward job was asked for and never
                                            closed it: a killed worker)
 
@@ -64,7 +74,7 @@ def validate_id(value: str, what: str = "id") -> str:
 class Keys:
     """Builds the keys of one rlgate deployment; `prefix` lets several share a Redis."""
 
-    __slots__ = ("prefix", "policy", "expiry", "outbox", "episodes")
+    __slots__ = ("prefix", "policy", "expiry", "outbox", "episodes", "epoch", "health")
 
     def __init__(self, prefix: str = "rlgate") -> None:
         if not prefix or "{" in prefix or "}" in prefix:
@@ -74,6 +84,8 @@ class Keys:
         self.expiry = f"{prefix}:expiry"
         self.outbox = f"{prefix}:outbox"
         self.episodes = f"{prefix}:episodes"
+        self.epoch = f"{prefix}:epoch"
+        self.health = f"{prefix}:health"
 
     def rollout(self, rollout_id: str) -> str:
         return f"{self.prefix}:rollout:{{{rollout_id}}}"
@@ -86,3 +98,7 @@ class Keys:
 
     def air(self, rollout_id: str) -> str:
         return f"{self.prefix}:rollout:{{{rollout_id}}}:air"
+
+    def webhook(self, msg_id: str) -> str:
+        """A signed request's webhook-id (`reward_hooks.signing` allows A-Z a-z 0-9 _ - only)."""
+        return f"{self.prefix}:webhook:{msg_id}"

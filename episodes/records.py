@@ -102,6 +102,9 @@ class CallRecord(_Record):
     request: dict[str, Any] = Field(
         description="The request as the agent sent it (messages or prompt, tools, sampling parameters)."
     )
+    request_shared: bool = Field(
+        False, description="n > 1: the request is stored once per call, on its choice 0 (the record "
+        "`choice_index` positions earlier); the store fills it in when it reads this choice.")
     response: CallResponse | None = None
     prompt_token_ids: list[int] | None = None
     completion_token_ids: list[int] | None = None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -165,16 +166,53 @@ class EpisodeStore:
         return _rollout_from_hash(fields)
 
     async def get_calls(self, rollout_id: str, start: int = 0, stop: int = -1) -> list[CallRecord]:
+        if start < 0:  # shared requests are found by absolute index
+            start = max(0, await self._llen(rollout_id) + start)
         async with _guard(self.timeout_s):
             raw = await self.redis.lrange(self.keys.calls(rollout_id), start, stop)
-        return [CallRecord.model_validate_json(item) for item in raw]
+        items = await self._with_requests(rollout_id, [orjson.loads(item) for item in raw], start)
+        return [CallRecord.model_validate(item) for item in items]
 
-    async def get_rollout_view(self, rollout_id: str) -> RolloutView | None:
-        """The rollout, its calls and their intermediate rewards, read in one round trip (a MULTI)."""
+    async def _llen(self, rollout_id: str) -> int:
+        async with _guard(self.timeout_s):
+            return int(await self.redis.llen(self.keys.calls(rollout_id)))
+
+    async def _with_requests(self, rollout_id: str, items: list[dict[str, Any]], offset: int
+                             ) -> list[dict[str, Any]]:
+        """Fill in the request of choices stored with `request_shared` (n > 1) from their call's choice 0:
+        from the same page, or read (one LINDEX each) when the page starts after it."""
+        missing: dict[int, dict[str, Any] | None] = {}
+        for i, item in enumerate(items, offset):
+            if item.get("request_shared"):
+                source = i - int(item.get("choice_index") or 0)
+                if source < offset:
+                    missing[source] = None
+        if missing:
+            async with _guard(self.timeout_s):
+                pipe = self.redis.pipeline(transaction=False)
+                for source in missing:
+                    pipe.lindex(self.keys.calls(rollout_id), source)
+                found = await pipe.execute()
+            for source, raw in zip(missing, found, strict=True):
+                missing[source] = orjson.loads(raw).get("request") if raw else None
+        for i, item in enumerate(items, offset):
+            if item.get("request_shared"):
+                source = i - int(item.get("choice_index") or 0)
+                request = items[source - offset].get("request") if source >= offset else missing.get(source)
+                item["request"] = request if isinstance(request, dict) else {}
+        return items
+
+    async def get_rollout_view(self, rollout_id: str, offset: int = 0, limit: int | None = None
+                               ) -> RolloutView | None:
+        """The rollout, its calls and their intermediate rewards, read in one round trip (a MULTI).
+
+        `offset`/`limit`: only calls offset .. offset+limit-1 (all from `offset` without a limit). Calls
+        of more than 1 MiB in all are decoded in a worker thread, off the event loop."""
+        last = -1 if limit is None else offset + limit - 1
         async with _guard(self.timeout_s):
             async with self.redis.pipeline(transaction=True) as pipe:
                 pipe.hgetall(self.keys.rollout(rollout_id))
-                pipe.lrange(self.keys.calls(rollout_id), 0, -1)
+                pipe.lrange(self.keys.calls(rollout_id), offset, last)
                 pipe.hgetall(self.keys.rewards(rollout_id))
                 pipe.hgetall(self.keys.air(rollout_id))
                 fields, raw_calls, rewards, air = await pipe.execute()
@@ -183,18 +221,72 @@ class EpisodeStore:
         rollout = _rollout_from_hash(fields)
         rewards = {int(k): float(v) for k, v in rewards.items()}
         air = {int(k): float(v) for k, v in air.items()}
-        calls = [
-            IndexedCall.model_validate({**orjson.loads(item), "index": i, "reward": rewards.get(i),
-                                        "air_reward": air.get(i)})
-            for i, item in enumerate(raw_calls)
-        ]
+
+        big = sum(len(item) for item in raw_calls) > 1 << 20
+        items = await asyncio.to_thread(lambda: [orjson.loads(item) for item in raw_calls]) if big \
+            else [orjson.loads(item) for item in raw_calls]
+        items = await self._with_requests(rollout_id, items, offset)
+
+        def decode() -> list[IndexedCall]:
+            return [IndexedCall.model_validate({**item, "index": i, "reward": rewards.get(i),
+                                                "air_reward": air.get(i)})
+                    for i, item in enumerate(items, offset)]
+
+        calls = await asyncio.to_thread(decode) if big else decode()
         return RolloutView(**rollout.model_dump(), calls=calls)
 
     async def policy(self) -> Policy:
         """The current policy pointer (version 0 and no adapter before the learner's first push)."""
+        return await self.stored_policy() or Policy()
+
+    async def stored_policy(self) -> Policy | None:
+        """The policy pointer, or None when none is stored (no push yet, or Redis lost it)."""
         async with _guard(self.timeout_s):
             fields = await self.redis.hgetall(self.keys.policy)
+        if not fields:
+            return None
         return Policy.model_validate({k.decode(): v.decode() for k, v in fields.items() if v != b""})
+
+    async def backlog(self, reward_queue_key: str | None = None) -> int:
+        """Episodes waiting between the agents and the learners: closed but not yet acknowledged by a
+        learner (every consumer group's lag, i.e. entries not yet delivered, plus its pending entries; the
+        whole stream while no learner has created its group yet), plus the reward jobs waiting in the rq
+        queue at `reward_queue_key` (episodes asked to be graded and not yet closed)."""
+        async with _guard(self.timeout_s):
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.xlen(self.keys.episodes)
+            if reward_queue_key:
+                pipe.llen(reward_queue_key)
+            replies = await pipe.execute()
+            groups = await self.redis.xinfo_groups(self.keys.episodes) if replies[0] else []
+        waiting = int(replies[1]) if reward_queue_key else 0
+        if not groups:
+            return waiting + int(replies[0])
+        for group in groups:
+            # lag is None before Redis 7 and on a stream trimmed under the group: then only the pending
+            # entries count (an undercount never holds agents back for episodes that do not exist)
+            waiting += int(group.get("lag") or 0) + int(group.get("pending") or 0)
+        return waiting
+
+    async def epoch(self, create: bool = False) -> str | None:
+        """The store's epoch marker (`keys.epoch`); with `create`, written first if missing (SET NX, so
+        every process that creates it agrees on one value)."""
+        async with _guard(self.timeout_s):
+            value = await self.redis.get(self.keys.epoch)
+            if value is None and create:
+                await self.redis.set(self.keys.epoch, uuid.uuid4().hex, nx=True)
+                value = await self.redis.get(self.keys.epoch)
+        return value.decode() if value is not None else None
+
+    async def check_writable(self) -> None:
+        """A small write with a TTL: raises `StoreUnavailable` when Redis refuses writes (maxmemory with
+        noeviction, a read-only replica, a full disk under `stop-writes-on-bgsave-error`)."""
+        async with _guard(self.timeout_s):
+            await self.redis.set(self.keys.health, repr(time.time()), px=60_000)
+
+    async def rollout_exists(self, rollout_id: str) -> bool:
+        async with _guard(self.timeout_s):
+            return bool(await self.redis.exists(self.keys.rollout(rollout_id)))
 
     async def policy_version(self) -> int:
         """The current policy version (set by the learner after each weight push; 0 before any)."""

@@ -7,7 +7,13 @@ Agent-facing paths (the rollout id in the path, in headers, or absent):
     /tasks/{task_id}/rollouts/{rollout_id}/v1/{endpoint}
 
 with endpoint one of chat/completions, completions, responses (POST, recorded) and models (GET,
-forwarded). Everything else goes to the FastAPI management app (`gateway.routes`).
+forwarded): the agent surface, opened by agent credentials (`gateway.auth`). Everything else is the
+operator surface: the FastAPI management app (`gateway.routes`) and the routes added to it (the reward
+webhook), opened by the operator token, or by a route's own signature check for routes added as signed.
+
+Listeners: without a control port, the one port serves both surfaces. With one, the agent port serves the
+agent surface and a bare liveness `GET /healthz` (everything else is 404 there), and `control` serves the
+operator surface, where `/healthz` and `/metrics` need no token.
 """
 
 from __future__ import annotations
@@ -22,10 +28,13 @@ from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 import structlog
 from fastapi import APIRouter
+from starlette.routing import BaseRoute, Match
 
 from episodes import EpisodeStore
 from episodes.api_error import error_body
 from gateway import errors
+from gateway._asgi import send_body
+from gateway.auth import Credentials
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import Proxy
 from gateway.routes import build_api
@@ -65,34 +74,67 @@ class Gateway:
     """The whole gateway as one ASGI app; resources open in the lifespan."""
 
     def __init__(self, settings: GatewaySettings) -> None:
+        settings.check_layout()
         self.settings = settings
         self.metrics = GatewayMetrics()
         self.store = EpisodeStore.from_url(settings.redis_url, prefix=settings.key_prefix,
                                            timeout_s=settings.redis_timeout_s, rollout_ttl_s=settings.rollout_ttl_s)
         self.upstream = Upstream(settings)
         self.metrics.watch(self.upstream.connections, self.store.record_stats)
-        self.proxy = Proxy(settings, self.store, self.upstream, self.metrics)
+        self.credentials = Credentials(settings)
+        self.proxy = Proxy(settings, self.store, self.upstream, self.metrics, self.credentials)
         self.api = build_api(self)
-        self._background: list[Callable[[], Awaitable[None]]] = [self.proxy.poll_policy_version]
+        self.control = ControlListener(self) if settings.control_port is not None else None
+        self._signed: list[BaseRoute] = []
+        self._background: list[Callable[[], Awaitable[None]]] = [self.proxy.watch.run]
         self._tasks: list[asyncio.Task[None]] = []
 
-    def add_routes(self, router: APIRouter) -> None:
-        """Serve more routes next to the management API (how `rlgate gateway` adds the reward webhook)."""
+    def add_routes(self, router: APIRouter, signed: bool = False) -> None:
+        """Serve more routes on the operator surface (how `rlgate gateway` adds the reward webhook).
+
+        `signed`: the routes check a signature of their own, so a request without the operator token is
+        let through to them (they must then refuse it unless its signature is valid)."""
         self.api.include_router(router)
+        if signed:
+            self._signed.extend(router.routes)
+
+    def is_operator(self, authorization: str | None) -> bool:
+        """Whether an Authorization header value carries the operator token (for routes added as signed:
+        they take it instead of their signature)."""
+        return self.credentials.is_operator((authorization or "").encode("latin-1", "replace"))
 
     def add_background(self, job: Callable[[EpisodeStore], Awaitable[None]]) -> None:
         """Run `job(store)` for the app's lifetime (how `rlgate gateway` runs the sweeper)."""
         self._background.append(partial(job, self.store))
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """The agent port: the agent surface, and the operator surface too when there is no control port."""
         if scope["type"] == "http":
             route = match(scope["path"])
             if route is not None:
                 await self._serve(scope, receive, send, *route)
-                return
+            elif self.control is not None:
+                await _agent_port_rest(scope, send)
+            else:
+                await self.operator(scope, receive, send, on_control=False)
         elif scope["type"] == "lifespan":
             await self._lifespan(receive, send)
-            return
+
+    async def operator(self, scope: dict[str, Any], receive: Any, send: Any, on_control: bool) -> None:
+        """The operator surface, behind the operator token (or a signed route's own check)."""
+        path = scope["path"]
+        if not (on_control and path in ("/healthz", "/metrics")):
+            authorization = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if (path == "/healthz" and not on_control and self.credentials.operator_token is not None
+                    and not self.credentials.is_operator(authorization)):
+                await _liveness(send)  # what an agent's port says of itself: it is up, and nothing else
+                return
+            try:
+                signed = any(route.matches(scope)[0] == Match.FULL for route in self._signed)
+                self.credentials.authorize_operator(authorization, signed)
+            except errors.GatewayError as exc:
+                await _send_error(send, exc)
+                return
         await self.api(scope, receive, send)
 
     async def _serve(self, scope: dict[str, Any], receive: Any, send: Any, endpoint: str,
@@ -108,7 +150,7 @@ class Gateway:
             if endpoint == "models":
                 if scope["method"] != "GET":
                     raise _method_not_allowed(scope, "GET")
-                await self.proxy.models(scope, tracked_send)
+                await self.proxy.models(scope, tracked_send, rollout_id)
             else:
                 if scope["method"] != "POST":
                     raise _method_not_allowed(scope, "POST")
@@ -118,12 +160,7 @@ class Gateway:
                 log.warning("call_failed", path=scope["path"], status=exc.status, error=exc.message)
             if started:
                 return
-            headers = [(b"content-type", b"application/json"),
-                       *((k.encode(), v.encode()) for k, v in exc.headers.items())]
-            body = exc.body()
-            await send({"type": "http.response.start", "status": exc.status,
-                        "headers": [*headers, (b"content-length", str(len(body)).encode())]})
-            await send({"type": "http.response.body", "body": body})
+            await _send_error(send, exc)
         except Exception:
             log.exception("call_crashed", path=scope["path"])
             self.metrics.errors.labels("internal").inc()
@@ -153,6 +190,9 @@ class Gateway:
         _tune_gc()
         log.info("gateway_started", upstream=_redact(self.settings.upstream_url), upstream_kind=self.settings.upstream_kind,
                  redis=_redact(self.settings.redis_url), key_prefix=self.settings.key_prefix)
+        if self.credentials.operator_token is None and self.control is None:
+            log.warning("operator_surface_open", problem="no operator token and no control port: whoever "
+                        "reaches this port can read and create rollouts and post rewards (development mode)")
 
     async def shutdown(self) -> None:
         for task in self._tasks:
@@ -162,6 +202,45 @@ class Gateway:
                 await task
         await self.upstream.aclose()
         await self.store.aclose()
+
+
+class ControlListener:
+    """The control port's app: the operator surface alone (agent paths are 404 here)."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return  # served with lifespan off: the agent port's server runs the gateway's lifespan
+        if match(scope["path"]) is not None:
+            await _send_error(send, _not_found(scope))
+            return
+        await self.gateway.operator(scope, receive, send, on_control=True)
+
+
+async def _agent_port_rest(scope: dict[str, Any], send: Any) -> None:
+    """Anything but the agent surface on the agent port of a split layout: liveness, else 404."""
+    if scope["path"] == "/healthz" and scope["method"] == "GET":
+        await _liveness(send)
+    else:
+        await _send_error(send, _not_found(scope))
+
+
+async def _liveness(send: Any) -> None:
+    await send_body(send, 200, b'{"status":"ok"}', [(b"content-type", b"application/json")])
+
+
+def _not_found(scope: dict[str, Any]) -> errors.GatewayError:
+    """The same 404 as any unknown path: an operator path's existence is not told on the agent port."""
+    message = f"{scope['method']} {scope['path']}: Not Found"
+    return errors.NotFound(message, code=404)  # type: ignore[arg-type]  # FastAPI's 404s carry the int
+
+
+async def _send_error(send: Any, exc: errors.GatewayError) -> None:
+    headers = [(b"content-type", b"application/json"),
+               *((k.encode(), v.encode()) for k, v in exc.headers.items())]
+    await send_body(send, exc.status, exc.body(), headers)
 
 
 def _tune_gc() -> None:

@@ -28,6 +28,14 @@ class Unauthorized(GatewayError):
     code = "invalid_api_key"
 
 
+class Forbidden(GatewayError):
+    """A valid credential used where it does not open the door (another rollout, the other surface)."""
+
+    status = 403
+    type = "permission_error"
+    code = "forbidden"
+
+
 class NotFound(GatewayError):
     status = 404
     type = "not_found_error"
@@ -56,6 +64,14 @@ class PolicyPushing(GatewayError):
     status = 429
     type = "rate_limit_error"
     code = "policy_push_in_progress"
+
+
+class BacklogFull(GatewayError):
+    """Too many episodes wait for rewards or training: a new rollout is refused for now (`max_backlog`)."""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "backlog_full"
 
 
 class UpstreamError(GatewayError):

@@ -10,7 +10,6 @@ binding them with structlog's contextvars (measured: 3% of the gateway's CPU per
 from __future__ import annotations
 
 import asyncio
-import hmac
 import time
 import uuid
 from dataclasses import dataclass
@@ -24,10 +23,12 @@ from episodes import CallError, CallRecord, Endpoint, EpisodeStore
 from gateway import capture, errors
 from gateway._asgi import disconnected, error_event, read_json, send_body
 from gateway.air import AutomaticRewards
+from gateway.auth import Credentials
 from gateway.metrics import GatewayMetrics
 from gateway.settings import GatewaySettings
 from gateway.streaming import DONE, StreamRelay
 from gateway.upstream import Upstream
+from gateway.watch import StoreWatch
 
 log = structlog.get_logger("rlgate.gateway")
 
@@ -67,41 +68,38 @@ class Call:
 
 class Proxy:
     def __init__(self, settings: GatewaySettings, store: EpisodeStore, upstream: Upstream,
-                 metrics: GatewayMetrics) -> None:
+                 metrics: GatewayMetrics, credentials: Credentials) -> None:
         self.settings = settings
         self.store = store
         self.upstream = upstream
         self.metrics = metrics
         self.inject = settings.upstream_kind == "vllm"
-        self.policy = episodes.Policy()
-        self.api_keys = [k.strip().encode() for k in (settings.api_keys or "").split(",") if k.strip()]
+        self.watch = StoreWatch(settings, store, metrics)
+        self.credentials = credentials
+        self.check_credentials = credentials.agent_checked  # False: the open development mode
         self.air = (AutomaticRewards(store, settings.air_reward, settings.air_error_patterns)
                     if settings.air else None)
         self._background: set[asyncio.Task[Any]] = set()
 
     @property
-    def policy_version(self) -> int:
-        return self.policy.version
+    def policy(self) -> episodes.Policy:
+        """The policy pointer as last read from Redis (`watch.StoreWatch`)."""
+        return self.watch.policy
 
-    async def poll_policy_version(self) -> None:
-        """Keep the policy pointer current; the learner moves it in Redis after each weight push."""
-        failing = False
-        while True:
-            try:
-                self.policy = await self.store.policy()
-                failing = False
-            except episodes.StoreUnavailable as exc:
-                if not failing:
-                    log.warning("policy_version_unreadable", error=str(exc))
-                failing = True
-            await asyncio.sleep(self.settings.policy_poll_s)
+    @property
+    def policy_version(self) -> int:
+        return self.watch.policy.version
 
     # -----------------------------------------------------------------------------------------------------
     # Entry points
 
-    async def models(self, scope: dict[str, Any], send: Any) -> None:
-        if self.api_keys:
-            self._authenticate(next((v for k, v in scope["headers"] if k == b"authorization"), b""))
+    async def models(self, scope: dict[str, Any], send: Any, rollout_id: str | None) -> None:
+        if self.check_credentials:
+            headers = scope["headers"]
+            named = next((v.decode("latin-1") for k, v in headers if k == b"x-rollout-id"), None)
+            rollout_id = rollout_id or named
+            self.credentials.authorize_agent(next((v for k, v in headers if k == b"authorization"), b""),
+                                             rollout_id)
         async with self.upstream.request("GET", "/models") as response:
             body = await response.read()
             status = response.status
@@ -123,8 +121,8 @@ class Proxy:
                 agent_name = value.decode("utf-8", "replace")
             elif name == b"authorization":
                 authorization = value
-        if self.api_keys:
-            self._authenticate(authorization)
+        if self.check_credentials:  # before anything is read, recorded or sent upstream
+            rollout_id = self.credentials.authorize_agent(authorization, rollout_id)
         try:
             if rollout_id is None:
                 if self.settings.require_rollout_id:
@@ -138,6 +136,13 @@ class Proxy:
                 episodes.validate_id(task_id, "task id")
         except episodes.InvalidId as exc:
             raise errors.BadRequest(str(exc), code="invalid_id") from exc
+        watch = self.watch
+        if watch.lost and rollout_id in watch.lost:
+            self.metrics.calls.labels(endpoint, "rollout_data_lost").inc()
+            raise errors.Conflict(f"rollout {rollout_id!r} was recorded before Redis lost its data: it cannot be "
+                                  "continued or closed; start a new rollout", code="rollout_data_lost")
+        if watch.over_backlog and not await self._rollout_exists(rollout_id):
+            await self._after_backlog(endpoint)
         body = await read_json(receive, self.settings.max_body_bytes)
         policy = self.policy  # one read: the version tag and the adapter the call goes to agree
         if policy.draining:
@@ -152,10 +157,15 @@ class Proxy:
             call.served_model = policy.adapter
         # Resolves when the agent hangs up: its call is then recorded as failed (it never saw the answer)
         # and a stream stops reading upstream, which makes vLLM abort the request.
+        try:  # the body is written once anyway; what orjson cannot write back cannot be stored either
+            upstream_raw = orjson.dumps(upstream_body)
+        except orjson.JSONEncodeError as exc:
+            raise errors.BadRequest(f"request body cannot be stored: {exc} (JSON nested more than 254 levels)",
+                                    code="invalid_json") from exc
         disconnect = asyncio.ensure_future(disconnected(receive))
         serve = self._stream if call.stream else self._unary
         try:
-            await serve(call, orjson.dumps(upstream_body), injected, send, disconnect)
+            await serve(call, upstream_raw, injected, send, disconnect)
             if self.air is not None:  # only for a call that was recorded: the rollout takes rewards
                 self._automatic_rewards(rollout_id, body)
         except errors.UpstreamError as exc:
@@ -170,6 +180,27 @@ class Proxy:
             raise
         finally:
             disconnect.cancel()
+
+    async def _rollout_exists(self, rollout_id: str) -> bool:
+        try:
+            return await self.store.rollout_exists(rollout_id)
+        except episodes.StoreUnavailable as exc:
+            raise errors.StoreUnavailable("the gateway cannot reach Redis; retry later",
+                                          headers={"retry-after": "1"}) from exc
+
+    async def _after_backlog(self, endpoint: str) -> None:
+        """A new rollout while the backlog is over `max_backlog`: held until it drops (up to
+        `backlog_wait_s`), then 429 with Retry-After. Calls of rollouts under way are never held."""
+        self.metrics.calls.labels(endpoint, "held_for_backlog").inc()
+        deadline = time.perf_counter() + self.settings.backlog_wait_s
+        while self.watch.over_backlog:
+            if time.perf_counter() > deadline:
+                self.metrics.calls.labels(endpoint, "backlog_rejected").inc()
+                raise errors.BacklogFull(
+                    f"{self.watch.backlog} episodes wait for rewards or training (max_backlog "
+                    f"{self.settings.max_backlog}): new rollouts are held back; retry shortly",
+                    headers={"retry-after": str(max(1, round(self.settings.backlog_wait_s / 4)))})
+            await asyncio.sleep(self.settings.policy_poll_s / 2)
 
     async def _after_push(self) -> episodes.Policy:
         """The policy once the full-weight push under way is over (wait), or 429 (reject, or too long)."""
@@ -192,14 +223,6 @@ class Proxy:
             task = asyncio.create_task(self.air.apply(rollout_id, failed_tool_calls))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
-
-    def _authenticate(self, authorization: bytes) -> None:
-        """The agent's bearer token must be one of the configured API keys (compared in constant time)."""
-        scheme, _, token = authorization.partition(b" ")
-        token = token.strip()
-        valid = scheme.lower() == b"bearer" and token != b""
-        if not (valid and any(hmac.compare_digest(token, key) for key in self.api_keys)):
-            raise errors.Unauthorized("missing or invalid API key (Authorization: Bearer KEY)")
 
     # -----------------------------------------------------------------------------------------------------
     # Non-streaming
@@ -324,12 +347,19 @@ class Proxy:
         )
         if not transitions:
             return [CallRecord(**common)]
-        return [
+        records = [
             CallRecord(choice_index=t.choice_index, response=t.response, prompt_token_ids=t.prompt_token_ids,
                        completion_token_ids=t.completion_token_ids, completion_logprobs=t.completion_logprobs,
                        **common)
             for t in transitions
         ]
+        # n > 1: the request is stored once per call, with choice 0 (the choices are appended together, in
+        # choice order, by one script); the store fills it in for the other choices when it reads them
+        if len(records) > 1 and [r.choice_index for r in records] == list(range(len(records))):
+            for record in records[1:]:
+                record.request = {}
+                record.request_shared = True
+        return records
 
     async def _commit(self, call: Call, records: list[CallRecord], outcome: str, write_log: bool = True
                       ) -> tuple[str, int | None]:
@@ -340,6 +370,7 @@ class Proxy:
         t = time.perf_counter()
         try:
             index = await self.store.record_calls(call.rollout_id, call.task_id, records)
+            self.watch.recorded(call.rollout_id)
         except episodes.StoreUnavailable as exc:
             self.metrics.errors.labels("store").inc()
             if self.settings.on_store_error == "pass":

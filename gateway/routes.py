@@ -1,19 +1,22 @@
 """The gateway's management API (FastAPI): create and inspect rollouts, health, metrics.
 
-The recorded completion endpoints do not go through here; they are served by `gateway.proxy` directly.
+All of it is the operator surface: `gateway.app` lets a request in only with the operator token (or on the
+control port, for health and metrics). The recorded completion endpoints do not go through here; they are
+served by `gateway.proxy` directly.
 """
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from typing import TYPE_CHECKING, Any
 
 import orjson
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import episodes
@@ -30,7 +33,22 @@ class CreateRollout(BaseModel):
 
     task_id: str | None = Field(None, description="The task this rollout is a run of (the GRPO group key).")
     rollout_id: str | None = Field(None, description="Choose the id yourself; default: a new random one.")
-    metadata: dict[str, Any] = Field(default_factory=dict)
+    metadata: dict[str, Any] = Field(default_factory=dict, description="Up to 64 KiB of JSON, stored with the "
+                                     "rollout (nested at most 254 levels; no lone UTF-16 surrogates).")
+
+    @field_validator("metadata")
+    @classmethod
+    def _storable(cls, value: dict[str, Any]) -> dict[str, Any]:
+        try:
+            size = len(orjson.dumps(value))
+        except orjson.JSONEncodeError as exc:  # lone surrogates, integers beyond 64 bits, too deep
+            raise ValueError(f"metadata cannot be stored as JSON: {exc}") from exc
+        if size > METADATA_MAX_BYTES:
+            raise ValueError(f"metadata is {size} bytes of JSON; at most {METADATA_MAX_BYTES}")
+        return value
+
+
+METADATA_MAX_BYTES = 64 * 1024
 
 
 class RolloutCreated(BaseModel):
@@ -40,10 +58,30 @@ class RolloutCreated(BaseModel):
     created_at: float
     metadata: dict[str, Any]
     base_url: str = Field(description="OPENAI_BASE_URL for the agent of this rollout.")
+    api_key: str | None = Field(description="OPENAI_API_KEY for the agent of this rollout: valid on this "
+                                "rollout's completion endpoints alone. Null without a rollout key secret.")
+
+
+PAGE_DEFAULT, PAGE_MAX = 100, 1000
+
+
+class RolloutPage(RolloutView):
+    """`GET /rollouts/{id}?offset=&limit=`: the rollout with one page of its calls."""
+
+    next_offset: int | None = Field(description="The offset of the next page; null on the last one.")
 
 
 def _json(status: int, body: bytes, headers: dict[str, str] | None = None) -> Response:
     return Response(body, status_code=status, media_type="application/json", headers=headers)
+
+
+def _agent_base(request: Request, gateway: Gateway) -> str:
+    """The agents' base URL when none is configured: the request's own, on the agent port when the request
+    came to the control port (same host name: set public_url where agents reach it by another)."""
+    base = request.base_url
+    if gateway.control is not None and base.port == gateway.settings.control_port:
+        base = base.replace(port=gateway.settings.port)
+    return str(base)
 
 
 def build_api(gateway: Gateway) -> FastAPI:
@@ -74,38 +112,53 @@ def build_api(gateway: Gateway) -> FastAPI:
     @api.post("/rollouts", status_code=201, response_model=RolloutCreated)
     async def create_rollout(body: CreateRollout, request: Request) -> Response:
         rollout_id = body.rollout_id or uuid.uuid4().hex
+        watch = gateway.proxy.watch
+        if rollout_id in watch.lost:
+            raise errors.Conflict(f"rollout {rollout_id!r} was recorded before Redis lost its data; use a new id",
+                                  code="rollout_data_lost")
+        if watch.over_backlog:  # as a new rollout's first call would be held (`max_backlog`)
+            raise errors.BacklogFull(f"{watch.backlog} episodes wait for rewards or training (max_backlog "
+                                     f"{gateway.settings.max_backlog}): retry shortly",
+                                     headers={"retry-after": str(max(1, round(gateway.settings.backlog_wait_s / 4)))})
         try:
             rollout = await store.create_rollout(rollout_id, body.task_id, body.metadata)
         except episodes.InvalidId as exc:
             raise errors.BadRequest(str(exc), code="invalid_id") from exc
         except episodes.RolloutExists as exc:
             raise errors.Conflict(str(exc), code="rollout_exists") from exc
-        base = gateway.settings.public_url or str(request.base_url)
-        base = base.rstrip("/")
+        base = (gateway.settings.public_url or _agent_base(request, gateway)).rstrip("/")
         if rollout.task_id is not None:
             base_url = f"{base}/tasks/{rollout.task_id}/rollouts/{rollout.rollout_id}/v1"
         else:
             base_url = f"{base}/rollouts/{rollout.rollout_id}/v1"
-        created = RolloutCreated(**rollout.model_dump(exclude={"schema_version"}), base_url=base_url)
+        created = RolloutCreated(**rollout.model_dump(exclude={"schema_version"}), base_url=base_url,
+                                 api_key=gateway.credentials.rollout_key(rollout.rollout_id))
         return _json(201, created.model_dump_json().encode())
 
-    @api.get("/rollouts/{rollout_id}", response_model=RolloutView)
-    async def get_rollout(rollout_id: str) -> Response:
+    @api.get("/rollouts/{rollout_id}", response_model=RolloutPage)
+    async def get_rollout(rollout_id: str, offset: int = Query(0, ge=0, description="First call index."),
+                          limit: int = Query(PAGE_DEFAULT, ge=1, le=PAGE_MAX, description="Calls per page.")
+                          ) -> Response:
         try:
             episodes.validate_id(rollout_id, "rollout id")
         except episodes.InvalidId as exc:
             raise errors.BadRequest(str(exc), code="invalid_id") from exc
-        view = await store.get_rollout_view(rollout_id)
+        view = await store.get_rollout_view(rollout_id, offset, limit + 1)  # one more: is there a next page?
         if view is None:
             raise errors.NotFound(f"no rollout {rollout_id!r}", code="rollout_not_found")
-        # the finish request's ground truth and options are for the reward job, not for agents
-        return _json(200, view.model_dump_json(exclude={"finish": {"ground_truth", "params"}}).encode())
+        more = len(view.calls) > limit
+        page = RolloutPage.model_construct(**{**dict(view), "calls": view.calls[:limit]},
+                                           next_offset=offset + limit if more else None)
+        # the finish request's ground truth and options are for the reward job alone; a page of large
+        # calls is serialized off the event loop
+        body = await asyncio.to_thread(page.model_dump_json, exclude={"finish": {"ground_truth", "params"}})
+        return _json(200, body.encode())
 
     @api.get("/healthz")
     async def healthz() -> Response:
         checks: dict[str, str] = {}
         try:
-            await store.ping()
+            await store.check_writable()  # a Redis that answers but refuses writes cannot record calls
             checks["redis"] = "ok"
         except episodes.StoreUnavailable as exc:
             checks["redis"] = f"error: {exc}"
@@ -115,9 +168,13 @@ def build_api(gateway: Gateway) -> FastAPI:
         except errors.GatewayError as exc:
             checks["upstream"] = f"error: {exc.message}"
         ok = all(value == "ok" for value in checks.values())
-        status = 200 if ok else 503
-        return _json(status, orjson.dumps({"status": "ok" if ok else "unhealthy", **checks,
-                                           "policy_version": gateway.proxy.policy_version}))
+        # degraded: the gateway works, but something an operator must look at happened (gateway.watch)
+        watch = gateway.proxy.watch
+        state = ("degraded" if watch.problems else "ok") if ok else "unhealthy"
+        return _json(200 if ok else 503, orjson.dumps({
+            "status": state, **checks, "policy_version": gateway.proxy.policy_version,
+            "backlog": watch.backlog, "holding_new_rollouts": watch.over_backlog,
+            "problems": dict(watch.problems)}))
 
     @api.get("/metrics")
     async def metrics() -> Response:

@@ -37,7 +37,12 @@ class GatewaySettings(BaseSettings):
     key_prefix: str = Field("rlgate", description="Prefix of every Redis key (lets deployments share a Redis).")
     redis_timeout_s: float = Field(5.0, description="Time limit of one Redis command.")
     host: str = Field("127.0.0.1", description="Interface to listen on.")
-    port: int = Field(8100, description="Port to listen on.")
+    port: int = Field(8100, description="Port to listen on (the agent port).")
+    control_port: int | None = Field(
+        None, description="Serve the operator surface (rollouts, rewards, metrics, health) on this second "
+        "port instead; the agent port then serves only the completion endpoints (operator paths are 404 "
+        "there). Publish only the agent port to agents.")
+    control_host: str = Field("127.0.0.1", description="Interface the control port listens on.")
     public_url: str | None = Field(
         None,
         description="Base URL agents reach this gateway at, used in the base_url that POST /rollouts "
@@ -47,8 +52,21 @@ class GatewaySettings(BaseSettings):
     api_keys: str | None = Field(
         None,
         description="Comma-separated API keys agents must send (Authorization: Bearer KEY) on the completion "
-        "endpoints. These keys cannot post rewards: those need the webhook secret.",
+        "endpoints, valid on every rollout. They open nothing on the operator surface.",
     )
+    rollout_key_secret: SecretStr | None = Field(
+        None, description="Secret of the rollout keys: with it, POST /rollouts returns an api_key valid on "
+        "that rollout's completion endpoints alone (an HMAC of the rollout id; gateways sharing the secret "
+        "accept each other's keys). At least 16 characters.")
+    require_rollout_keys: bool = Field(
+        False, description="Completion calls must carry their rollout's key: API keys are no longer "
+        "accepted there, and a key of one rollout on another is 403. Needs rollout_key_secret.")
+    operator_token: SecretStr | None = Field(
+        None, description="Bearer token of the operator surface (rollout reads and creation, rewards, "
+        "metrics, OpenAPI schema); reward routes also take a valid webhook signature instead. Refused on "
+        "the completion endpoints. At least 16 characters. Without it, agent credentials (api_keys, "
+        "require_rollout_keys) need a control_port, which then serves the operator surface to whoever "
+        "reaches it.")
     air: bool = Field(
         False,
         description="Automatic intermediate rewards: when a tool result sent back to the model reports an "
@@ -76,7 +94,59 @@ class GatewaySettings(BaseSettings):
         "wait", description="During a full-weight push: hold new calls until it is over (wait), or answer "
         "429 with Retry-After (reject).")
     push_wait_s: float = Field(120.0, description="The longest a call is held during a push before it gets 429.")
+    max_backlog: int = Field(
+        10_000, ge=0, description="Hold new rollouts back while more episodes than this wait between the agents "
+        "and the learners: closed and not yet acknowledged by a learner, plus reward jobs queued. Calls of "
+        "rollouts under way go on. 0: no limit.")
+    backlog_wait_s: float = Field(30.0, ge=0, description="The longest a new rollout's first call is held for the "
+                                  "backlog before it gets 429 with Retry-After.")
+    reward_queue: str = Field("rlgate-rewards", description="The rq queue reward jobs go through (its waiting "
+                              "jobs count toward max_backlog; the reward worker's RLGATE_REWARD_QUEUE).")
+    recent_rollouts: int = Field(100_000, ge=1, description="How many rollouts this gateway remembers having "
+                                 "recorded, to refuse calls into them after Redis lost its data.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
     log_format: Literal["auto", "json", "console"] = Field(
         "auto", description="auto: console on a terminal, JSON lines otherwise."
     )
+    header_timeout_s: float = Field(
+        10.0, gt=0, description="A connection must send a request's line and headers within this long of "
+        "opening (for a later request on a kept-alive connection: of its first byte); otherwise it is "
+        "closed (408 if a request had begun). On every listener.")
+    body_timeout_s: float = Field(
+        60.0, gt=0, description="Once the headers are in, the body must arrive within this long, plus one "
+        "second per body_min_bytes_per_s bytes received; otherwise the connection is closed (408).")
+    body_min_bytes_per_s: int = Field(
+        16 * 1024, ge=0, description="The slowest upload that still extends the body deadline (bytes per "
+        "second, as Apache's mod_reqtimeout MinRate); 0: body_timeout_s is a fixed limit.")
+    max_header_bytes: int = Field(
+        64 * 1024, ge=1024, description="Largest request line plus headers accepted (431 and the connection "
+        "closed above).")
+    max_connections: int = Field(
+        4096, ge=1, description="Open connections per listener. Above it a new connection closes the one "
+        "that has waited longest without a whole request in service (still sending, or idle between "
+        "requests); when every connection has one, the new one is closed. Lowered to what the process's "
+        "open-file limit allows.")
+
+    def check_layout(self) -> None:
+        """Raise ValueError for a layout where an agent's credential or network would reach the operator
+        surface, or where credentials could be taken for one another. (Not a validator: its error would
+        echo the settings, secrets included.)"""
+        keys = [k.strip() for k in (self.api_keys or "").split(",") if k.strip()]
+        operator = self.operator_token.get_secret_value() if self.operator_token is not None else None
+        secret = self.rollout_key_secret.get_secret_value() if self.rollout_key_secret is not None else None
+        for name, value in (("operator_token", operator), ("rollout_key_secret", secret)):
+            if value is not None and len(value) < 16:
+                raise ValueError(f"{name} must be at least 16 characters")
+        if self.require_rollout_keys and secret is None:
+            raise ValueError("require_rollout_keys needs rollout_key_secret (RLGATE_ROLLOUT_KEY_SECRET)")
+        if operator is not None and (operator in keys or operator == secret):
+            raise ValueError("operator_token must differ from every API key and from rollout_key_secret")
+        if any(k.startswith("rk-") for k in keys):
+            raise ValueError("API keys must not start with 'rk-' (the rollout keys' prefix)")
+        if (keys or self.require_rollout_keys) and operator is None and self.control_port is None:
+            raise ValueError(
+                "agents need credentials here (api_keys or require_rollout_keys) but the operator surface "
+                "would be open on their port: set operator_token (RLGATE_OPERATOR_TOKEN) or serve it on a "
+                "control_port (RLGATE_CONTROL_PORT)")
+        if self.control_port is not None and self.control_port == self.port:
+            raise ValueError("control_port must differ from port")

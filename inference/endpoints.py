@@ -22,7 +22,7 @@ from inference.protocol import (
     TokenizeRequest,
 )
 from inference.model import Model, Output
-from inference.tools import ToolCall, hermes_stream_deltas, parse_hermes
+from inference.tools import HermesStream, chat_fields, keeps_tool_calls
 
 log = structlog.get_logger("rlgate.serve")
 LOGPROB_FLOOR = -9999.0  # vLLM clamps reported log-probs here (-inf is not JSON)
@@ -88,28 +88,24 @@ class Server:
         started = time.perf_counter()
         outputs = await asyncio.gather(*(m.generate(prompt, p, stops, request.model) for p in params))
         _log_completion("chat.completions", started, [len(prompt)], outputs, bool(request.stream))
-        parse_tools = bool(request.tools) and request.tool_choice != "none"
-        named = isinstance(request.tool_choice, dict) or request.tool_choice == "required"
-        parsed = [parse_hermes(o.text) if parse_tools else (o.text, []) for o in outputs]
-        finish = [("tool_calls" if calls and o.finish_reason == "stop" and not named else o.finish_reason)
-                  for o, (_, calls) in zip(outputs, parsed, strict=True)]
+        fields = [chat_fields(o.text, request.tool_choice, o.finish_reason) for o in outputs]
         rti, lp = bool(request.return_token_ids), bool(request.logprobs)
         head = {"id": f"chatcmpl-{random_id()}",
                 "object": "chat.completion.chunk" if request.stream else "chat.completion",
                 "created": int(time.time()), "model": m.name}
         if request.stream:
-            frames = self.chat_frames(request, head, prompt, outputs, parsed, finish, stops)
+            frames = self.chat_frames(request, head, prompt, outputs, stops)
             return StreamingResponse(_aiter(frames), media_type="text/event-stream")
         choices = []
-        for i, (out, (content, calls)) in enumerate(zip(outputs, parsed, strict=True)):
-            message: dict[str, Any] = {"role": "assistant", "content": (content or "") if named else content,
-                                       "refusal": None, "annotations": None, "audio": None, "function_call": None}
+        for i, (out, (content, calls, finish)) in enumerate(zip(outputs, fields, strict=True)):
+            message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None,
+                                       "annotations": None, "audio": None, "function_call": None}
             if calls:  # vLLM's ChatMessage drops an empty tool_calls list
                 message["tool_calls"] = [c.to_wire() for c in calls]
             message["reasoning"] = None
             choices.append({"index": i, "message": message,
                             "logprobs": self.chat_logprobs(out, 0, len(out.token_ids), k) if lp else None,
-                            "finish_reason": finish[i], "stop_reason": out.stop_reason,
+                            "finish_reason": finish, "stop_reason": out.stop_reason,
                             "token_ids": out.token_ids if rti else None, "routed_experts": None,
                             "weight_versions": None})
         body = {**head, "choices": choices, "service_tier": None, "system_fingerprint": m.fingerprint,
@@ -119,8 +115,7 @@ class Server:
         return Response(orjson.dumps(body), media_type="application/json")
 
     def chat_frames(self, request: ChatCompletionRequest, head: dict[str, Any], prompt: list[int],
-                    outputs: list[Output], parsed: list[tuple[str | None, list[ToolCall]]], finish: list[str],
-                    stops: list[str]) -> Iterator[bytes]:
+                    outputs: list[Output], stops: list[str]) -> Iterator[bytes]:
         m, n = self.model, len(outputs)
         rti, lp = bool(request.return_token_ids), bool(request.logprobs)
         k = (request.top_logprobs or 0) if lp else 0
@@ -128,7 +123,7 @@ class Server:
         inc_usage = bool(opts and opts.include_usage)
         cont = inc_usage and bool(opts and opts.continuous_usage_stats)
         P = len(prompt)
-        deltas = [self._chat_deltas(out, calls, stops) for out, (_, calls) in zip(outputs, parsed, strict=True)]
+        deltas, finish = zip(*(self._chat_deltas(request, out, stops) for out in outputs), strict=True)
         for i in range(n):
             frame: dict[str, Any] = {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                                          "logprobs": None, "finish_reason": None}]}
@@ -171,14 +166,19 @@ class Server:
                         "system_fingerprint": self.model.fingerprint})
         yield DONE
 
-    def _chat_deltas(self, out: Output, calls: list[ToolCall], stops: list[str]) -> list[dict[str, Any] | None]:
-        """Per token, the delta to stream (None: nothing). With parsed tool calls, the hermes streaming
-        deltas (`inference.tools.hermes_stream_deltas`); an unparsable call streams as plain content, as
-        the non-streaming answer reports it."""
+    def _chat_deltas(self, request: ChatCompletionRequest, out: Output, stops: list[str]
+                     ) -> tuple[list[dict[str, Any] | None], str]:
+        """Per token, the delta to stream (None: nothing), and the choice's finish reason. Unless
+        `tool_choice` is "none", the text goes through the streaming hermes parser (`inference.tools`),
+        as vLLM's does: the finish reason is "tool_calls" once a call streamed (a named tool: "stop")."""
         pieces = self.model.detok.stream_pieces(out.token_ids, out.text, stops)
-        if calls:
-            return hermes_stream_deltas(pieces, calls)
-        return [{"content": p} if p else None for p in pieces]
+        if request.tool_choice == "none":
+            return [{"content": p} if p else None for p in pieces], out.finish_reason
+        parser = HermesStream(keeps_tool_calls(request.tool_choice))
+        deltas = [parser.step(p, i == len(pieces) - 1) for i, p in enumerate(pieces)]
+        named = isinstance(request.tool_choice, dict)
+        finish = "tool_calls" if parser.streamed and out.finish_reason == "stop" and not named else out.finish_reason
+        return deltas, finish
 
     # ------------------------------------------------------------ completions
     def completion_logprobs(self, out: Output, lo: int, hi: int, k: int, offset: int) -> tuple[dict[str, Any], int]:
@@ -218,7 +218,7 @@ class Server:
                 "model": m.name}
         P = sum(len(p) for p in prompts)
         if request.stream:
-            return StreamingResponse(_aiter(self.completion_frames(request, head, pairs, outputs, stops, P)),
+            return StreamingResponse(_aiter(self.completion_frames(request, head, pairs, outputs, stops, P, echo)),
                                      media_type="text/event-stream")
         choices = []
         for j, ((prompt, _), out) in enumerate(zip(pairs, outputs, strict=True)):
@@ -237,23 +237,26 @@ class Server:
 
     def completion_frames(self, request: CompletionRequest, head: dict[str, Any],
                           pairs: list[tuple[list[int], SamplingParams]], outputs: list[Output], stops: list[str],
-                          P: int) -> Iterator[bytes]:
+                          P: int, echo: bool) -> Iterator[bytes]:
+        """vLLM's completion chunks. With `echo`, a choice's first chunk carries the prompt's text before its
+        first token's, and the prompt's token ids (with or without `return_token_ids`)."""
         m, k, rti = self.model, request.logprobs, bool(request.return_token_ids)
         opts = request.stream_options
         inc_usage = bool(opts and opts.include_usage)
         cont = inc_usage and bool(opts and opts.continuous_usage_stats)
         pieces = [m.detok.stream_pieces(o.token_ids, o.text, stops) for o in outputs]
-        offsets = [0] * len(outputs)
+        prefixes = [m.detok.text(prompt) if echo else "" for prompt, _ in pairs]
+        offsets = [len(prefix) for prefix in prefixes]
         for j, pos, last in _steps(outputs):
             out, prompt = outputs[j], pairs[j][0]
             lps = None
             if k is not None:
                 lps, offsets[j] = self.completion_logprobs(out, pos, pos + 1, k, offsets[j])
             frame: dict[str, Any] = {**head, "choices": [{
-                "index": j, "text": pieces[j][pos], "logprobs": lps,
+                "index": j, "text": prefixes[j] + pieces[j][pos] if pos == 0 else pieces[j][pos], "logprobs": lps,
                 "finish_reason": out.finish_reason if last else None,
                 "stop_reason": out.stop_reason if last else None,
-                "prompt_token_ids": prompt if rti and pos == 0 else None,
+                "prompt_token_ids": prompt if (rti or request.echo) and pos == 0 else None,
                 "token_ids": [out.token_ids[pos]] if rti else None, "weight_versions": None}]}
             if cont:
                 frame["usage"] = {"prompt_tokens": len(prompt), "total_tokens": len(prompt) + pos + 1,

@@ -6,18 +6,30 @@ its own seeded generator. Per step, row r's logits z (float32, [V]) become the d
 from, in vLLM's order:
 
     z' = z + logit_bias                     (the request's bias, by token id)
-    z' = z' / temperature                   (temperature > 0; temperature == 0 is greedy: argmax of z')
+    z' = z' / temperature                   (temperature > 0; temperature == 0 is greedy: argmax of z';
+                                             0 < temperature < 0.01 is raised to 0.01, as vLLM's
+                                             SamplingParams does, so that z / T stays finite)
     z' = mask(z', top_k)                    (keep the k largest; k <= 0 keeps all)
     z' = mask(z', top_p)                    (keep the smallest set of largest tokens whose probability,
                                              after top-k, reaches top_p; the most likely is always kept)
     p  = softmax(z')
 
-The reported log-prob of a sampled token is log p(token): the distribution actually sampled from (after
-bias, temperature and truncation), so a learner's importance ratios compare like with like. With
-temperature 0 it is log softmax(z + logit_bias) (no scaling, no truncation). `top_logprobs` come from the
-same distribution (tokens outside the truncated set have -inf and are not listed). Behind vLLM, which
-log-probs it reports is its `--logprobs-mode` (raw or processed); the learner must be told which
-(checked against a real vLLM: not yet, no GPU here).
+What each sampled token's log-prob (and its `top_logprobs`) reports is the engine's `logprobs_mode`,
+vLLM's `--logprobs-mode` with vLLM v1's semantics (`vllm/v1/sample/sampler.py`, `ops/topk_topp_sampler.py`):
+
+    raw_logprobs        log softmax(z)      the model's own distribution: before logit_bias, temperature,
+                                            top-k and top-p (vLLM's default, and the engine's and `rlgate serve`'s)
+    raw_logits          z
+    processed_logprobs  log softmax(z')     the distribution actually sampled from; tokens cut by top-k or
+                                            top-p are -inf (reported as -9999.0, as vLLM clamps them)
+    processed_logits    z'
+
+With temperature 0 (greedy) z' = z + logit_bias: vLLM neither scales nor truncates greedy rows. The
+candidates of `top_logprobs` are ranked by the reported values. A learner that compares its own
+log-probs with the server's needs processed_logprobs (which `Engine` uses only when told to).
+
+A row whose sampling fails (an exception in its own step: its parameters, its stop callback) ends with
+that error in `Completion.error`; the other rows of its batch go on.
 """
 
 from __future__ import annotations
@@ -30,7 +42,10 @@ from typing import Literal
 import torch
 from torch import nn
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "error"]
+LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
+LOGPROBS_MODES: tuple[LogprobsMode, ...] = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+MIN_TEMPERATURE = 0.01  # vLLM's `_MAX_TEMP` (vllm/sampling_params.py): lower positive temperatures become this
 
 
 @dataclass(frozen=True)
@@ -52,6 +67,8 @@ class SamplingParams:
             raise ValueError("max_tokens must be at least 1")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
+        if 0 < self.temperature < MIN_TEMPERATURE:  # vLLM's SamplingParams.__post_init__
+            object.__setattr__(self, "temperature", MIN_TEMPERATURE)
 
 
 @dataclass
@@ -63,14 +80,19 @@ class Completion:
     top_logprobs: list[list[tuple[int, float]]]
     finish_reason: FinishReason
     stop_token_id: int | None = None
+    error: Exception | None = None  # finish_reason "error": why this row's sampling failed
 
 
 class Engine:
     """Runs batches of prompts through `model` (eval mode, no gradients). Not thread-safe: one batch at a
     time (the server's scheduler serializes them)."""
 
-    def __init__(self, model: nn.Module, pad_token_id: int, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, model: nn.Module, pad_token_id: int, eos_token_ids: tuple[int, ...],
+                 logprobs_mode: LogprobsMode = "raw_logprobs") -> None:
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, not {logprobs_mode!r}")
         self.model = model.eval()
+        self.logprobs_mode = logprobs_mode
         self.pad_token_id = pad_token_id
         self.eos_token_ids = eos_token_ids
         config = getattr(model, "config", None)
@@ -106,18 +128,21 @@ class Engine:
             for r in range(rows):
                 if done[r]:
                     continue
-                token, logprob, top = sample(logits[r], params[r], generators[r])
                 row = out[r]
-                row.token_ids.append(token)
-                row.logprobs.append(logprob)
-                row.top_logprobs.append(top)
-                next_tokens[r] = token
-                if token in stops[r]:
-                    done[r], row.finish_reason, row.stop_token_id = True, "stop", token
-                elif len(row.token_ids) >= budgets[r]:
-                    done[r] = True
-                elif params[r].stop is not None and params[r].stop(row.token_ids):
-                    done[r], row.finish_reason = True, "stop"
+                try:
+                    token, logprob, top = sample(logits[r], params[r], generators[r], self.logprobs_mode)
+                    row.token_ids.append(token)
+                    row.logprobs.append(logprob)
+                    row.top_logprobs.append(top)
+                    next_tokens[r] = token
+                    if token in stops[r]:
+                        done[r], row.finish_reason, row.stop_token_id = True, "stop", token
+                    elif len(row.token_ids) >= budgets[r]:
+                        done[r] = True
+                    elif params[r].stop is not None and params[r].stop(row.token_ids):
+                        done[r], row.finish_reason = True, "stop"
+                except Exception as exc:  # this row's fault: it ends, its batch-mates go on
+                    done[r], row.finish_reason, row.error = True, "error", exc
             if all(done):
                 break
             alive = torch.tensor([0 if d else 1 for d in done], dtype=torch.long)
@@ -158,19 +183,23 @@ def processed_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tens
     return z
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
-           ) -> tuple[int, float, list[tuple[int, float]]]:
-    """(token, its log-prob, the top `params.top_logprobs` (token, log-prob) pairs, sampled token first)."""
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,
+           logprobs_mode: LogprobsMode = "raw_logprobs") -> tuple[int, float, list[tuple[int, float]]]:
+    """(token, its reported value, the top `params.top_logprobs` (token, value) pairs, sampled token first);
+    the values are those `logprobs_mode` names (module docstring)."""
     z = processed_logits(logits, params)
-    logprobs = torch.log_softmax(z, dim=-1)
     if params.temperature == 0:
         token = int(torch.argmax(z))
     else:
         token = int(torch.multinomial(torch.softmax(z, dim=-1), 1, generator=generator))
+    reported = {"raw_logprobs": lambda: torch.log_softmax(logits.float(), dim=-1),
+                "raw_logits": lambda: logits.float(),
+                "processed_logprobs": lambda: torch.log_softmax(z, dim=-1),
+                "processed_logits": lambda: z}[logprobs_mode]()
     top: list[tuple[int, float]] = []
     if params.top_logprobs > 0:
-        values, ids = torch.topk(logprobs, min(params.top_logprobs, logprobs.numel()))
-        top = [(token, float(logprobs[token]))]
-        top += [(int(i), float(v)) for v, i in zip(values, ids, strict=True)
-                if int(i) != token and v > float("-inf")][: params.top_logprobs - 1]
-    return token, float(logprobs[token]), top
+        values, ids = torch.topk(reported, min(params.top_logprobs, reported.numel()))
+        top = [(token, float(reported[token]))]
+        top += [(int(i), float(v)) for v, i in zip(values, ids, strict=True) if int(i) != token][
+            : params.top_logprobs - 1]
+    return token, float(reported[token]), top

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from torch import nn
 
-from inference.engine import Engine
+from inference.engine import Engine, LogprobsMode
 from inference.protocol import BadRequest, ServeError
 from inference.scheduler import Scheduler
 
@@ -39,8 +39,9 @@ class Adapter:
 
 class Adapters:
     def __init__(self, base: nn.Module, base_name: str, pad_token_id: int, eos_token_ids: tuple[int, ...],
-                 window_s: float) -> None:
+                 window_s: float, logprobs_mode: LogprobsMode = "raw_logprobs") -> None:
         self.base = base
+        self.logprobs_mode = logprobs_mode
         self.base_name = base_name
         self.pad_token_id = pad_token_id
         self.eos_token_ids = eos_token_ids
@@ -58,7 +59,8 @@ class Adapters:
         if not (Path(path) / "adapter_config.json").is_file():
             raise AdapterNotFound(f"No adapter found for {path}", param="lora_path")
         merged = await asyncio.to_thread(self._merge, path)
-        scheduler = Scheduler(Engine(merged, self.pad_token_id, self.eos_token_ids), window_s=self.window_s)
+        scheduler = Scheduler(Engine(merged, self.pad_token_id, self.eos_token_ids, self.logprobs_mode),
+                              window_s=self.window_s)
         scheduler.start()
         previous = self.loaded.get(name)
         self.loaded[name] = Adapter(name, path, scheduler)

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from inference.detokenize import Detokenizer
-from inference.engine import Completion, Engine, SamplingParams
+from inference.engine import Completion, Engine, LogprobsMode, SamplingParams
 from inference.lora import Adapters
 from inference.protocol import BadRequest, ModelNotFound, SamplingFields
 from inference.scheduler import Scheduler
@@ -39,7 +39,8 @@ class Output:
 class Model:
     """The loaded model, its tokenizer and the batching scheduler behind the endpoints."""
 
-    def __init__(self, model_dir: Path, served_model_name: str | None, batch_window_s: float) -> None:
+    def __init__(self, model_dir: Path, served_model_name: str | None, batch_window_s: float,
+                 logprobs_mode: LogprobsMode = "raw_logprobs") -> None:
         self.path = str(model_dir)
         self.name = served_model_name or str(model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
@@ -54,12 +55,12 @@ class Model:
         eos |= set(generation_eos if isinstance(generation_eos, list) else [generation_eos]) - {None}
         self.eos_token_ids = tuple(sorted(eos))
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_token_ids[0]
-        self.engine = Engine(model, pad_token_id=pad, eos_token_ids=self.eos_token_ids)
+        self.engine = Engine(model, pad_token_id=pad, eos_token_ids=self.eos_token_ids, logprobs_mode=logprobs_mode)
         self.max_model_len = int(getattr(model.config, "max_position_embeddings", None) or 2048)
         self.vocab_size = int(model.config.vocab_size)
         self.detok = Detokenizer(self.tokenizer)
         self.scheduler = Scheduler(self.engine, window_s=batch_window_s)
-        self.adapters = Adapters(model, self.name, pad, self.eos_token_ids, batch_window_s)
+        self.adapters = Adapters(model, self.name, pad, self.eos_token_ids, batch_window_s, logprobs_mode)
         self.weights = WeightSync(model, self.scheduler, lambda: (
             self.scheduler, *(adapter.scheduler for adapter in self.adapters.loaded.values())))
         self.fingerprint = f"rlgate-{hashlib.sha256(self.path.encode()).hexdigest()[:8]}"
@@ -111,11 +112,15 @@ class Model:
             value = getattr(request, name)
             return self.defaults.get(name, fallback) if value is None else value
 
+        top_k = pick("top_k", 0)
+        if top_k < -1:  # vLLM's SamplingParams._verify_args: -1 is accepted as off, lower is a 400
+            raise BadRequest(f"top_k must be 0 (disable), or at least 1, got {top_k}.")
+        # SamplingParams raises temperatures in (0, 0.01) to 0.01, as vLLM's does
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=pick("temperature", 1.0),
             top_p=pick("top_p", 1.0),
-            top_k=max(0, pick("top_k", 0)),
+            top_k=max(0, top_k),
             seed=None if request.seed is None else request.seed + index,
             logit_bias=bias,
             stop_token_ids=tuple(request.stop_token_ids or ()),

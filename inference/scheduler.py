@@ -3,7 +3,7 @@
 Requests that arrive within `window_s` of the first waiting one (or until `max_batch` rows are waiting)
 run together in one `Engine.generate` call on a worker thread, so 16-32 parallel agents share one forward
 pass per token instead of queueing behind each other. One batch runs at a time; requests that arrive
-meanwhile form the next one.
+meanwhile form the next one. A row that fails in the engine fails its own request only.
 """
 
 from __future__ import annotations
@@ -84,5 +84,9 @@ class Scheduler:
             finally:
                 self.batches += 1
             for pending, result in zip(batch, results, strict=True):
-                if not pending.future.done():
+                if pending.future.done():
+                    continue
+                if result.error is not None:  # that row's own failure: its batch-mates got their results
+                    pending.future.set_exception(result.error)
+                else:
                     pending.future.set_result(result)

@@ -9,28 +9,10 @@ routes for pause/resume and full-weight updates (`inference.weights`: `/pause`, 
 either server on a private network behind the gateway). Tools are parsed hermes-style
 (`inference.tools`), as `vllm serve --enable-auto-tool-choice --tool-call-parser hermes`.
 
-How it differs from vLLM, on purpose or not yet:
-- Streams are generated first, then sent as vLLM's chunk sequence (one chunk per token): the first chunk
-  arrives only when the whole completion is done. Token-by-token streaming needs an engine step API.
-- Stop strings end a row where vLLM's would: the engine checks the text of each row's last tokens after
-  every token (`Model._stop_check`), and the answer keeps the tokens up to and including the one that
-  completed the stop string (as vLLM keeps them), its text ending before it. A stop string holding U+FFFD
-  (a byte-level model's broken UTF-8) is only cut afterwards, the engine sampling on to max_tokens.
-- Streamed tool calls follow vLLM's hermes deltas (name first, then argument fragments), but only when the
-  whole text parses as tool calls; otherwise the text streams as content, as the non-streaming answer has it
-  (vLLM's parser may send partial call deltas for a call it cannot finish).
-- `tool_choice` "required" or a named function is not enforced by constrained decoding.
-- `/pause` accepts vLLM's `clear_cache` and ignores it: this server keeps no prefix cache between batches.
-- Text is decoded with `errors="replace"` (`inference.detokenize`); token ids are the record.
-- Sampling defaults come from the model's generation_config.json (temperature, top_p, top_k), as vLLM's
-  `--generation-config auto`; penalties, min_p, min_tokens and ignore_eos are a 400 unless neutral.
-- Completions `echo` with `logprobs` reports log-probs of the completion tokens only (no prompt log-probs).
-- `system_fingerprint` is `rlgate-<hash8 of the model path>`.
-- Weight transfer uses a CPU transport, a safetensors file at a path (`inference.weights`), where vLLM
-  uses NCCL or IPC; calls out of order are 409 (vLLM: 500); paused servers add `Retry-After: 1` to their
-  503; `/pause?mode=abort` answers only queued requests with `finish_reason: "abort"` (the running batch,
-  milliseconds long here, finishes).
-- `/v1/responses` is not served.
+What it reports as log-probs is `--logprobs-mode` (`inference.engine`), with vLLM's four values and
+vLLM's default (`raw_logprobs`); a learner needs `processed_logprobs`. How it still differs from vLLM
+(checked by vLLM's own code in tests/test_vllm_oracle.py) is listed in docs/vllm-wire-format.md, "Known
+differences".
 
 Entry points: `build_app(model_dir, ...)` (a FastAPI app) and `serve(model_dir, host, port, ...)`, which
 `rlgate serve --model DIR --port N` runs; it prints `READY <port>` once listening.
@@ -53,6 +35,7 @@ from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from inference.endpoints import Server
+from inference.engine import LogprobsMode
 from inference.model import Model
 from inference.protocol import (
     BadRequest,
@@ -63,6 +46,7 @@ from inference.protocol import (
     ServeError,
     TokenizeRequest,
     UnloadLoraAdapterRequest,
+    request_validation_error,
 )
 
 log = structlog.get_logger("rlgate.serve")
@@ -82,26 +66,37 @@ async def _parse(request: Request, model_cls: type[BaseModel]) -> Any:
                          f"error', 'input': '<dict of 0 items>', 'ctx': {{'error': '{getattr(exc, 'msg', exc)}'}}}}",
                          param=f"body.{pos}", type="Bad Request") from exc
     if not isinstance(body, dict):
-        raise BadRequest("1 validation error:\n  Input should be a valid dictionary", param="body", type="Bad Request")
+        raise request_validation_error([{"type": "model_attributes_type", "loc": ("body",), "input": body,
+                                         "msg": "Input should be a valid dictionary or object to extract fields from"}])
     try:
         return model_cls.model_validate(body)
     except ValidationError as exc:
-        errors = exc.errors()
+        errors = exc.errors(include_url=False)
         for error in errors:  # a validator's own BadRequest keeps its message and param
             if isinstance((error.get("ctx") or {}).get("error"), BadRequest):
                 raise error["ctx"]["error"] from exc
-        first = errors[0]
-        lines = "\n  ".join(str({"type": e["type"], "loc": ("body", *e["loc"]), "msg": e["msg"]}) for e in errors)
-        count = len(errors)
-        raise BadRequest(f"{count} validation error{'s' if count > 1 else ''}:\n  {lines}",
-                         param=".".join(["body", *map(str, first["loc"])]), type="Bad Request") from exc
+        raise request_validation_error([{**e, "loc": ("body", *e["loc"])} for e in errors]) from exc
+
+
+def _string_field(body: dict[str, Any], key: str, *, required: bool) -> str | None:
+    """`body[key]` as vLLM's `Annotated[str, Body(embed=True)]` takes it: a string (or absent/null when not
+    required), else vLLM's 400 for a request validation error."""
+    value = body.get(key)
+    if isinstance(value, str) or (value is None and not required):
+        return value
+    if value is None:
+        raise request_validation_error([{"type": "missing", "loc": ("body", key), "msg": "Field required",
+                                         "input": None}])
+    raise request_validation_error([{"type": "string_type", "loc": ("body", key), "input": value,
+                                     "msg": "Input should be a valid string"}])
 
 
 def build_app(model_dir: Path | str, *, served_model_name: str | None = None,
-              batch_window_s: float = 0.003) -> FastAPI:
+              batch_window_s: float = 0.003, logprobs_mode: LogprobsMode = "raw_logprobs") -> FastAPI:
     """The FastAPI app of `rlgate serve` for the Hugging Face causal LM folder `model_dir` (float32, CPU).
-    The model loads now; the scheduler starts with the app (lifespan)."""
-    model = Model(Path(model_dir), served_model_name, batch_window_s)
+    The model loads now; the scheduler starts with the app (lifespan). `logprobs_mode` is vLLM's
+    `--logprobs-mode` (`inference.engine`), with vLLM's default."""
+    model = Model(Path(model_dir), served_model_name, batch_window_s, logprobs_mode)
     server = Server(model)
 
     @asynccontextmanager
@@ -203,18 +198,12 @@ def build_app(model_dir: Path | str, *, served_model_name: str | None = None,
 
     @app.post("/finish_weight_update")
     async def finish_weight_update(request: Request) -> Response:
-        version = (await optional_json(request)).get("weight_version")
-        if version is not None and not isinstance(version, str | int):
-            raise BadRequest("weight_version must be a string", param="weight_version")
-        weights.finish(None if version is None else str(version))
+        weights.finish(_string_field(await optional_json(request), "weight_version", required=False))
         return ok({"message": "Weight update finished"})
 
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request) -> Response:
-        version = (await optional_json(request)).get("new_version")
-        if not isinstance(version, str | int):
-            raise BadRequest("new_version (a string) is required", param="new_version")
-        weights.version = str(version)
+        weights.version = _string_field(await optional_json(request), "new_version", required=True)
         return ok({"success": True, "new_version": weights.version})
 
     @app.get("/weight_info")
@@ -261,7 +250,8 @@ async def _serve(app: FastAPI, host: str, port: int, announce: bool) -> None:
 
 
 def serve(model_dir: Path | str, host: str = "127.0.0.1", port: int = 8000, *, served_model_name: str | None = None,
-          batch_window_s: float = 0.003, announce: bool = True) -> None:
+          batch_window_s: float = 0.003, logprobs_mode: LogprobsMode = "raw_logprobs", announce: bool = True) -> None:
     """Load the model and serve it until interrupted; prints `READY <port>` once listening (port 0 picks one)."""
-    app = build_app(model_dir, served_model_name=served_model_name, batch_window_s=batch_window_s)
+    app = build_app(model_dir, served_model_name=served_model_name, batch_window_s=batch_window_s,
+                    logprobs_mode=logprobs_mode)
     asyncio.run(_serve(app, host, port, announce))

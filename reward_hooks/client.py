@@ -1,4 +1,8 @@
-"""A tiny client for harnesses: post an episode's reward to the gateway (standard library only)."""
+"""A tiny client for harnesses: post an episode's reward to the gateway, or fail it (standard library only).
+
+With `secret`, each request is signed as `reward_hooks.signing` describes: the timestamp, the method, the
+path and the body, at the moment it is sent.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import json
 import urllib.error
 import urllib.request
 from typing import Any
+from urllib.parse import urlsplit
 
 from reward_hooks import signing
 
@@ -21,12 +26,23 @@ def post_reward(gateway_url: str, rollout_id: str, reward: float, metadata: dict
                 secret: str | None = None, timeout_s: float = 10.0) -> dict[str, Any]:
     """POST /rollouts/{rollout_id}/reward, signed when `secret` is given. Returns the gateway's answer;
     raises `RewardRejected` with the status on a 4xx/5xx."""
-    body = json.dumps({"reward": reward, "metadata": metadata or {}}).encode()
+    body = {"reward": reward, "metadata": metadata or {}}
+    return _post(f"{gateway_url.rstrip('/')}/rollouts/{rollout_id}/reward", body, secret, timeout_s)
+
+
+def fail_rollout(gateway_url: str, rollout_id: str, reason: str | None = None, secret: str | None = None,
+                 timeout_s: float = 10.0) -> dict[str, Any]:
+    """POST /rollouts/{rollout_id}/fail: close the rollout as failed (never trained on)."""
+    body = {} if reason is None else {"reason": reason}
+    return _post(f"{gateway_url.rstrip('/')}/rollouts/{rollout_id}/fail", body, secret, timeout_s)
+
+
+def _post(url: str, payload: dict[str, Any], secret: str | None, timeout_s: float) -> dict[str, Any]:
+    body = json.dumps(payload).encode()
     headers = {"Content-Type": "application/json"}
     if secret:
-        headers[signing.HEADER] = signing.sign(body, secret)
-    request = urllib.request.Request(f"{gateway_url.rstrip('/')}/rollouts/{rollout_id}/reward", data=body,
-                                     headers=headers, method="POST")
+        headers.update(signing.sign(secret, "POST", urlsplit(url).path, body))
+    request = urllib.request.Request(url, data=body, headers=headers, method="POST")
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             return json.loads(response.read())

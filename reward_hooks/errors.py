@@ -9,6 +9,11 @@ class WebhookError(ApiError):
     pass
 
 
+class BadRequest(WebhookError):
+    status = 400
+    type = "invalid_request_error"
+
+
 class Unauthorized(WebhookError):
     status = 401
     type = "authentication_error"

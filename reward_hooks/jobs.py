@@ -2,9 +2,11 @@
 request from the store, computes the reward with the named function and closes the episode.
 
 A job that raises is retried with backoff (rq's Retry); when no retry is left, or the error is one a retry
-cannot fix (an unknown reward function, a forbidden file), the rollout is marked `failed` with the error,
-visible in `GET /rollouts/{id}`, and it is never trained on. A rollout that was closed or expired
-meanwhile ends the job quietly.
+cannot fix (an unknown reward function, a forbidden file, a finish request a reward function refuses
+(`RewardInputError`: a gold SQL query that fails), a result outside `max_abs_reward` or not a number, the
+job's time limit `reward_job_timeout_s` passed), the rollout is marked `failed` with the
+error, visible in `GET /rollouts/{id}`, it is never trained on, and the job is not retried. A rollout that
+was closed or expired meanwhile ends the job quietly.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ from typing import Any
 
 import structlog
 from rq import get_current_job
+from rq.timeouts import JobTimeoutException
 
 import episodes
 from episodes import EpisodeLifecycle, EpisodeStore, RolloutView
-from reward_hooks.rewards import RewardInput, UnknownRewardFn, get_allowed_reward_fn
+from reward_hooks.limits import RewardOutOfRange, check_reward
+from reward_hooks.rewards import RewardInput, RewardInputError, UnknownRewardFn, get_allowed_reward_fn
 from reward_hooks.settings import RewardSettings
 
 log = structlog.get_logger("rlgate.reward")
@@ -25,7 +29,9 @@ log = structlog.get_logger("rlgate.reward")
 
 # Outcomes a retry cannot change: the job ends without retrying (and without failing a closed episode).
 _FINAL = (episodes.RewardConflict, episodes.RolloutExpired, episodes.RolloutNotOpen, episodes.RolloutNotFound)
-_NOT_RETRIED = (UnknownRewardFn, PermissionError, LookupError)
+# Deterministic failures: the same input fails the same way again, so a retry only holds the worker longer.
+_NOT_RETRIED = (UnknownRewardFn, PermissionError, LookupError, RewardInputError, RewardOutOfRange,
+                JobTimeoutException)
 MAX_TIMEOUT_S = 60.0  # the most a request may ask a reward function to wait (timeout_s)
 
 
@@ -43,6 +49,8 @@ def compute_reward(rollout_id: str, key_prefix: str) -> float | None:
         if job is not None and job.retries_left and not isinstance(exc, _NOT_RETRIED):
             log.warning("reward_job_retry", rollout_id=rollout_id, error=repr(exc), retries_left=job.retries_left)
             raise
+        if job is not None:
+            job.retries_left = 0  # rq retries any job with retries left: this one is done
         asyncio.run(_fail(rollout_id, key_prefix, settings, f"{type(exc).__name__}: {exc}"))
         log.error("reward_job_failed", rollout_id=rollout_id, error=repr(exc))
         raise
@@ -58,12 +66,15 @@ async def _compute(rollout_id: str, key_prefix: str, settings: RewardSettings) -
         view = await store.get_rollout_view(rollout_id)
         if view is None:
             raise episodes.RolloutNotFound(f"no rollout {rollout_id!r}")
+        if view.status != episodes.RolloutStatus.OPEN:  # failed, closed or expired meanwhile: nothing to do
+            raise episodes.RolloutNotOpen(rollout_id, view.status)
         if view.finish is None:
             raise LookupError(f"rollout {rollout_id!r} has no finish request")
         reward_fn = get_allowed_reward_fn(view.finish.reward_fn, settings.reward_fn_modules)
         inp = reward_input(view)
         inp.params = worker_params(inp.params, settings)
-        reward = float(reward_fn(inp))
+        reward = check_reward(reward_fn(inp), settings.max_abs_reward,
+                              f"the result of reward function {view.finish.reward_fn!r}")
         result = await EpisodeLifecycle(store).close(rollout_id, reward, {"reward_fn": view.finish.reward_fn})
         log.info("reward_job_done", rollout_id=rollout_id, task_id=view.task_id, reward=reward,
                  reward_fn=view.finish.reward_fn, outcome=result.outcome)

@@ -3,19 +3,24 @@
     POST /rollouts/{rollout_id}/reward               {"reward": R, "metadata": {...}}  close with R
     POST /rollouts/{rollout_id}/calls/{index}/reward {"reward": r}                     intermediate r_t
     POST /rollouts/{rollout_id}/finish               {"reward_fn", "ground_truth", "params"}  reward job
+    POST /rollouts/{rollout_id}/fail                 {"reason": "..."} or no body      close as failed
 
-With a webhook secret configured, every request must be signed (`reward_hooks.signing`); the signature
-is checked before anything else, and a bad request changes nothing.
+Every route first runs one check (`reward_hooks.auth.WebhookAuth`: with a webhook secret configured, the
+request must be signed, `reward_hooks.signing`), then accepts a signed request's `webhook-id` once (SET NX
+on `Keys.webhook`, kept twice the tolerance: a replayed request is 409 `webhook_replayed`); a request
+refused there, or a bad one, changes nothing.
+Rewards must lie within `max_abs_reward` (422 otherwise). Per-call rewards are taken while the rollout is
+open only: once it is closed the learner may already have read it, so a late one is 409, not ignored.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import orjson
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from redis.exceptions import RedisError
@@ -23,30 +28,42 @@ from starlette.concurrency import run_in_threadpool
 
 import episodes
 from episodes import EpisodeLifecycle, EpisodeStore, FinishRequest
-from reward_hooks import errors, signing
+from reward_hooks import errors
+from reward_hooks.auth import WebhookAuth
+from reward_hooks.limits import RewardOutOfRange, check_reward
 from reward_hooks.queue import RewardQueue
 from reward_hooks.rewards import UnknownRewardFn, get_allowed_reward_fn
 from reward_hooks.settings import RewardSettings
 
+__all__ = ["build_router"]
 
-MAX_BODY_BYTES = 1 << 20
+MAX_REASON_CHARS = 2000
 
 
 class RewardPost(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    reward: float = Field(allow_inf_nan=False, description="The episode's final return: a finite number.")
+    reward: float = Field(allow_inf_nan=False, description="The episode's final return: a finite number within "
+                          "max_abs_reward.")
     metadata: dict[str, Any] = Field(default_factory=dict)
 
 
 class CallRewardPost(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    reward: float = Field(allow_inf_nan=False, description="The call's intermediate reward r_t.")
+    reward: float = Field(allow_inf_nan=False, description="The call's intermediate reward r_t, within "
+                          "max_abs_reward.")
 
 
 class FinishPost(FinishRequest):
     model_config = ConfigDict(extra="forbid")
+
+
+class FailPost(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    reason: str = Field("failed by the operator", min_length=1, max_length=MAX_REASON_CHARS,
+                        description="Why the episode failed: stored as the rollout's error.")
 
 
 class RewardAccepted(BaseModel):
@@ -56,22 +73,40 @@ class RewardAccepted(BaseModel):
     outcome: str = Field(description="closed: this request closed it; unchanged: it already had this reward.")
 
 
-def build_router(store: EpisodeStore, settings: RewardSettings, queue: RewardQueue | None) -> APIRouter:
-    """The webhook routes. Without `queue`, /finish answers 503 (no reward worker configured)."""
+class RolloutFailed(BaseModel):
+    rollout_id: str
+    status: str = Field(description="Always `failed`: never published for training.")
+    error: str
+
+
+Auth = Callable[[Request], Awaitable[bytes]]
+
+
+def build_router(store: EpisodeStore, settings: RewardSettings, queue: RewardQueue | None,
+                 auth: Auth | None = None) -> APIRouter:
+    """The webhook routes. `auth` reads and authenticates each request and returns its raw body (default:
+    `WebhookAuth(settings)`). Without `queue`, /finish answers 503 (no reward worker configured)."""
     router = APIRouter()
     lifecycle = EpisodeLifecycle(store)
-    secret = settings.webhook_secret.get_secret_value() if settings.webhook_secret is not None else None
+    check = auth or WebhookAuth(settings)
+    replay_ttl_s = 2 * settings.webhook_tolerance_s  # a timestamp is accepted within ±tolerance of the clock
 
-    async def parse(request: Request, model: type[BaseModel], rollout_id: str) -> Any:
-        chunks, size = [], 0
-        async for chunk in request.stream():  # bounded before anything is hashed or parsed
-            size += len(chunk)
-            if size > MAX_BODY_BYTES:
-                raise errors.PayloadTooLarge(f"reward requests are limited to {MAX_BODY_BYTES} bytes")
-            chunks.append(chunk)
-        raw = b"".join(chunks)
-        if secret is not None and not signing.verify(raw, secret, request.headers.get(signing.HEADER)):
-            raise errors.Unauthorized(f"missing or wrong {signing.HEADER} signature")
+    async def checked_body(request: Request) -> bytes:
+        """Every route's first step: the raw body, authenticated, its webhook-id (if signed) never seen."""
+        body = await check(request)
+        msg_id = getattr(request.state, "webhook_id", None)
+        if msg_id is not None:
+            with _store_errors():
+                async with store.guard():
+                    fresh = await store.redis.set(store.keys.webhook(msg_id), b"1", nx=True, ex=replay_ttl_s)
+            if not fresh:
+                raise errors.Conflict(f"webhook-id {msg_id!r} was already accepted: a signed request is accepted "
+                                      "once; sign each request with a new id", code="webhook_replayed")
+        return body
+
+    authorized = Depends(checked_body)
+
+    def parse(raw: bytes, model: type[BaseModel], rollout_id: str) -> Any:
         try:
             episodes.validate_id(rollout_id, "rollout id")
         except episodes.InvalidId as exc:
@@ -83,30 +118,38 @@ def build_router(store: EpisodeStore, settings: RewardSettings, queue: RewardQue
             where = ".".join(str(p) for p in first["loc"]) or None
             raise errors.Unprocessable(f"{where or 'body'}: {first['msg']}", param=where) from exc
 
+    def bounded(reward: float) -> float:
+        try:
+            return check_reward(reward, settings.max_abs_reward, "reward")
+        except RewardOutOfRange as exc:
+            raise errors.Unprocessable(str(exc), param="reward", code="reward_out_of_range") from exc
+
     @router.post("/rollouts/{rollout_id}/reward", response_model=RewardAccepted)
-    async def post_reward(rollout_id: str, request: Request) -> Response:
-        body: RewardPost = await parse(request, RewardPost, rollout_id)
+    async def post_reward(rollout_id: str, raw: bytes = authorized) -> Response:
+        body: RewardPost = parse(raw, RewardPost, rollout_id)
+        reward = bounded(body.reward)
         with _store_errors():
             try:
-                result = await lifecycle.close(rollout_id, body.reward, body.metadata)
+                result = await lifecycle.close(rollout_id, reward, body.metadata)
             except ValueError as exc:  # metadata that is not JSON (e.g. integers over 64 bits)
                 raise errors.Unprocessable(str(exc), param="metadata") from exc
         answer = RewardAccepted(rollout_id=rollout_id, status="closed", reward=result.reward, outcome=result.outcome)
         return Response(answer.model_dump_json(), media_type="application/json")
 
     @router.post("/rollouts/{rollout_id}/calls/{index}/reward")
-    async def post_call_reward(rollout_id: str, index: int, request: Request) -> Response:
-        body: CallRewardPost = await parse(request, CallRewardPost, rollout_id)
+    async def post_call_reward(rollout_id: str, index: int, raw: bytes = authorized) -> Response:
+        body: CallRewardPost = parse(raw, CallRewardPost, rollout_id)
+        reward = bounded(body.reward)
         if index < 0:
             raise errors.NotFound(f"no call {index}", code="call_not_found")
         with _store_errors():
-            await lifecycle.set_call_reward(rollout_id, index, body.reward)
-        return Response(orjson.dumps({"rollout_id": rollout_id, "index": index, "reward": body.reward}),
+            await lifecycle.set_call_reward(rollout_id, index, reward)
+        return Response(orjson.dumps({"rollout_id": rollout_id, "index": index, "reward": reward}),
                         media_type="application/json")
 
     @router.post("/rollouts/{rollout_id}/finish", status_code=202)
-    async def post_finish(rollout_id: str, request: Request) -> Response:
-        body: FinishPost = await parse(request, FinishPost, rollout_id)
+    async def post_finish(rollout_id: str, raw: bytes = authorized) -> Response:
+        body: FinishPost = parse(raw, FinishPost, rollout_id)
         try:
             get_allowed_reward_fn(body.reward_fn, settings.reward_fn_modules)
         except UnknownRewardFn as exc:
@@ -121,6 +164,16 @@ def build_router(store: EpisodeStore, settings: RewardSettings, queue: RewardQue
             raise errors.StoreUnavailable(f"the reward job could not be queued: {exc}") from exc
         return Response(orjson.dumps({"rollout_id": rollout_id, "job_id": job_id}), status_code=202,
                         media_type="application/json")
+
+    @router.post("/rollouts/{rollout_id}/fail", response_model=RolloutFailed)
+    async def post_fail(rollout_id: str, raw: bytes = authorized) -> Response:
+        """Close an open rollout as failed, exactly once: it is never published, so no learner trains on it
+        (a second call, or one on a rollout that is closed, consumed or failed, is 409)."""
+        body: FailPost = parse(raw or b"{}", FailPost, rollout_id)
+        with _store_errors():
+            await lifecycle.mark_failed(rollout_id, body.reason)
+        answer = RolloutFailed(rollout_id=rollout_id, status="failed", error=body.reason)
+        return Response(answer.model_dump_json(), media_type="application/json")
 
     return router
 

@@ -39,22 +39,25 @@ class GatewayCommand(GatewaySettings, RewardSettings):
 
     def cli_cmd(self) -> None:
         from gateway import Gateway, serve
+        from reward_hooks.auth import WebhookAuth
         from reward_hooks.queue import RewardQueue
         from reward_hooks.routes import build_router
         from reward_hooks.sweeper import sweep_forever
 
         configure_logging(self.log_level, self.log_format)
-        if self.api_keys and self.webhook_secret is None:
-            import structlog
-
-            structlog.get_logger("rlgate").warning(
-                "unsigned_reward_webhook",
-                problem="RLGATE_API_KEYS is set but RLGATE_WEBHOOK_SECRET is not: anyone who reaches the "
-                "gateway, agents included, can post rewards")
         gateway_settings = GatewaySettings.model_validate(self.model_dump())
         reward_settings = RewardSettings.model_validate(self.model_dump())
+        try:
+            gateway_settings.check_layout()
+        except ValueError as exc:
+            sys.exit(f"rlgate gateway: error: {exc}")
         app = Gateway(gateway_settings)  # the store the webhook routes share is the gateway's own
-        app.add_routes(build_router(app.store, reward_settings, RewardQueue(reward_settings)))
+        # Operator surface: the operator token, or for these routes a valid webhook signature instead
+        # (without a token configured: a signature when a webhook secret is set, as before).
+        operator = app.is_operator if gateway_settings.operator_token is not None else None
+        auth = WebhookAuth(reward_settings, is_operator=operator)
+        app.add_routes(build_router(app.store, reward_settings, RewardQueue(reward_settings), auth),
+                       signed=reward_settings.webhook_secret is not None)
         app.add_background(lambda store: sweep_forever(store, reward_settings))
         serve(gateway_settings, app)
 
@@ -152,6 +155,10 @@ class ServeCommand(BaseSettings):
     port: int = Field(8000, description="Port to listen on (0: any free port).")
     served_model_name: str | None = Field(None, description="The model name clients use (default: --model).")
     batch_window_ms: float = Field(3.0, description="How long a batch waits for concurrent requests to join.")
+    logprobs_mode: Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"] = Field(
+        "raw_logprobs", description="What log-probs report, as vLLM's --logprobs-mode (and its default): raw = of "
+        "the model's logits, processed = of the distribution sampled from (temperature, logit_bias, top-k/top-p). "
+        "The learner needs processed_logprobs.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
     log_format: Literal["auto", "json", "console"] = Field("auto", description="auto, json or console.")
 
@@ -161,7 +168,7 @@ class ServeCommand(BaseSettings):
         configure_logging(self.log_level, self.log_format)
         try:
             serve(self.model, self.host, self.port, served_model_name=self.served_model_name,
-                  batch_window_s=self.batch_window_ms / 1000)
+                  batch_window_s=self.batch_window_ms / 1000, logprobs_mode=self.logprobs_mode)
         except KeyboardInterrupt:
             pass
 
@@ -201,13 +208,15 @@ class LearnerCommand(LearnerSettings):
     log_format: Literal["auto", "json", "console"] = Field("auto", description="auto, json or console.")
 
     def cli_cmd(self) -> None:
-        from learner.loop import run
+        from learner.loop import LogprobMismatch, run
 
         configure_logging(self.log_level, self.log_format)
         try:
             run(LearnerSettings.model_validate(self.model_dump(exclude={"log_level", "log_format"})))
         except KeyboardInterrupt:
             pass
+        except LogprobMismatch as exc:
+            sys.exit(f"rlgate learner: error: {exc}")
 
 
 class DemoCommand(BaseSettings):
@@ -229,6 +238,8 @@ class DemoCommand(BaseSettings):
     tasks_per_step: int = Field(16, description="Task groups per training step.")
     rollouts_per_task: int = Field(4, description="Episodes per task (the GRPO group).")
     learning_rate: float = Field(2e-3, description="The learner's AdamW learning rate (LoRA).")
+    max_backlog: int = Field(0, ge=0, description="The gateway holds new rollouts back while more episodes "
+                             "than this wait for rewards or training (0: two steps' worth).")
     seed: int = Field(0, description="Seed of the tiny model, the questions and the learner.")
 
     def cli_cmd(self) -> None:
@@ -239,7 +250,8 @@ class DemoCommand(BaseSettings):
             target=self.target, quick=self.quick, redis_url=self.redis_url, concurrency=self.concurrency,
             tasks_per_step=self.tasks_per_step,
             rollouts_per_task=self.rollouts_per_task, learning_rate=self.learning_rate, seed=self.seed,
-            json_path=self.json_path))
+            json_path=self.json_path,
+            max_backlog=self.max_backlog or 2 * self.tasks_per_step * self.rollouts_per_task))
         if not summary["curve"]:
             raise SystemExit(1)
 

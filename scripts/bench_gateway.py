@@ -15,7 +15,8 @@ Method
 
 Run
   .venv/bin/python scripts/bench_gateway.py [--rounds 3] [--requests 2000] [--litellm PATH|none]
-      [--cells unary:1,unary:32,stream:1,stream:32] [--py-spy PREFIX]
+      [--cells unary:1,unary:32,stream:1,stream:32] [--py-spy PREFIX] [--rollout-keys]
+  (--rollout-keys: the gateway requires rollout-scoped keys, and each agent sends its rollout's key)
   (the CPU of py-spy itself is not the gateway's, but its sampling slows the gateway: profile in a run
   of its own, not in the one whose numbers you keep)
 """
@@ -38,6 +39,8 @@ from pathlib import Path
 
 import aiohttp
 import uvloop
+
+from gateway.auth import rollout_key
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "fake-model"
@@ -174,7 +177,8 @@ def tree_cpu_seconds(pid: int) -> float:
 # Load
 
 
-async def drive(url: str, stream: bool, concurrency: int, n: int) -> tuple[float, list[float], list[float]]:
+async def drive(url: str, stream: bool, concurrency: int, n: int, rollout_keys: bytes | None = None
+                ) -> tuple[float, list[float], list[float]]:
     body = json.dumps({**REQUEST, "stream": stream}).encode()
     latencies: list[float] = []
     ttfbs: list[float] = []
@@ -184,10 +188,13 @@ async def drive(url: str, stream: bool, concurrency: int, n: int) -> tuple[float
                                                                    "authorization": f"Bearer {BENCH_KEY}"}) as s:
         async def worker(i: int) -> None:
             nonlocal remaining
+            headers = {"x-rollout-id": f"bench-{i}"}
+            if rollout_keys is not None:  # the key of this agent's own rollout, as POST /rollouts returns it
+                headers["authorization"] = f"Bearer {rollout_key(rollout_keys, f'bench-{i}')}"
             while remaining > 0:
                 remaining -= 1
                 t0 = time.perf_counter()
-                async with s.post(url, data=body, headers={"x-rollout-id": f"bench-{i}"}) as r:
+                async with s.post(url, data=body, headers=headers) as r:
                     first = await r.content.readany()
                     t1 = time.perf_counter()
                     rest = await r.read()
@@ -217,6 +224,8 @@ def main() -> None:
     ap.add_argument("--py-spy", metavar="PREFIX",
                     help="profile the gateway with py-spy during its cells (last round): PREFIX-<cell>.svg "
                     "flame graphs; py-spy comes with the bench extra")
+    ap.add_argument("--rollout-keys", action="store_true",
+                    help="the gateway requires rollout-scoped keys; each agent sends its rollout's key")
     ap.add_argument("--upstream-only", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--bodies", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -244,6 +253,10 @@ def main() -> None:
         gw_port = free_port()
         env = {**os.environ, "RLGATE_UPSTREAM_URL": upstream_url, "RLGATE_PORT": str(gw_port),
                "RLGATE_REDIS_URL": f"redis://127.0.0.1:{redis_port}/0", "RLGATE_LOG_FORMAT": "json"}
+        secret = os.urandom(16).hex().encode() if args.rollout_keys else None
+        if secret is not None:
+            env.update(RLGATE_ROLLOUT_KEY_SECRET=secret.decode(), RLGATE_REQUIRE_ROLLOUT_KEYS="true",
+                       RLGATE_OPERATOR_TOKEN=os.urandom(16).hex())
         gateway = subprocess.Popen([sys.executable, "-m", "rlgate", "gateway"], env=env, cwd=ROOT,
                                    stdout=(tmp / "gateway.log").open("wb"), stderr=subprocess.STDOUT,
                                    preexec_fn=pinned(CPU_PROXY))
@@ -272,9 +285,9 @@ def main() -> None:
         cells = [(mode == "stream", int(conc)) for mode, conc in
                  (cell.split(":") for cell in args.cells.split(","))]
         results: dict[tuple[str, bool, int], dict[str, list[float]]] = {}
-        for url, _ in targets.values():  # warm-up
+        for name, (url, _) in targets.items():  # warm-up
             for stream, conc in cells:
-                asyncio.run(drive(f"{url}/chat/completions", stream, conc, 200))
+                asyncio.run(drive(f"{url}/chat/completions", stream, conc, 200, secret if name == "rlgate" else None))
         for r in range(args.rounds):
             for stream, conc in cells:
                 for name, (url, pid) in targets.items():
@@ -286,7 +299,8 @@ def main() -> None:
                                                stderr=subprocess.DEVNULL)
                         time.sleep(1.0)  # py-spy attaches
                     cpu0 = tree_cpu_seconds(pid) if pid else 0.0
-                    wall, lat, ttfb = uvloop.run(drive(f"{url}/chat/completions", stream, conc, args.requests))
+                    keys = secret if name == "rlgate" else None
+                    wall, lat, ttfb = uvloop.run(drive(f"{url}/chat/completions", stream, conc, args.requests, keys))
                     cpu = (tree_cpu_seconds(pid) - cpu0) if pid else float("nan")
                     if spy is not None:
                         spy.send_signal(signal.SIGINT)  # py-spy writes its flame graph and exits

@@ -48,6 +48,7 @@ port = free_port()
 env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
 vllm = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                          "--served-model-name", "tiny", "--port", str(port), "--enable-lora", "--max-lora-rank", "8",
+                         "--logprobs-mode", "processed_logprobs",
                          "--gpu-memory-utilization", "0.3", "--max-model-len", "2048"], env=env,
                         stdout=(out / "vllm_server.log").open("wb"), stderr=subprocess.STDOUT)
 base = f"http://127.0.0.1:{port}"

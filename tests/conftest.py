@@ -44,12 +44,30 @@ class Proc:
         return self.log_path.read_text(errors="replace")
 
 
+def flush_keeping_epochs(client: redis.Redis) -> None:
+    """Empty the test database, in one MULTI, as a fresh deployment a gateway that outlives the test
+    (session fixtures) can tell from Redis losing its data (`gateway.watch`): the gateways' epoch markers
+    (`{prefix}:epoch`) stay, and a policy pointer is reset to version 0 explicitly, as a learner starting
+    afresh would (a pointer that just disappears is kept by the gateways). Tests that mean a loss call
+    `flushdb` themselves."""
+    epochs = {key: client.get(key) for key in client.scan_iter(match="*:epoch", count=1000)}
+    pointers = [key for key in client.scan_iter(match="*:policy", count=1000) if client.type(key) == b"hash"]
+    with client.pipeline(transaction=True) as pipe:
+        pipe.flushdb()
+        for key, value in epochs.items():
+            if value is not None:
+                pipe.set(key, value)
+        for key in pointers:
+            pipe.hset(key, mapping={"version": "0", "adapter": "", "base_model": "", "draining": "0"})
+        pipe.execute()
+
+
 @pytest.fixture
 def redis_client() -> Iterator[redis.Redis]:
     client = redis.Redis.from_url(REDIS_URL)
-    client.flushdb()
+    flush_keeping_epochs(client)
     yield client
-    client.flushdb()
+    flush_keeping_epochs(client)
     client.close()
 
 
@@ -104,12 +122,16 @@ def gateway(fake_vllm: Proc, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     proc.kill(signal.SIGTERM)
 
 
-def start_rlgate_serve(model_dir: Path, log_dir: Path, served_model_name: str) -> Proc:
-    """`rlgate serve` as a real process; its `url` is the server's base (no /v1)."""
+def start_rlgate_serve(model_dir: Path, log_dir: Path, served_model_name: str,
+                       logprobs_mode: str | None = "processed_logprobs") -> Proc:
+    """`rlgate serve` as a real process; its `url` is the server's base (no /v1). It reports the log-probs
+    of the distribution it samples from unless told otherwise, as the learner needs (None: the server's
+    default, vLLM's raw_logprobs)."""
     log_path = log_dir / f"serve_{time.monotonic_ns()}.log"
     port = free_port()
+    mode = [] if logprobs_mode is None else ["--logprobs-mode", logprobs_mode]
     process = subprocess.Popen([sys.executable, "-m", "rlgate", "serve", "--model", str(model_dir), "--port",
-                                str(port), "--served-model-name", served_model_name, "--log-format", "json"],
+                                str(port), "--served-model-name", served_model_name, "--log-format", "json", *mode],
                                stdout=subprocess.PIPE, stderr=log_path.open("wb"), text=True, cwd=ROOT)
     line = process.stdout.readline()
     assert line.strip() == f"READY {port}", f"rlgate serve did not start: {line!r} {log_path.read_text()}"

@@ -208,7 +208,9 @@ def hermes_deltas(c: Choice, tool_id: str) -> list[dict | None]:
                 if len(args) > len(args_sent):
                     calls.append({"index": 0, "function": {"arguments": args[len(args_sent):]}})
                     args_sent = args
-        out.append({"content": content, "tool_calls": calls} if content or calls else None)
+        # vLLM's DeltaMessage leaves an empty tool_calls list out of the chunk
+        out.append(({"content": content, "tool_calls": calls} if calls else {"content": content})
+                   if content or calls else None)
     return out
 
 
@@ -231,10 +233,12 @@ def parse_tool_call(c: Choice, tool_id: str) -> tuple[str | None, list]:
     before, rest = c.text.split(TOOL_START, 1)
     try:
         call = json.loads(rest.split(TOOL_END, 1)[0])
+        if not isinstance(call["name"], str):
+            raise TypeError("a tool call's name is a string")
         fn = {"name": call["name"], "arguments": json.dumps(call["arguments"], ensure_ascii=False)}
     except (ValueError, KeyError, TypeError):
         return c.text, []
-    return before or None, [{"id": tool_id, "type": "function", "function": fn}]
+    return (None if not before.strip() else before), [{"id": tool_id, "type": "function", "function": fn}]
 
 
 # ---------------------------------------------------------------- HTTP layer

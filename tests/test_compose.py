@@ -75,6 +75,10 @@ def test_vllm_serves_runtime_lora_and_hermes_tools_on_a_gpu():
     for flag in ("--enable-lora", "--enable-auto-tool-choice"):
         assert flag in command
     assert command[command.index("--tool-call-parser") + 1] == "hermes"
+    # the learner's importance correction needs the log-probs of the distribution sampled from, and
+    # vLLM's default is raw_logprobs
+    learner_mode = SERVICES["learner"]["environment"].get("RLGATE_LEARNER_LOGPROBS_MODE", "processed_logprobs")
+    assert command[command.index("--logprobs-mode") + 1] == learner_mode == "processed_logprobs"
     assert command[command.index("--served-model-name") + 1] == ENV_FILE["SERVED_MODEL_NAME"]
     assert command[command.index("--model") + 1] == ENV_FILE["POLICY_MODEL"]
     assert int(command[command.index("--max-lora-rank") + 1]) >= int(SERVICES["learner"]["environment"]

@@ -25,7 +25,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def engine(model):
-    return Engine(model, pad_token_id=PAD, eos_token_ids=(EOS,))
+    return Engine(model, pad_token_id=PAD, eos_token_ids=(EOS,), logprobs_mode="processed_logprobs")
 
 
 PROMPTS = [[5, 17, 42, 99, 7, 3], [250, 11], [8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]]
@@ -214,3 +214,69 @@ def test_stop_strings_end_generation_where_the_answer_is_cut(tmp_path):
             await model.scheduler.aclose()
 
     assert asyncio.run(go()) >= 6
+
+
+def test_temperatures_below_vllms_floor_are_raised_to_it():
+    """vLLM's SamplingParams raises 0 < T < 0.01 to 0.01 (z / T stays finite); 0 stays greedy."""
+    assert [SamplingParams(temperature=t).temperature for t in (1e-45, 1e-3, 0.0099, 0.01, 0.5, 0.0)] == [
+        0.01, 0.01, 0.01, 0.01, 0.5, 0.0]
+    z = processed_logits(torch.tensor([50.0, 10.0, -30.0]), SamplingParams(temperature=1e-45))
+    assert torch.isfinite(z).all() and z.tolist() == pytest.approx([5000.0, 1000.0, -3000.0])
+
+
+def test_one_rows_failure_does_not_fail_its_batch_mates(engine):
+    """A row whose sampling raises (here: a logit_bias id past the vocabulary, a stop callback that raises)
+    fails alone; the tiny temperature that used to overflow z / T samples like T = 0.01; through the
+    scheduler, only the failing requests raise."""
+    import asyncio
+
+    from inference.scheduler import Scheduler
+
+    def broken(ids):
+        raise RuntimeError("stop callback bug")
+
+    normal = SamplingParams(max_tokens=6, seed=4)
+    tiny_t = SamplingParams(max_tokens=6, seed=5, temperature=1e-45)
+    rows = [SamplingParams(max_tokens=6, logit_bias={10 * VOCAB: 1.0}), normal, tiny_t,
+            SamplingParams(max_tokens=6, seed=6, stop=broken)]
+    prompts = [PROMPTS[i % 3] for i in range(len(rows))]
+    out = engine.generate(prompts, rows)
+    assert [o.finish_reason for o in out] == ["error", "length", "length", "error"]
+    assert isinstance(out[0].error, IndexError) and isinstance(out[3].error, RuntimeError)
+    assert out[1].token_ids == engine.generate([prompts[1]], [normal])[0].token_ids
+    floor = engine.generate([prompts[2]], [SamplingParams(max_tokens=6, seed=5, temperature=0.01)])[0]
+    assert out[2].token_ids == floor.token_ids and out[2].error is None
+
+    async def go():
+        scheduler = Scheduler(engine, window_s=0.05)
+        scheduler.start()
+        try:
+            return await asyncio.gather(*(scheduler.generate(p, q) for p, q in zip(prompts, rows, strict=True)),
+                                        return_exceptions=True)
+        finally:
+            await scheduler.aclose()
+
+    results = asyncio.run(go())
+    assert isinstance(results[0], IndexError) and isinstance(results[3], RuntimeError)
+    assert results[1].token_ids == out[1].token_ids and results[2].token_ids == out[2].token_ids
+
+
+def test_one_logprobs_mode_default_everywhere():
+    """vLLM's default (raw_logprobs) for the engine, its sampler, the model, the LoRA adapters and the server."""
+    import inspect
+
+    from inference.engine import sample
+    from inference.lora import Adapters
+    from inference.model import Model
+    from inference.server import build_app, serve
+
+    defaults = {f.__qualname__: inspect.signature(f).parameters["logprobs_mode"].default
+                for f in (Engine, sample, Model, Adapters, build_app, serve)}
+    from rlgate.cli import ServeCommand
+
+    defaults["rlgate serve --logprobs-mode"] = ServeCommand.model_fields["logprobs_mode"].default
+    assert set(defaults.values()) == {"raw_logprobs"}, defaults
+    model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=64)).eval()
+    assert Engine(model, pad_token_id=PAD, eos_token_ids=(EOS,)).logprobs_mode == "raw_logprobs"

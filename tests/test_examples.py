@@ -35,6 +35,10 @@ def tool_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
     serve.kill(signal.SIGTERM)
 
 
+# the first example also builds the tool model (400 supervised steps: ~1 min on a quiet 2-core machine,
+# several on a busy one); the fixture's set-up counts toward that test's timeout
+@pytest.mark.slow
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("example", EXAMPLES)
 def test_example_agent_is_recorded_with_its_tool_calls(example: str, tool_stack: Proc, redis_client):
     pytest.importorskip({"langchain_agent": "langchain_openai", "openai_agents_sdk_agent": "agents",

@@ -166,7 +166,8 @@ def test_stale_calls_are_dropped(stack, redis_client: redis.Redis, tmp_path: Pat
     for _, fields in redis_client.xrange("rlgate:episodes"):
         if fields[b"task_id"] == b"a":
             redis_client.xadd("rlgate:episodes", fields)
-    again = learner(model, serve, out, max_staleness="0", resume="true", max_steps="2", tasks_per_step="3")
+    # resumes from its checkpoint by default (version 1, its optimizer), without being told
+    again = learner(model, serve, out, max_staleness="0", max_steps="2", tasks_per_step="3")
     assert again.wait(timeout=240) == 0, (out.parent / "learner.log").read_text()[-4000:]
     one, two = steps(out)
     assert one["dropped_stale"] == 0 and one["samples"] == 16
@@ -267,3 +268,65 @@ def test_the_learner_on_deepspeed_trains_pushes_and_resumes(stack, redis_client:
     assert redis_client.hget("rlgate:policy", "version") == b"2"
     log = (out.parent / "learner.log").read_text()
     assert '"event": "resumed"' in log or '"event":"resumed"' in log
+
+
+def test_an_episode_published_twice_trains_once_in_its_step(stack, redis_client: redis.Redis, tmp_path: Path):
+    """A closer that died between XADD and marking the episode published leaves the outbox repair to
+    publish it again: both entries land in one step. The episode trains once (the group's statistics
+    see it once), its second entry is acknowledged without training."""
+    serve, gateway, model = stack
+    rewards = {"p1": [1.0, 0.0, 0.0, 0.0], "p2": [0.0, 1.0, 1.0, 0.0]}
+    rids = [episode(gateway, task, r) for task, values in rewards.items() for r in values]
+    first = next(f for _, f in redis_client.xrange("rlgate:episodes") if f[b"rollout_id"] == rids[0].encode())
+    redis_client.xadd("rlgate:episodes", first)
+    out = tmp_path / "learner"
+    proc = learner(model, serve, out)
+    assert proc.wait(timeout=240) == 0, (out.parent / "learner.log").read_text()[-4000:]
+    [step] = steps(out)
+    assert step["episodes"] == 8 and step["duplicates"] == 1 and step["samples"] == 16
+    assert step["reward_mean"] == pytest.approx(3 / 8)  # with r0 twice: 4 / 9
+    assert redis_client.xpending("rlgate:episodes", "learners")["pending"] == 0
+    assert all(redis_client.hget(f"rlgate:rollout:{{{rid}}}", "status") == b"consumed" for rid in rids)
+
+
+def test_an_episode_with_a_reward_beyond_float32_is_skipped_not_fatal(stack, redis_client: redis.Redis,
+                                                                      tmp_path: Path):
+    """1e308 is finite for Python but not in the learner's float32: the episode is logged, counted,
+    acknowledged and skipped, and the step trains on the others (it once crashed every restart)."""
+    serve, gateway, model = stack
+    rids = [episode(gateway, task, float(i % 2)) for task in ("n1", "n2") for i in range(4)]
+    redis_client.hset(f"rlgate:rollout:{{{rids[0]}}}", "reward", "1e308")  # as an older gateway let it in
+    out = tmp_path / "learner"
+    proc = learner(model, serve, out)
+    assert proc.wait(timeout=240) == 0, (out.parent / "learner.log").read_text()[-4000:]
+    [step] = steps(out)
+    assert step["episodes"] == 7 and step["dropped_invalid_reward"] == 1 and step["samples"] == 14
+    assert redis_client.xpending("rlgate:episodes", "learners")["pending"] == 0
+    assert "episode_skipped" in (out.parent / "learner.log").read_text()
+
+
+def test_a_server_reporting_raw_logprobs_is_caught_on_the_first_step(stack, redis_client: redis.Redis,
+                                                                     tmp_path: Path):
+    """vLLM's default --logprobs-mode is raw_logprobs (before temperature and logit_bias). A learner that
+    expects processed log-probs stops on its first step with one line naming the cause, trains nothing
+    and acknowledges nothing; told the server's mode, it trains (without importance correction)."""
+    _, _, model = stack
+    raw = start_rlgate_serve(model, tmp_path, MODEL, logprobs_mode="raw_logprobs")
+    gateway = start_gateway(tmp_path, raw.url + "/v1", policy_poll_s="0.05")
+    try:
+        rids = [episode(gateway, task, float(i % 2)) for task in ("w1", "w2") for i in range(4)]
+        out = tmp_path / "learner"
+        proc = learner(model, raw, out)
+        assert proc.wait(timeout=240) != 0
+        text = (out.parent / "learner.log").read_text()
+        assert "--logprobs-mode processed_logprobs" in text and "Traceback" not in text, text[-3000:]
+        assert steps(out) == [] and redis_client.hget("rlgate:policy", "version") in (None, b"0")
+        assert all(redis_client.hget(f"rlgate:rollout:{{{rid}}}", "status") == b"closed" for rid in rids)
+
+        proc = learner(model, raw, out, logprobs_mode="raw_logprobs")
+        assert proc.wait(timeout=240) == 0, (out.parent / "learner.log").read_text()[-4000:]
+        [step] = steps(out)
+        assert step["episodes"] == 8 and step["samples"] == 16
+    finally:
+        gateway.kill(signal.SIGTERM)
+        raw.kill(signal.SIGTERM)

@@ -248,3 +248,51 @@ def test_a_rollout_whose_reward_job_never_closed_it_fails_at_its_ttl(redis_clien
     assert swept == {"judged": "failed"} and rollout.status == "failed"
     assert rollout.error == "the reward job did not close the episode before its TTL"
     assert stream_rollouts(redis_client) == []
+
+
+def test_call_rewards_stop_when_the_rollout_closes(redis_client: redis.Redis):
+    """A learner may read a closed episode at any moment: a per-call reward after the close is refused
+    (it would otherwise be kept where no training sees it), the webhook's and AIR's alike."""
+    async def scenario(store, lifecycle):
+        await store.record_calls("late", None, [_record("late")])
+        await lifecycle.set_call_reward("late", 0, 0.5)
+        await lifecycle.close("late", 1)
+        before = {k: redis_client.dump(k) for k in redis_client.keys("*")}
+        for automatic in (False, True):
+            with pytest.raises(RolloutNotOpen) as refused:
+                await lifecycle.set_call_reward("late", 0, 0.25, automatic=automatic)
+            assert refused.value.status == "closed"
+        after = {k: redis_client.dump(k) for k in redis_client.keys("*")}
+        return before, after, await store.get_rollout_view("late")
+
+    before, after, view = run(scenario)
+    assert after == before
+    assert [(c.reward, c.air_reward) for c in view.calls] == [(0.5, None)]
+
+
+def test_mark_failed_happens_once_and_is_never_published(redis_client: redis.Redis):
+    async def scenario(store, lifecycle):
+        await store.record_calls("f1", "task", [_record("f1")])
+        await lifecycle.mark_failed("f1", "the harness crashed")
+        before = {k: redis_client.dump(k) for k in redis_client.keys("*")}
+        refusals = []
+        for call in (lambda: lifecycle.mark_failed("f1", "again"), lambda: lifecycle.close("f1", 1),
+                     lambda: lifecycle.set_call_reward("f1", 0, 1), lambda: lifecycle.mark_failed("ghost", "x")):
+            try:
+                await call()
+            except Exception as exc:  # noqa: BLE001 - the type is what is checked
+                refusals.append(type(exc))
+        after = {k: redis_client.dump(k) for k in redis_client.keys("*")}
+        await store.create_rollout("f2")
+        await lifecycle.close("f2", 0.5)
+        with pytest.raises(RolloutNotOpen) as closed:
+            await lifecycle.mark_failed("f2", "too late")
+        return before, after, refusals, closed.value, await store.get_rollout("f1"), await store.get_rollout("f2")
+
+    before, after, refusals, closed, failed, kept = run(scenario)
+    assert refusals == [RolloutNotOpen, RolloutNotOpen, RolloutNotOpen, RolloutNotFound]
+    assert after == before
+    assert failed.status == "failed" and failed.error == "the harness crashed" and failed.closed_at
+    assert closed.status == "closed" and kept.status == "closed" and kept.reward == 0.5
+    assert stream_rollouts(redis_client) == ["f2"]  # only the closed one
+    assert redis_client.zscore("t:expiry", "f1") is None and redis_client.zcard("t:outbox") == 0

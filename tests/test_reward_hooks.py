@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
+import hmac
 import json
 import os
 import sqlite3
@@ -18,9 +20,9 @@ import redis
 from rq import Queue, SimpleWorker
 from rq.serializers import JSONSerializer
 
-from conftest import REDIS_URL, ROOT, Proc, start_gateway
+from conftest import REDIS_URL, ROOT, Proc, free_port, start_gateway
+from reward_hooks import signing
 from reward_hooks.client import RewardRejected, post_reward
-from reward_hooks.signing import sign
 from test_gateway_errors import assert_openai_error
 from test_gateway_proxy import MESSAGES, MODEL, TOOLS, rollout
 
@@ -31,6 +33,14 @@ def agent_call(gateway: Proc, rid: str, task: str = "task-r", **kw) -> None:
     client = openai.OpenAI(base_url=f"{gateway.url}/tasks/{task}/rollouts/{rid}/v1", api_key=kw.pop("key", "x"),
                            max_retries=0)
     client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, **kw)
+
+
+def redis_snapshot(client: redis.Redis) -> dict[bytes, tuple[bytes, bytes | None]]:
+    """Every key of the test database with its type and serialized value: equal snapshots before and
+    after a request show that it changed nothing. The gateway's own markers (`:epoch`, written by its
+    watcher, and `:health`, by /healthz) are left out: they change on their own."""
+    return {key: (client.type(key), client.dump(key)) for key in sorted(client.keys("*"))
+            if not key.endswith((b":epoch", b":health"))}
 
 
 def stream_entries(client: redis.Redis) -> list[str]:
@@ -80,7 +90,16 @@ def test_bad_reward_posts_change_nothing(gateway: Proc, redis_client: redis.Redi
     assert_openai_error(httpx.post(f"{gateway.url}/rollouts/nobody/reward", json={"reward": 1}), 404)
     big = {"reward": 1, "metadata": {"x": "y" * (2 << 20)}}
     assert assert_openai_error(httpx.post(url, json=big), 413)["code"] == "payload_too_large"
+    # finite to Python, but not to a float32 learner: outside max_abs_reward (default 1e6) is refused
+    before = redis_snapshot(redis_client)
+    for reward in (1e308, -1e308, 1000000.5, -2e6, 10**400):
+        for route in (url, f"{gateway.url}/rollouts/{rid}/calls/0/reward"):
+            content = b'{"reward": %s}' % str(reward).encode()
+            error = assert_openai_error(httpx.post(route, content=content), 422)
+            assert (error["code"], error["param"]) in {("reward_out_of_range", "reward"), ("validation_error", "reward")}
+    assert redis_snapshot(redis_client) == before
     assert rollout(gateway, rid)["status"] == "open" and stream_entries(redis_client) == []
+    assert httpx.post(url, json={"reward": -1e6}).json()["reward"] == -1e6  # the bound itself is allowed
 
 
 def test_intermediate_rewards(gateway: Proc, redis_client: redis.Redis):
@@ -94,39 +113,88 @@ def test_intermediate_rewards(gateway: Proc, redis_client: redis.Redis):
     calls = rollout(gateway, rid)["calls"]
     assert [c["reward"] for c in calls] == [None, 0.25]
     assert rollout(gateway, rid)["status"] == "open"  # an intermediate reward does not close the episode
+    # once closed, the learner may have read it: a late per-call reward is 409, not silently kept
+    assert httpx.post(f"{gateway.url}/rollouts/{rid}/reward", json={"reward": 1}).status_code == 200
+    before = redis_snapshot(redis_client)
+    late = assert_openai_error(httpx.post(f"{gateway.url}/rollouts/{rid}/calls/0/reward", json={"reward": 1}), 409)
+    assert late["code"] == "rollout_not_open" and "closed" in late["message"]
+    assert redis_snapshot(redis_client) == before
+    assert [c["reward"] for c in rollout(gateway, rid)["calls"]] == [None, 0.25]
 
 
-def test_signed_webhooks_and_api_keys(fake_vllm: Proc, tmp_path, redis_client: redis.Redis):
-    proc = start_gateway(tmp_path, fake_vllm.url, webhook_secret=SECRET, api_keys="agent-key-1, agent-key-2")
+def test_signed_webhooks(fake_vllm: Proc, tmp_path, redis_client: redis.Redis):
+    proc = start_gateway(tmp_path, fake_vllm.url, webhook_secret=SECRET)
+    try:
+        rid = uuid.uuid4().hex
+        agent_call(proc, rid)
+        path = f"/rollouts/{rid}/reward"
+        url = proc.url + path
+        body = json.dumps({"reward": 1}).encode()
+        before = redis_snapshot(redis_client)
+        unsigned = httpx.post(url, content=body)
+        assert assert_openai_error(unsigned, 401)["code"] == "missing_signature"
+        legacy = httpx.post(url, content=body, headers={  # GitHub-style, the body alone: refused, and said so
+            "X-Signature-256": "sha256=" + hmac.new(SECRET.encode(), body, hashlib.sha256).hexdigest()})
+        error = assert_openai_error(legacy, 401)
+        assert error["code"] == "legacy_signature" and "webhook-signature" in error["message"]
+        wrong = httpx.post(url, content=body, headers=signing.sign("not-the-secret", "POST", path, body))
+        assert assert_openai_error(wrong, 401)["code"] == "invalid_signature"
+        tampered = httpx.post(url, content=b'{"reward": 0}', headers=signing.sign(SECRET, "POST", path, body))
+        assert assert_openai_error(tampered, 401)["code"] == "invalid_signature"
+        dotted = signing.sign(SECRET, "POST", path, body, msg_id="msg.1")  # '.' would blur the signed fields
+        assert assert_openai_error(httpx.post(url, content=body, headers=dotted), 401)["code"] == "invalid_signature"
+        stale = signing.sign(SECRET, "POST", path, body, timestamp=int(time.time()) - 301)
+        assert assert_openai_error(httpx.post(url, content=body, headers=stale), 401)["code"] == "signature_expired"
+        ahead = signing.sign(SECRET, "POST", path, body, timestamp=int(time.time()) + 301)
+        assert assert_openai_error(httpx.post(url, content=body, headers=ahead), 401)["code"] == "signature_expired"
+        assert redis_snapshot(redis_client) == before
+        # rotation: any v1 entry of the list may match
+        good = signing.sign(SECRET, "POST", path, body)
+        good[signing.SIGNATURE_HEADER] = "v1,bm90LWl0 " + good[signing.SIGNATURE_HEADER]
+        assert httpx.post(url, content=body, headers=good).json()["outcome"] == "closed"
+        # the CLI signs with RLGATE_WEBHOOK_SECRET (and closes another rollout)
+        rid2 = uuid.uuid4().hex
+        agent_call(proc, rid2)
+        env = {**os.environ, "RLGATE_WEBHOOK_SECRET": SECRET}
+        out = subprocess.run([sys.executable, "-m", "rlgate", "reward", rid2, "0.5", "--gateway-url", proc.url],
+                             env=env, cwd=ROOT, capture_output=True, text=True, check=True)
+        assert json.loads(out.stdout)["outcome"] == "closed"
+        # and the Python helper, which also reports rejections
+        assert post_reward(proc.url, rid2, 0.5, secret=SECRET)["outcome"] == "unchanged"
+        with pytest.raises(RewardRejected) as rejected:
+            post_reward(proc.url, rid2, 0.75, secret=SECRET)
+        assert rejected.value.status == 409
+        with pytest.raises(RewardRejected) as unsigned_helper:
+            post_reward(proc.url, rid2, 0.5)
+        assert unsigned_helper.value.status == 401
+        assert rollout(proc, rid)["reward"] == 1.0 and rollout(proc, rid2)["reward"] == 0.5
+    finally:
+        proc.kill()
+    assert SECRET not in proc.log()
+
+
+def test_agent_keys_do_not_open_the_reward_routes(fake_vllm: Proc, tmp_path, redis_client: redis.Redis):
+    proc = start_gateway(tmp_path, fake_vllm.url, webhook_secret=SECRET, api_keys="agent-key-1, agent-key-2",
+                         operator_token="op-" + "cd" * 16)
     try:
         rid = uuid.uuid4().hex
         with pytest.raises(openai.AuthenticationError):
             agent_call(proc, rid, key="wrong")
-        with pytest.raises(openai.AuthenticationError):
-            openai.OpenAI(base_url=f"{proc.url}/v1", api_key="wrong").models.list()
         agent_call(proc, rid, key="agent-key-2")
-        url = f"{proc.url}/rollouts/{rid}/reward"
-        body = json.dumps({"reward": 1}).encode()
-        unsigned = httpx.post(url, content=body, headers={"Authorization": "Bearer agent-key-2"})
-        assert assert_openai_error(unsigned, 401)["code"] == "invalid_signature"  # an agent key is not enough
-        wrong = httpx.post(url, content=body, headers={"X-Signature-256": sign(body, "not-the-secret")})
-        assert_openai_error(wrong, 401)
-        tampered = httpx.post(url, content=b'{"reward": 0}', headers={"X-Signature-256": sign(body, SECRET)})
-        assert_openai_error(tampered, 401)
-        assert rollout(proc, rid)["status"] == "open"
-        # the CLI signs with RLGATE_WEBHOOK_SECRET
-        env = {**os.environ, "RLGATE_WEBHOOK_SECRET": SECRET}
-        out = subprocess.run([sys.executable, "-m", "rlgate", "reward", rid, "0.5", "--gateway-url", proc.url],
-                             env=env, cwd=ROOT, capture_output=True, text=True, check=True)
-        assert json.loads(out.stdout)["outcome"] == "closed"
-        # and the Python helper, which also reports rejections
-        assert post_reward(proc.url, rid, 0.5, secret=SECRET)["outcome"] == "unchanged"
-        with pytest.raises(RewardRejected) as rejected:
-            post_reward(proc.url, rid, 0.75, secret=SECRET)
-        assert rejected.value.status == 409
+        before = redis_snapshot(redis_client)
+        for route, body in ((f"/rollouts/{rid}/reward", {"reward": 1}), (f"/rollouts/{rid}/calls/0/reward",
+                            {"reward": 1}), (f"/rollouts/{rid}/fail", {}), (f"/rollouts/{rid}/finish",
+                            {"reward_fn": "f1", "ground_truth": "x"})):
+            refused = httpx.post(proc.url + route, json=body, headers={"Authorization": "Bearer agent-key-2"})
+            assert refused.status_code in (401, 403), (route, refused.text)
+            assert_openai_error(refused, refused.status_code)
+        assert redis_snapshot(redis_client) == before
+        # the operator token opens them without a signature
+        operator = {"Authorization": "Bearer op-" + "cd" * 16}
+        assert httpx.post(f"{proc.url}/rollouts/{rid}/reward", json={"reward": 0.5}, headers=operator).json()[
+            "outcome"] == "closed"
     finally:
         proc.kill()
-    assert SECRET not in proc.log()
 
 
 def test_expiry_by_the_gateways_sweeper(fake_vllm: Proc, tmp_path, redis_client: redis.Redis):
@@ -188,14 +256,14 @@ def test_a_reward_job_that_keeps_raising_fails_the_episode(fake_vllm: Proc, tmp_
         body = {"reward_fn": "sql_execution_match", "ground_truth": "SELEC broken gold", "params": {
             "db_path": "gold.sqlite"}}
         assert httpx.post(f"{proc.url}/rollouts/{rid}/finish", json=body).status_code == 202
-        run_worker(redis_client, reward_data_dir=str(tmp_path))  # runs, fails, is retried at once, fails again
+        run_worker(redis_client, reward_data_dir=str(tmp_path))  # a broken gold query: fails, not retried
         stored = rollout(proc, rid)
-        assert stored["status"] == "failed" and "ValueError" in stored["error"]
+        assert stored["status"] == "failed" and stored["error"].startswith("RewardInputError: the gold SQL failed")
         assert stream_entries(redis_client) == []
         assert_openai_error(httpx.post(f"{proc.url}/rollouts/{rid}/reward", json={"reward": 1}), 409)
         queue = Queue("rlgate-rewards", connection=redis_client, serializer=JSONSerializer)
         [job_id] = queue.failed_job_registry.get_job_ids()
-        assert queue.fetch_job(job_id).retries_left == 0  # it was retried before it failed the episode
+        assert queue.fetch_job(job_id).retries_left == 0  # done: a retry would fail the same way
 
         # a file outside the worker's data directory: refused at once, no retry
         rid = uuid.uuid4().hex
@@ -333,3 +401,38 @@ def test_inspection_hides_the_ground_truth(gateway: Proc, redis_client: redis.Re
     httpx.post(f"{gateway.url}/rollouts/{rid}/finish", json={"reward_fn": "exact_match", "ground_truth": "SECRET"})
     stored = httpx.get(f"{gateway.url}/rollouts/{rid}")
     assert stored.json()["finish"] == {"reward_fn": "exact_match"} and "SECRET" not in stored.text
+
+
+def test_the_fill_reward_must_lie_in_the_reward_range():
+    from reward_hooks.settings import RewardSettings
+
+    with pytest.raises(ValueError, match="expired_fill_reward"):
+        RewardSettings(expired_fill_reward=2e6)
+    assert RewardSettings(expired_fill_reward=-1.0, max_abs_reward=1.0).expired_fill_reward == -1.0
+
+
+@pytest.mark.parametrize("secret", ["", "fifteen-chars!!"])
+def test_an_empty_or_short_webhook_secret_is_refused_at_startup(secret, tmp_path):
+    """Anyone can sign with an empty HMAC key. The gateway refuses to start, naming the setting and not
+    the secret."""
+    from reward_hooks.auth import WebhookAuth
+    from reward_hooks.settings import RewardSettings
+
+    with pytest.raises(ValueError, match="at least 16 characters"):
+        WebhookAuth(RewardSettings(webhook_secret=secret))
+    WebhookAuth(RewardSettings(webhook_secret="sixteen-chars!!!"))  # 16 is enough
+    env = {**os.environ, "RLGATE_WEBHOOK_SECRET": secret, "RLGATE_REDIS_URL": REDIS_URL,
+           "RLGATE_PORT": str(free_port())}
+    started = subprocess.run([sys.executable, "-m", "rlgate", "gateway"], env=env, cwd=ROOT, capture_output=True,
+                             text=True, timeout=60)
+    assert started.returncode != 0
+    assert "webhook_secret (RLGATE_WEBHOOK_SECRET) must be at least 16 characters" in started.stderr
+    assert not secret or secret not in started.stderr + started.stdout
+
+
+def test_reward_job_retries_may_not_be_negative():
+    from reward_hooks.settings import RewardSettings
+
+    with pytest.raises(ValueError, match="reward_job_retries"):
+        RewardSettings(reward_job_retries=-1)
+    assert RewardSettings(reward_job_retries=0).reward_job_retries == 0

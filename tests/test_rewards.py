@@ -5,18 +5,25 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
+from decimal import Decimal
+from fractions import Fraction
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import numpy
 import pydantic
 import pytest
+import torch
+from rq.timeouts import JobTimeoutException, UnixSignalDeathPenalty
 
-from reward_hooks.rewards import BUILTINS, RewardInput, UnknownRewardFn, get_reward_fn, register
+from reward_hooks.limits import RewardOutOfRange, check_reward
+from reward_hooks.rewards import BUILTINS, RewardInput, RewardInputError, UnknownRewardFn, get_reward_fn, register
 from reward_hooks.rewards import registry
 from reward_hooks.rewards.judge import DEFAULT_RUBRIC, parse_score
 from reward_hooks.rewards.text import exact_match, f1
@@ -179,6 +186,9 @@ def test_sql_execution_match(singer_db, predicted, gold, expected):
 
 
 RUNAWAY = "WITH RECURSIVE r(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM r) SELECT count(*) FROM r"
+LTRIM_BOMB = ("WITH RECURSIVE r(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM r WHERE i < 150) "
+              "SELECT count(ltrim(substr(x, i), y)) FROM r, "
+              "(SELECT printf('%.*c', 60000, 'a') x, printf('%.*c', 5000, 'b') || 'a' y)")
 
 
 def test_sql_runaway_query_hits_the_time_limit(singer_db):
@@ -218,7 +228,7 @@ def test_sql_answers_cannot_change_anything(singer_db, predicted):
 ])
 def test_sql_rejects_bad_gold_or_configuration(singer_db, gold, params):
     params = {"db_path": str(singer_db), **params}
-    with pytest.raises(ValueError):
+    with pytest.raises(RewardInputError):  # a ValueError that reward jobs do not retry
         score("sql_execution_match", US_NAMES, gold, **params)
 
 
@@ -401,3 +411,234 @@ def test_reward_input_is_strict():
     with pytest.raises(pydantic.ValidationError):
         RewardInput(answer="x", rollout_id="r1")
     assert RewardInput(answer="x").params == {}
+
+
+# --------------------------------------------------------------------------------------------------------
+# Answers are written by the policy under training: parsing must stay linear, SQL must stay bounded.
+
+def test_extract_tagged_finds_what_the_regex_finds():
+    """The linear scan against the regex it replaces, on random texts of tags, fragments and text."""
+    import random
+    import re
+
+    from reward_hooks.rewards.text import extract_tagged
+
+    rng = random.Random(0)
+    for tags in (("<answer>", "</answer>"), ("<a>", "</a>"), ("|", "|"), ("ab", "ba"), ("[[", "]]")):
+        pieces = [*tags, tags[0][:-1], tags[1][1:], "x", "\n", "a", "b", "]"]
+        pattern = re.escape(tags[0]) + r"(.*?)" + re.escape(tags[1])
+        for _ in range(2000):
+            text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 12)))
+            found = re.findall(pattern, text, flags=re.DOTALL)
+            assert extract_tagged(text, tags) == (found[-1] if found else None), (tags, text)
+
+
+def test_the_linear_regexes_match_what_the_quadratic_ones_matched():
+    """The SQL fence and the judge's score line, against the patterns they replace, on random texts."""
+    import random
+    import re
+
+    from reward_hooks.rewards.judge import _SCORE
+    from reward_hooks.rewards.sql import _FENCED_SQL
+
+    old_fence = re.compile(r"```[ \t]*(?:sql|sqlite)?[ \t]*\n(.*?)```", re.IGNORECASE | re.DOTALL)
+    old_score = re.compile(r"SCORE:\s*\**\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)", re.IGNORECASE)
+    rng = random.Random(0)
+    for new, old, pieces in ((_FENCED_SQL, old_fence, ["```", " ", "\t", "\n", "sql", "SQLite", "x", "`"]),
+                             (_SCORE, old_score, ["SCORE:", " ", "\n", "*", "1", ".", "5", "e", "-", "x"])):
+        for _ in range(5000):
+            text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 14)))
+            assert new.findall(text) == old.findall(text), text
+
+
+PATHOLOGICAL = {  # 320 KB each; the first three were quadratic (118 s for the tags in format_and_f1)
+    "unclosed tags": "<answer>" * 40_960,
+    "fence and spaces": "```" + " " * 327_680,
+    "digits": "1" * 327_680,
+    "thousands": "1," * 163_840,
+    "fractions": "\\frac{" * 54_613,
+    "boxes": "\\boxed{" * 46_811,
+    "fences": "```sql\n" * 46_811,
+    "articles": "the a an " * 36_408,
+}
+
+
+@pytest.mark.parametrize("name", PATHOLOGICAL)
+def test_pathological_answers_are_scored_in_linear_time(name):
+    answer = PATHOLOGICAL[name]
+    started = time.monotonic()
+    scores = [score("exact_match", answer, "x"), score("f1", answer, "x"), score("format_and_f1", answer, "x"),
+              score("math_answer", answer, 3)]
+    assert scores == [0.0, 0.0, 0.0, 0.0]
+    assert time.monotonic() - started < 30  # generous (a loaded machine): quadratic, the tags took 118 s
+
+
+def test_a_final_number_too_long_to_read_scores_zero():
+    assert score("math_answer", "1" * 5000, 3) == 0.0  # int() refuses more than 4300 digits
+    assert score("math_answer", "1" * 1000, int("1" * 1000)) == 1.0
+
+
+def test_parse_score_of_a_reply_full_of_spaces():
+    started = time.monotonic()
+    with pytest.raises(ValueError):
+        parse_score("SCORE:" + " " * 327_680 + "x")  # 17.8 s at 40 KB before: quadratic
+    assert parse_score("SCORE:" + " " * 100_000 + "** 0.5") == 0.5
+    assert time.monotonic() - started < 30  # generous (a loaded machine): quadratic, this took minutes
+
+
+SQL_BOMBS = {  # one statement each; before the limits they took 3-45 s and up to 2.8 GB (timeout_s 5)
+    "printf repeat": "SELECT printf('%.*c', 2147483647, 'x') IS NULL",
+    "printf text precision": "SELECT printf('%.*c', '2147483647', 'x') IS NULL",  # SQLite converts it: 6.6 s
+    "printf real precision": "SELECT printf('%.*c', 2147483647.0, 'x') IS NULL",
+    "quadratic replace": "SELECT length(replace(printf('%.*c', 1000000, 'a'), printf('%.*c', 500000, 'a') || 'b', ''))",
+    "quadratic instr": "SELECT instr(printf('%.*c', 1000000, 'a'), printf('%.*c', 500000, 'a') || 'b')",
+    "quadratic ltrim": LTRIM_BOMB,  # 0.45 s per VM instruction: 44.8 s under timeout_s=0.2
+    "zeroblob": "SELECT length(replace(hex(zeroblob(200000000)), '0', 'ab'))",
+    "randomblob": "SELECT length(hex(randomblob(300000000)))",
+    "doubling": "WITH RECURSIVE r(s) AS (SELECT 'x' UNION ALL SELECT s || s FROM r WHERE length(s) < 500000000) "
+                "SELECT max(length(s)) FROM r",
+    "wide rows": "WITH RECURSIVE r(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM r WHERE i < 100000) "
+                 "SELECT printf('%.*c', 20000, 'x') FROM r",
+    "long pattern": "SELECT printf('%.*c', 60000, 'a') LIKE '%' || printf('%.*c', 5000, 'a') || 'b'",
+    # 1,000 rows of 20 x 64 KiB: fetched 1,000 rows at a time before they were counted, 1.28 GB at once
+    "wide batch": "WITH RECURSIVE r(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM r WHERE i < 1000) SELECT "
+                  + ", ".join(["zeroblob(65536)"] * 20) + " FROM r",
+}
+
+
+@pytest.mark.parametrize("name", SQL_BOMBS)
+def test_sql_bombs_are_stopped_by_the_limits_not_the_clock(singer_db, name):
+    """A bomb scores 0.0; as a gold query (whose error says why it failed) it fails on a limit, long before
+    a generous deadline: no wall-clock bound, which a loaded machine could pass."""
+    db = str(singer_db)
+    assert score("sql_execution_match", SQL_BOMBS[name], US_NAMES, db_path=db) == 0.0
+    with pytest.raises(RewardInputError) as failed:
+        score("sql_execution_match", US_NAMES, SQL_BOMBS[name], db_path=db, timeout_s=60)
+    assert "time limit" not in str(failed.value)
+
+
+@pytest.mark.parametrize("precision", ["'70000'", "70000.0", "' +70000 apples'", "x'3730303030'", "7e4"])
+def test_printf_reads_a_star_argument_as_sqlite_does(singer_db, precision):
+    """SQLite converts a `*` argument to an integer (a real truncated, a text or blob by its numeric prefix):
+    the guard refuses what SQLite would repeat 70,000 times, whatever its type."""
+    with pytest.raises(RewardInputError, match="printf width or precision argument over 65536"):
+        score("sql_execution_match", US_NAMES, f"SELECT printf('%.*c', {precision}, 'x')", db_path=str(singer_db))
+    assert score("sql_execution_match", "SELECT printf('%.*c', '3', 'x'), printf('%*d', 4.0, 7)",
+                 "SELECT 'xxx', '   7'", db_path=str(singer_db)) == 1.0
+
+
+def test_sql_deadline_holds_when_each_instruction_is_slow(singer_db):
+    """The progress handler runs between VM instructions only; the watchdog interrupts at the deadline. Each
+    LIKE here takes about 0.05 s (a 990-character pattern, within the pattern limit): a check every 1,000
+    instructions let the query run for seconds past the deadline."""
+    like = ("WITH RECURSIVE r(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM r WHERE i < 300) SELECT count(*) FROM r, "
+            "(SELECT printf('%.*c', 60000, 'a') x, '%' || printf('%.*c', 990, 'a') || 'b' p) WHERE substr(x, i) LIKE p")
+    for query in (LTRIM_BOMB, like):
+        started = time.monotonic()
+        assert score("sql_execution_match", query, US_NAMES, db_path=str(singer_db), timeout_s=0.2) == 0.0
+        assert time.monotonic() - started < 5  # generous: the deadline is 0.2 s; before, 44.8 s and 15 s
+    with pytest.raises(RewardInputError, match="time limit"):  # the same query, stopped by the clock
+        score("sql_execution_match", US_NAMES, like, db_path=str(singer_db), timeout_s=0.2)
+
+
+@pytest.mark.parametrize("query", [
+    RUNAWAY,  # the signal lands in the progress handler
+    "WITH RECURSIVE r(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM r) SELECT count(printf('%d', x)) FROM r",  # or printf
+])
+def test_rq_job_timeout_inside_sqlite_is_raised_not_scored(singer_db, query):
+    """rq's job timeout is SIGALRM raising JobTimeoutException in whatever Python code runs: inside SQLite,
+    one of its callbacks. sqlite3 clears what a callback raises, which made the timeout a failed query (0.0)."""
+    started = time.monotonic()
+    with pytest.raises(JobTimeoutException), UnixSignalDeathPenalty(1, JobTimeoutException, job_id="sql"):
+        score("sql_execution_match", query, "SELECT 1", db_path=str(singer_db), timeout_s=30)
+    assert time.monotonic() - started < 25  # the job's 1 s, not the query's 30 s
+    assert score("sql_execution_match", "SELECT 1", "SELECT 1", db_path=str(singer_db)) == 1.0  # nothing left over
+
+
+def test_trim_character_sets_are_bounded(singer_db):
+    db = str(singer_db)
+    assert score("sql_execution_match", "SELECT ltrim('xxabc', 'x'), rtrim('abcyy', 'y'), trim('  a '), "
+                 "trim('zaz', 'z')", "SELECT 'abc', 'abc', 'a', 'a'", db_path=db) == 1.0
+    with pytest.raises(RewardInputError, match="ltrim's character set is longer than 100"):
+        score("sql_execution_match", US_NAMES, "SELECT ltrim('abc', printf('%.*c', 101, 'x'))", db_path=db)
+
+
+def test_sql_result_columns_are_bounded_but_wide_tables_stay_readable(tmp_path):
+    path = tmp_path / "wide.db"
+    with sqlite3.connect(path) as db:
+        db.execute("CREATE TABLE wide (" + ", ".join(f"c{i} INTEGER" for i in range(100)) + ")")
+        db.execute("INSERT INTO wide VALUES (" + ", ".join(str(i) for i in range(100)) + ")")
+    db.close()
+    assert score("sql_execution_match", "SELECT c99, c0 FROM wide", "SELECT 99, 0", db_path=str(path)) == 1.0
+    assert score("sql_execution_match", "SELECT * FROM wide", "SELECT * FROM wide", db_path=str(path)) == 1.0
+    many = "SELECT " + ", ".join(["1"] * 65)
+    assert score("sql_execution_match", many, "SELECT 1", db_path=str(path)) == 0.0  # 64 columns at most
+    assert score("sql_execution_match", many, many, db_path=str(path)) == 1.0  # unless the gold query has more
+
+
+def test_a_gold_query_over_the_limits_fails_clearly(tmp_path):
+    """SQLite's length limit also bounds the records an ORDER BY sorts: a gold query sorting rows longer than
+    max_value_bytes fails, as a `RewardInputError` (not retried) saying so."""
+    path = tmp_path / "long.db"
+    with sqlite3.connect(path) as db:
+        db.execute("CREATE TABLE t (a TEXT, b TEXT)")
+        db.execute("INSERT INTO t VALUES (?, ?)", ("a" * 40_000, "b" * 40_000))
+    db.close()
+    with pytest.raises(RewardInputError, match="max_value_bytes=65536"):
+        score("sql_execution_match", "SELECT 1", "SELECT a, b FROM t ORDER BY a", db_path=str(path))
+
+
+def test_sql_limits_leave_ordinary_queries_alone(singer_db):
+    db = str(singer_db)
+    assert score("sql_execution_match", "SELECT printf('%s is %d', name, age) FROM singer",
+                 "SELECT name || ' is ' || age FROM singer", db_path=db) == 1.0
+    assert score("sql_execution_match", "SELECT printf('%.*c', 3, 'x')", "SELECT 'xxx'", db_path=db) == 1.0
+    assert score("sql_execution_match", "SELECT format('%5.1f', 2.25)", "SELECT '  2.3'", db_path=db) == 1.0
+    long_value = "SELECT length(printf('%.*c', 100000, 'x'))"
+    assert score("sql_execution_match", long_value, "SELECT 100000", db_path=db) == 0.0  # over 64 KiB
+    assert score("sql_execution_match", long_value, "SELECT 100000", db_path=db, max_value_bytes=200_000) == 1.0
+    wide = "SELECT printf('%.*c', 1000, name) FROM singer"
+    assert score("sql_execution_match", wide, wide, db_path=db) == 1.0
+    assert score("sql_execution_match", wide, "SELECT 1", db_path=db, max_result_bytes=3000) == 0.0
+
+
+def test_sql_bombs_stay_within_memory(singer_db):
+    """Peak memory of a fresh process that scores every bomb, against 2.8 GB before. (VmHWM, the peak of this
+    process's own memory: ru_maxrss would carry over the parent's peak through exec.)"""
+    code = (
+        "import re, sys, json\n"
+        "from reward_hooks.rewards import get_reward_fn, RewardInput\n"
+        "bombs, db = json.loads(sys.argv[1]), sys.argv[2]\n"
+        "fn = get_reward_fn('sql_execution_match')\n"
+        "scores = [fn(RewardInput(answer=q, ground_truth='SELECT 1', params={'db_path': db})) for q in bombs]\n"
+        "peak_kb = int(re.search(r'VmHWM:\\s*(\\d+)', open('/proc/self/status').read()).group(1))\n"
+        "print(json.dumps([scores, peak_kb // 1024]))\n")
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(list(SQL_BOMBS.values())), str(singer_db)],
+                         capture_output=True, text=True, timeout=120, check=True, cwd=Path(__file__).parent.parent)
+    scores, peak_mb = json.loads(out.stdout)
+    assert scores == [0.0] * len(SQL_BOMBS)
+    assert peak_mb < 400, peak_mb
+
+
+@pytest.mark.parametrize("value, expected", [
+    (True, 1.0), (numpy.bool_(False), 0.0), (Decimal("0.5"), 0.5), (Fraction(1, 4), 0.25), (numpy.array(0.75), 0.75),
+    (numpy.float32(1.5), 1.5), (numpy.int64(-3), -3.0), (torch.tensor(0.25), 0.25), (torch.tensor([2.0]), 2.0), (7, 7.0),
+])
+def test_rewards_convert_as_float_does(value, expected):
+    """What `float()` took before the bound check was added still scores: bools, Decimals, numpy scalars and
+    0-d arrays, one-element tensors."""
+    reward = check_reward(value, 10.0)
+    assert reward == expected and type(reward) is float
+
+
+@pytest.mark.parametrize("value, message", [
+    (None, "must be a number, got NoneType"), ("1", "must be a number, got str"), (b"1", "must be a number"),
+    (numpy.array([1.0, 2.0]), "must be a number, got ndarray"), (torch.tensor([1.0, 2.0]), "must be a number"),
+    (Decimal("sNaN"), "must be a number"), (1 + 0j, "must be a number, got complex"),
+    (float("nan"), "must be a finite number"), (numpy.float64("inf"), "must lie in [-10, 10]"),
+    (Decimal("11"), "must lie in [-10, 10]"), (10**400, "must lie in [-10, 10]"), (torch.tensor(-10.5), "got -10.5"),
+])
+def test_rewards_that_are_not_one_finite_number_in_range_are_refused(value, message):
+    with pytest.raises(RewardOutOfRange) as refused:
+        check_reward(value, 10.0)
+    assert message in str(refused.value)

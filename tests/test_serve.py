@@ -354,13 +354,14 @@ def test_hermes_stream_deltas_match_the_vllm_fixture(text: str):
 
     pieces = tool_call_pieces(text)
     content, [call] = parse_hermes(text)
-    mine = hermes_stream_deltas(pieces, [call])
-    reference = fake_vllm.hermes_deltas(types.SimpleNamespace(text=text, pieces=pieces), call.id)
+    mine = hermes_stream_deltas(pieces)
+    [stream_id] = [c["id"] for d in mine if d for c in d.get("tool_calls", []) if "id" in c]
+    reference = fake_vllm.hermes_deltas(types.SimpleNamespace(text=text, pieces=pieces), stream_id)
     assert mine == reference
     streamed = [d for d in mine if d]
     assert "".join(d["content"] or "" for d in streamed) == (content or "")
-    calls = [c for d in streamed for c in d["tool_calls"]]
-    assert calls[0] == {"id": call.id, "type": "function", "index": 0, "function": {"name": call.name}}
+    calls = [c for d in streamed for c in d.get("tool_calls", [])]
+    assert calls[0] == {"id": stream_id, "type": "function", "index": 0, "function": {"name": call.name}}
     assert json.loads("".join(c["function"]["arguments"] for c in calls[1:])) == json.loads(call.arguments)
 
 
@@ -369,10 +370,10 @@ def test_hermes_stream_deltas_two_calls():
             '<tool_call>{"name": "b", "arguments": {"y": [2]}}</tool_call>')
     content, calls = parse_hermes(text)
     assert content is None and len(calls) == 2
-    deltas = [c for d in hermes_stream_deltas(tool_call_pieces(text), calls) if d for c in d["tool_calls"]]
+    deltas = [c for d in hermes_stream_deltas(tool_call_pieces(text)) if d for c in d.get("tool_calls", [])]
     for j, call in enumerate(calls):
         mine = [c for c in deltas if c["index"] == j]
-        assert mine[0]["id"] == call.id and mine[0]["function"] == {"name": call.name}
+        assert re.fullmatch(r"chatcmpl-tool-[0-9a-f]{16}", mine[0]["id"]) and mine[0]["function"] == {"name": call.name}
         assert json.loads("".join(c["function"]["arguments"] for c in mine[1:])) == json.loads(call.arguments)
 
 
@@ -421,6 +422,26 @@ def test_errors(server: Proc, body: dict, status: int, param: str):
     if status == 404:
         assert error == {"message": f"The model `nope` does not exist. Valid aliases: {MODEL}.",
                          "type": "NotFoundError", "param": "model", "code": 404}
+
+
+def test_tiny_temperatures_and_top_k_are_vllms(server: Proc):
+    """vLLM raises 0 < temperature < 0.01 to 0.01 (T=1e-45 used to overflow z / T and fail the request and
+    every request batched with it); top_k -1 means off, below -1 is a 400 worded as vLLM's SamplingParams."""
+    import concurrent.futures
+
+    body = {"max_tokens": 6, "seed": 3, "return_token_ids": True}
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:  # batched together with normal requests
+        tiny, *others = pool.map(lambda t: post(server, "/v1/chat/completions", {
+            "model": MODEL, "messages": MESSAGES, **body, "temperature": t}), [1e-45, 1.0, 0.7, 1e-3])
+    assert [r.status_code for r in (tiny, *others)] == [200] * 4, tiny.text
+    floor = chat(server, **body, temperature=0.01)["choices"][0]["token_ids"]
+    assert tiny.json()["choices"][0]["token_ids"] == floor == others[2].json()["choices"][0]["token_ids"]
+    assert chat(server, **body, top_k=-1)["choices"][0]["token_ids"] == chat(server, **body)["choices"][0]["token_ids"]
+    for path, fields in (("/v1/chat/completions", {"messages": MESSAGES}), ("/v1/completions", {"prompt": "x"})):
+        response = post(server, path, {"model": MODEL, **fields, "top_k": -2})
+        assert response.status_code == 400
+        assert response.json() == {"error": {"message": "top_k must be 0 (disable), or at least 1, got -2.",
+                                             "type": "BadRequestError", "param": None, "code": 400}}
 
 
 def test_malformed_json(server: Proc):
@@ -483,7 +504,7 @@ def test_generation_config_sampling_defaults(model_dir: Path, tmp_path: Path, hf
     config = json.loads((greedy_dir / "generation_config.json").read_text())
     (greedy_dir / "generation_config.json").write_text(json.dumps({**config, "temperature": 0.0}))
     body = {"model": "greedy", "messages": MESSAGES, "max_tokens": 8, "return_token_ids": True, "logprobs": True}
-    with TestClient(build_app(greedy_dir, served_model_name="greedy")) as client:
+    with TestClient(build_app(greedy_dir, served_model_name="greedy", logprobs_mode="processed_logprobs")) as client:
         first, second = (client.post("/v1/chat/completions", json=body).json() for _ in range(2))
         hot = client.post("/v1/chat/completions", json={**body, "temperature": 1.0, "seed": 1}).json()
     ids = first["choices"][0]["token_ids"]

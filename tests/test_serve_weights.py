@@ -139,7 +139,8 @@ def test_pause_keep_holds_new_requests_until_resume(served):
 def test_pause_wait_lets_admitted_requests_finish_first(served):
     proc, _ = served
     answers: list[tuple[float, httpx.Response]] = []
-    body = {"model": "tiny", "prompt": "hi", "max_tokens": 1500, "logit_bias": {"256": -100, "258": -100}}
+    # two rows of 1,500 tokens: seconds on a quiet machine (one row alone can finish within the sleep below)
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 1500, "n": 2, "logit_bias": {"256": -100, "258": -100}}
 
     def call() -> None:
         response = httpx.post(f"{proc.url}/v1/completions", json=body, timeout=120)
@@ -147,7 +148,7 @@ def test_pause_wait_lets_admitted_requests_finish_first(served):
 
     thread = threading.Thread(target=call)
     thread.start()
-    time.sleep(1.0)  # admitted and generating (1,500 tokens take several seconds)
+    time.sleep(0.5)  # admitted and generating
     t0 = time.monotonic()
     paused = post(proc.url, "/pause?mode=wait")
     t_paused = time.monotonic()
@@ -155,8 +156,9 @@ def test_pause_wait_lets_admitted_requests_finish_first(served):
     assert paused.status_code == 200 and answers
     answered_at, answer = answers[0]
     assert answer.status_code == 200, answer.text
-    choice = answer.json()["choices"][0]
-    assert choice["finish_reason"] == "length" and answer.json()["usage"]["completion_tokens"] == 1500
+    assert [c["finish_reason"] for c in answer.json()["choices"]] == ["length", "length"]
+    assert answer.json()["usage"]["completion_tokens"] == 3000
+    assert answered_at > t0  # it was still running when /pause came
     assert t_paused - t0 > 0.2  # /pause waited for the request ...
     assert answered_at - t_paused < 1.0  # ... until it was done (its answer followed at once)
     post(proc.url, "/resume")

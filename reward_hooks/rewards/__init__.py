@@ -4,6 +4,7 @@
 finite float. Builtins are in `BUILTINS`; `registry` documents how other names are found.
 """
 
+from reward_hooks.rewards.errors import RewardInputError
 from reward_hooks.rewards.registry import (
     BUILTINS,
     RewardFn,
@@ -14,5 +15,5 @@ from reward_hooks.rewards.registry import (
     register,
 )
 
-__all__ = ["BUILTINS", "RewardFn", "RewardInput", "UnknownRewardFn", "get_allowed_reward_fn", "get_reward_fn",
-           "register"]
+__all__ = ["BUILTINS", "RewardFn", "RewardInput", "RewardInputError", "UnknownRewardFn", "get_allowed_reward_fn",
+           "get_reward_fn", "register"]

@@ -23,7 +23,9 @@ SYSTEM_PROMPT = (
     "of the form\nSCORE: <number between 0 and 1>"
 )
 
-_SCORE = re.compile(r"SCORE:\s*\**\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)", re.IGNORECASE)
+# `\s*(?:\*+\s*)?`, not `\s*\**\s*`: two adjacent `\s*` split a run of spaces every possible way, quadratic
+# in its length when no number follows.
+_SCORE = re.compile(r"SCORE:\s*(?:\*+\s*)?([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)", re.IGNORECASE)
 
 
 def judge_messages(inp: RewardInput, rubric: str) -> list[dict[str, str]]:

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from reward_hooks.rewards.registry import RewardInput
 
 DEFAULT_REL_TOL = 1e-6
+MAX_NUMBER_CHARS = 1000  # digits and separators of a number read as an answer
 
 _NUMBER = re.compile(
     r"(?<![0-9A-Za-z_.])"  # not the tail of a word, a number or a decimal ("H2O", "v1.2" hold none)
@@ -36,7 +37,9 @@ def final_number(text: str) -> list[Fraction]:
     `{,}` -> `,`, `\\%` -> `%`, thin spaces `\\,` `\\!` removed), the last number counts: an integer or
     decimal, optionally signed, with optional thousands separators (`1,234,567.5`), optionally a fraction
     `a/b` (a zero denominator is no number), optionally followed by `%`. A `%` gives two readings, 50% being
-    50 or 0.5. A boxed answer without a number yields `[]`: the declared answer is not searched around.
+    50 or 0.5. A boxed answer without a number yields `[]`: the declared answer is not searched around, and
+    so does a final number written with more than `MAX_NUMBER_CHARS` characters (no answer needs them; Python
+    would refuse to convert some of them, and comparing them costs more than any answer is worth).
     """
     text = unicodedata.normalize("NFKC", text)
     segment = _last_boxed(text)
@@ -47,6 +50,8 @@ def final_number(text: str) -> list[Fraction]:
         segment = segment.replace(latex, plain)
     for match in reversed(list(_NUMBER.finditer(segment))):
         sign, number, denominator, percent = match.groups()
+        if len(number) > MAX_NUMBER_CHARS or len(denominator or "") > MAX_NUMBER_CHARS:
+            return []
         value = Fraction(number.replace(",", ""))
         if denominator is not None:
             divisor = Fraction(denominator.replace("\u2212", "-"))

@@ -78,10 +78,22 @@ def f1(inp: RewardInput) -> float:
 
 
 def extract_tagged(answer: str, tags: tuple[str, str]) -> str | None:
-    """The text inside the last `open ... close` pair of `answer` (shortest match), or None if none."""
+    """The text inside the last `open ... close` pair of `answer`, or None if there is none.
+
+    Pairs are found left to right as `re.findall(open + "(.*?)" + close, answer, re.DOTALL)` finds them
+    (the first `open`, then the first `close` after it, then on from there), but with `str.find`, in
+    time linear in the answer's length: the regex retries the lazy scan from every `open` that has no
+    `close` after it, quadratic on an answer of many unclosed tags.
+    """
     open_tag, close_tag = tags
-    found = re.findall(re.escape(open_tag) + r"(.*?)" + re.escape(close_tag), answer, flags=re.DOTALL)
-    return found[-1] if found else None
+    last, pos = None, 0
+    while (start := answer.find(open_tag, pos)) >= 0:
+        end = answer.find(close_tag, start + len(open_tag))
+        if end < 0:  # no close after this open, so none after any later one either
+            break
+        last = answer[start + len(open_tag):end]
+        pos = end + len(close_tag)
+    return last
 
 
 def format_and_f1(inp: RewardInput) -> float:

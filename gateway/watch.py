@@ -1,0 +1,118 @@
+"""What the gateway reads from Redis in the background, every `policy_poll_s`, off the calls' path.
+
+- **The policy pointer** (version, adapter) the learner moves after each push. When it disappears while
+  the gateway serves a pushed version (Redis lost it), the gateway keeps serving the pointer it had
+  instead of falling back to the base model tagged version 0: it logs `policy_pointer_lost` once and
+  reports `degraded` on `/healthz` until a pointer is stored again (a resumed learner re-pushes its
+  checkpoint's version). A stored pointer is always followed, a lower version too (a learner started
+  afresh on purpose), with a warning.
+- **The backlog** (`EpisodeStore.backlog`): episodes closed and not yet acknowledged by a learner plus
+  reward jobs queued. Above `max_backlog`, new rollouts are held back (`Proxy`): agents never outrun the
+  rewards and the training, so what the learner trains on stays fresh.
+- **The store's epoch marker** (`EpisodeStore.epoch`): a random value the first gateway writes. When it
+  disappears or changes, Redis lost its data (restarted without persistence, flushed, failed over to an
+  empty replica). The gateway counts it (`rlgate_gateway_store_data_lost`), logs `store_data_lost`,
+  reports `degraded`, and refuses calls into the rollouts it recorded before (409 `rollout_data_lost`):
+  such a rollout would otherwise reopen empty and could be closed again with another reward. It knows
+  the last `recent_rollouts` rollouts it recorded (a bounded FIFO); another process's cannot be told
+  from new ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import structlog
+
+import episodes
+from episodes import EpisodeStore
+from gateway.metrics import GatewayMetrics
+from gateway.settings import GatewaySettings
+
+log = structlog.get_logger("rlgate.gateway")
+
+
+class StoreWatch:
+    def __init__(self, settings: GatewaySettings, store: EpisodeStore, metrics: GatewayMetrics) -> None:
+        self.settings = settings
+        self.store = store
+        self.metrics = metrics
+        self.policy = episodes.Policy()
+        self.backlog = 0
+        self.over_backlog = False
+        self.epoch: str | None = None
+        self.problems: dict[str, str] = {}  # what /healthz reports as degraded, by kind
+        self.recent: dict[str, None] = {}  # rollouts this process recorded, oldest first (bounded)
+        self.lost: frozenset[str] = frozenset()  # of those, the ones recorded before Redis lost its data
+        self.queue_key = f"rq:queue:{settings.reward_queue}" if settings.reward_queue else None
+
+    def recorded(self, rollout_id: str) -> None:
+        """Remember a rollout this process recorded a call into (cheap: one dict insert)."""
+        recent = self.recent
+        if rollout_id not in recent:
+            recent[rollout_id] = None
+            if len(recent) > self.settings.recent_rollouts:
+                del recent[next(iter(recent))]
+
+    async def run(self) -> None:
+        failing = False
+        while True:
+            try:
+                await self.poll()
+                failing = False
+            except episodes.StoreUnavailable as exc:
+                if not failing:
+                    log.warning("store_unreadable", error=str(exc))
+                failing = True
+            await asyncio.sleep(self.settings.policy_poll_s)
+
+    async def poll(self) -> None:
+        await self._check_epoch()
+        policy = await self.store.stored_policy()
+        if policy is None and self.policy.version > 0:
+            if "policy_pointer" not in self.problems:
+                log.error("policy_pointer_lost", serving=self.policy.version,
+                          hint="kept the last pointer seen; a learner that resumes re-pushes its version")
+                self.metrics.errors.labels("policy_pointer_lost").inc()
+            self.problems["policy_pointer"] = (f"the policy pointer is gone from Redis; still serving version "
+                                               f"{self.policy.version}")
+            return await self._check_backlog()
+        policy = policy or episodes.Policy()
+        if policy.version < self.policy.version:
+            log.warning("policy_version_went_back", serving=self.policy.version, stored=policy.version)
+        self.policy = policy
+        self.problems.pop("policy_pointer", None)
+        await self._check_backlog()
+
+    async def _check_backlog(self) -> None:
+        if self.settings.max_backlog:
+            self.backlog = await self.store.backlog(self.queue_key)
+            over = self.backlog > self.settings.max_backlog
+            if over != self.over_backlog:
+                log.info("backlog_holding_new_rollouts" if over else "backlog_released", backlog=self.backlog,
+                         max_backlog=self.settings.max_backlog)
+            self.over_backlog = over
+
+    async def _check_epoch(self) -> None:
+        epoch = await self.store.epoch(create=True)
+        if self.epoch is None:
+            self.epoch = epoch
+            return
+        if epoch == self.epoch:
+            return
+        self.epoch = epoch
+        # bounded too: after several losses only the rollouts of the latest ones are remembered
+        keep = self.lost if len(self.lost) + len(self.recent) <= 2 * self.settings.recent_rollouts else frozenset()
+        self.lost = keep | frozenset(self.recent)
+        self.recent = {}
+        self.metrics.errors.labels("store_data_lost").inc()
+        when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        self.problems["store"] = (f"Redis lost its data (the epoch marker changed at {when}); calls into "
+                                  f"the {len(self.lost)} rollouts recorded here before are refused")
+        log.error("store_data_lost", rollouts_refused=len(self.lost),
+                  hint="Redis restarted without its data, was flushed, or failed over to an empty replica: "
+                  "persist it (AOF) and replicate it")
+
+
+__all__ = ["StoreWatch"]
