@@ -113,6 +113,24 @@ def _redis(cfg: DemoConfig) -> str:
     raise RuntimeError("the demo's redis-server did not start")
 
 
+def _wait_group(cfg: DemoConfig, redis_url: str, stream: str, group: str, timeout_s: float = 300.0) -> None:
+    client = redis.Redis.from_url(redis_url, socket_timeout=5)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            if cfg.processes["learner"].poll() is not None:
+                raise RuntimeError(f"the learner exited; see {cfg.workdir / 'logs' / 'learner.log'}")
+            try:
+                if any(g.get("name") in (group, group.encode()) for g in client.xinfo_groups(stream)):
+                    return
+            except redis.ResponseError:  # no stream yet
+                pass
+            time.sleep(0.2)
+    finally:
+        client.close()
+    raise RuntimeError("the learner did not start reading episodes")
+
+
 def start(cfg: DemoConfig) -> dict[str, Any]:
     """Start every process; returns where they listen."""
     from inference.tiny_model import build_tiny_model
@@ -122,7 +140,7 @@ def start(cfg: DemoConfig) -> dict[str, Any]:
     if not (model / "config.json").is_file():
         build_tiny_model(model, seed=cfg.seed)
     redis_url = _redis(cfg)
-    prefix = f"demo-{int(time.time())}"  # a fresh key space per run, on whatever Redis this is
+    prefix = f"demo-{int(time.time())}-{os.getpid()}"  # a fresh key space per run, on whatever Redis this is
     rlgate = [sys.executable, "-m", "rlgate"]
 
     serve_port = free_port()
@@ -156,6 +174,9 @@ def start(cfg: DemoConfig) -> dict[str, Any]:
         "RLGATE_LEARNER_ROLLOUTS_PER_TASK": str(cfg.rollouts_per_task),
         "RLGATE_LEARNER_LEARNING_RATE": str(cfg.learning_rate), "RLGATE_LEARNER_MAX_STALENESS": "2",
         "RLGATE_LEARNER_THREADS": "1", "RLGATE_LEARNER_SEED": str(cfg.seed), "RLGATE_LEARNER_LOG_FORMAT": "json"})
+    # the agents start once the learner reads the stream: episodes closed before would wait uncounted by
+    # the gateway's backlog (it counts what the learners' group has not acknowledged)
+    _wait_group(cfg, redis_url, f"{prefix}:episodes", "learners")
     _spawn(cfg, "agent", [sys.executable, "-m", "demo.agent", "--gateway", gateway_url, "--model", MODEL_NAME,
                           "--concurrency", str(cfg.concurrency), "--rollouts-per-task", str(cfg.rollouts_per_task),
                           "--seed", str(cfg.seed)])
@@ -202,10 +223,9 @@ def backlog(where: dict[str, Any]) -> dict[str, int]:
     try:
         queued = int(client.llen(f"rq:queue:{where['queue']}"))
         untrained = 0
-        try:  # as the gateway counts it (EpisodeStore.backlog): the whole stream before the learner's group
-            groups = client.xinfo_groups(f"{where['prefix']}:episodes")
-            untrained = sum(int(g.get("lag") or 0) + int(g.get("pending") or 0) for g in groups) if groups \
-                else int(client.xlen(f"{where['prefix']}:episodes"))
+        try:  # as the gateway counts it (EpisodeStore.backlog)
+            for group in client.xinfo_groups(f"{where['prefix']}:episodes"):
+                untrained += int(group.get("lag") or 0) + int(group.get("pending") or 0)
         except redis.ResponseError:  # no stream yet
             pass
         return {"rewards_queued": queued, "closed_untrained": untrained, "total": queued + untrained}

@@ -158,20 +158,23 @@ return status or ''
 
 # A learner claims a closed rollout before training on it, so that an episode published twice (the
 # outbox repair after a closer died between XADD and marking it published) trains once: in one step,
-# and across learners. The claim is a lease: a dead learner's claim lapses, and the one that takes over
-# its pending stream entries (XAUTOCLAIM) can claim the rollout again. The owner may renew its own.
+# and across learners. The claim is a lease (Redis's clock, so learners on several hosts agree): a dead
+# learner's claim lapses, and the one that takes over its pending stream entries (XAUTOCLAIM) can claim
+# the rollout then. The owner renews its own (before its checkpoint and push).
 # KEYS[1] rollout hash
-# ARGV[1] owner (the learner's consumer name), ARGV[2] now (unix seconds), ARGV[3] lease end
-# Returns 1 (claimed by ARGV[1]) or 0 (not closed any more, or claimed by another live learner).
+# ARGV[1] owner (the learner's consumer name), ARGV[2] lease in milliseconds
+# Returns 1 (claimed by ARGV[1]), 0 (not closed any more) or -1 (another learner's lease runs).
 CLAIM = """
 if redis.call('HGET', KEYS[1], 'status') ~= 'closed' then
   return 0
 end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local owner = redis.call('HGET', KEYS[1], 'claimed_by')
 local till = tonumber(redis.call('HGET', KEYS[1], 'claimed_until') or '0')
-if owner and owner ~= ARGV[1] and till > tonumber(ARGV[2]) then
-  return 0
+if owner and owner ~= ARGV[1] and till > now then
+  return -1
 end
-redis.call('HSET', KEYS[1], 'claimed_by', ARGV[1], 'claimed_until', ARGV[3])
+redis.call('HSET', KEYS[1], 'claimed_by', ARGV[1], 'claimed_until', tostring(now + tonumber(ARGV[2])))
 return 1
 """

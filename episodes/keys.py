@@ -15,8 +15,8 @@
 | `{prefix}:episodes`                | stream | reward hooks, sweeper (closed episodes) | learners (consumer group)| none |
 | `{prefix}:epoch`                   | string | gateway (SET NX, a random value)        | gateways (polled)        | none |
 | `{prefix}:health`                  | string | gateway `/healthz` (a write probe)      | nobody                   | 60 s |
-| `{prefix}:webhook:{<id>}`          | string | reward webhook (SET NX: a signed        | reward webhook           | 2 x  |
-|                                    |        | request's webhook-id, accepted once)    |                          | tol. |
+| `{prefix}:webhook:<id>`            | string | reward webhook (SET NX: a signed        | reward webhook           | 2 T  |
+|                                    |        | request's webhook-id, accepted once)    |                          |      |
 
 - The rollout hash holds the fields of `records.Rollout` (`status`, `reward`, `closed_at`, ... with
   JSON for `metadata`, `reward_metadata` and `finish`; absent means null) plus `published`, the outbox
@@ -25,9 +25,10 @@
 - The calls list holds one `records.CallRecord` as JSON per LLM transition, in commit order; a call's
   index is its position in the list (0-based), so it is never stored twice. A request with `n > 1`
   appends one entry per choice, in choice order, in the same script call.
-- A webhook key remembers a signed request's `webhook-id` for twice the signature tolerance
-  (`RLGATE_WEBHOOK_TOLERANCE_S`), as long as the request's timestamp can be accepted: the same id again is
-  refused (`409 webhook_replayed`), so a captured request cannot be sent twice.
+- A webhook key remembers a signed request's `webhook-id` for 2 T, twice the signature tolerance
+  (`RLGATE_WEBHOOK_TOLERANCE_S`, default 300 s): as long as the request's timestamp can be accepted. The
+  same id again is refused (`409 webhook_replayed`), so a captured request cannot be sent twice. The id is
+  not a hash tag: a global key, touched by one SET NX.
 - The epoch marker tells a gateway that Redis lost its data: it is written once (SET NX) and only
   disappears with the rest (`gateway.watch`).
 - Keys of one rollout carry the Redis Cluster hash tag `{<rid>}`, so every Lua script (they only ever

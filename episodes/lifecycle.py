@@ -170,13 +170,14 @@ class EpisodeLifecycle:
                 await self.store.redis.zrem(self.keys.expiry, rollout_id)
         return before
 
-    async def claim(self, rollout_id: str, owner: str, lease_s: float) -> bool:
+    async def claim(self, rollout_id: str, owner: str, lease_s: float) -> str:
         """Claim a closed rollout for training by `owner` for `lease_s` seconds (renewable by the same
-        owner). False when it is not closed any more (consumed, failed) or another owner's lease runs."""
-        now = time.time()
+        owner; the lease runs on Redis's clock). Returns `claimed`, `not_closed` (consumed, failed, gone)
+        or `held` (another owner's lease runs)."""
         async with self.store.guard():
-            return bool(await self._claim(keys=[self.keys.rollout(rollout_id)],
-                                          args=[owner, repr(now), repr(now + lease_s)]))
+            reply = int(await self._claim(keys=[self.keys.rollout(rollout_id)],
+                                          args=[owner, str(max(1, int(lease_s * 1000)))]))
+        return {1: "claimed", 0: "not_closed", -1: "held"}[reply]
 
     async def consume(self, rollout_id: str) -> bool:
         """Mark a closed rollout consumed by a learner; True only the first time."""

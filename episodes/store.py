@@ -247,25 +247,26 @@ class EpisodeStore:
             return None
         return Policy.model_validate({k.decode(): v.decode() for k, v in fields.items() if v != b""})
 
-    async def backlog(self, reward_queue_key: str | None = None) -> int:
-        """Episodes waiting between the agents and the learners: closed but not yet acknowledged by a
-        learner (every consumer group's lag, i.e. entries not yet delivered, plus its pending entries; the
-        whole stream while no learner has created its group yet), plus the reward jobs waiting in the rq
-        queue at `reward_queue_key` (episodes asked to be graded and not yet closed)."""
+    async def backlog(self, reward_queue_key: str | None = None, group: str = "learners") -> int:
+        """Episodes waiting between the agents and the learners: closed but not yet acknowledged by the
+        learners' consumer group `group` (its lag, i.e. entries not yet delivered, plus its pending
+        entries; nothing while that group does not exist: a deployment that only records, or a learner
+        not started yet), plus the reward jobs waiting in the rq queue at `reward_queue_key` (episodes
+        asked to be graded and not yet closed). Other consumer groups (an old experiment's) do not count."""
         async with _guard(self.timeout_s):
             pipe = self.redis.pipeline(transaction=False)
-            pipe.xlen(self.keys.episodes)
+            pipe.exists(self.keys.episodes)
             if reward_queue_key:
                 pipe.llen(reward_queue_key)
             replies = await pipe.execute()
             groups = await self.redis.xinfo_groups(self.keys.episodes) if replies[0] else []
         waiting = int(replies[1]) if reward_queue_key else 0
-        if not groups:
-            return waiting + int(replies[0])
-        for group in groups:
-            # lag is None before Redis 7 and on a stream trimmed under the group: then only the pending
-            # entries count (an undercount never holds agents back for episodes that do not exist)
-            waiting += int(group.get("lag") or 0) + int(group.get("pending") or 0)
+        for info in groups:
+            name = info.get("name")
+            if (name.decode() if isinstance(name, bytes) else name) == group:
+                # lag is None before Redis 7 and on a stream trimmed under the group: then only the
+                # pending entries count (an undercount never holds agents back for nothing)
+                waiting += int(info.get("lag") or 0) + int(info.get("pending") or 0)
         return waiting
 
     async def epoch(self, create: bool = False) -> str | None:

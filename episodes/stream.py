@@ -72,14 +72,14 @@ class ClosedEpisodes:
             await self.store.redis.xack(self.key, self.group, episode.entry_id)
         return first
 
-    async def claim(self, episode: ClosedEpisode, consumer: str, lease_s: float) -> bool:
-        """Claim the episode's rollout for training (`EpisodeLifecycle.claim`): False when it is no longer
-        closed or another learner's lease on it runs."""
+    async def claim(self, episode: ClosedEpisode, consumer: str, lease_s: float) -> str:
+        """Claim the episode's rollout for training (`EpisodeLifecycle.claim`): `claimed`, `not_closed` or
+        `held` (another learner's lease runs)."""
         return await self.lifecycle.claim(episode.rollout_id, consumer, lease_s)
 
     async def drop(self, episode: ClosedEpisode) -> None:
-        """XACK an entry without marking its rollout consumed: a second copy of an episode that is trained
-        through another entry (in this step, or by another learner under its claim)."""
+        """XACK an entry without marking its rollout consumed: a second copy of an episode that this
+        learner trains through another entry of the same step."""
         async with self.store.guard():
             await self.store.redis.xack(self.key, self.group, episode.entry_id)
 

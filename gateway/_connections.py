@@ -11,10 +11,13 @@ sends its headers, or never finishes its body, stays open for good, and headers 
 | request line and headers at most `max_header_bytes` | | 431, then close |
 | at most `max_connections` open on the listener | | a new connection closes the oldest one that has no whole request in service (still sending its headers or body, or idle between requests); when every one has, the new one is closed |
 
+The cap makes room rather than answering 503 (uvicorn's `limit_concurrency`): once slow sockets fill a
+503 cap, every request gets 503, agents' included, on their kept-alive connections too; here a socket that
+never completes a request is always the first to go, and a request in service is never cut.
+
 A request that arrives in one read arms no timer of its own: the header deadline of a connection's first
-request is armed when it opens, and a later request's only when its headers span several reads. Time
-spent serving a request (the upstream call) is never limited here; nor is the client's reading of the
-answer.
+request is armed when it opens, and a later request's only when it spans several reads. Time spent
+serving a request (the upstream call) is not limited here, nor is the client's reading of the answer.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ _LOG_EVERY_S = 10.0
 
 @dataclass(frozen=True)
 class ConnectionLimits:
+    """One listener's limits: the gateway settings of the same names."""
+
     header_timeout_s: float
     body_timeout_s: float
     body_min_bytes_per_s: float
@@ -79,7 +84,7 @@ class Listener:
         self.idle.pop(conn, None)
 
     def note(self, reason: str) -> None:
-        """Count a connection closed for `reason`; log the counts at most every 10 s (an attack closes
+        """Count a connection closed for `reason`; log the totals at most every 10 s (an attack closes
         thousands)."""
         self._closed[reason] += 1
         now = time.monotonic()

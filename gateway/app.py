@@ -70,6 +70,41 @@ def match(path: str) -> tuple[str, str | None, str | None] | None:
     return None if endpoint is None else (endpoint, rollout_id, task_id)
 
 
+# The operator surface's requests are small (rollouts, rewards, finish requests): a larger body is 413 before
+# it is read whole.
+OPERATOR_MAX_BODY_BYTES = 1024 * 1024
+
+
+async def _read_bounded(scope: dict[str, Any], receive: Any, limit: int) -> Any:
+    """The operator surface's request body, read whole up front (its requests are small), and a `receive`
+    that hands it to the app; None when it is over `limit` bytes (by its Content-Length, or as it
+    arrives), without reading further."""
+    declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        return None
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            break  # a disconnect: the app sees an empty body and the server drops the answer
+        chunks.append(message.get("body", b""))
+        size += len(chunks[-1])
+        if size > limit:
+            return None
+        if not message.get("more_body", False):
+            break
+    body = b"".join(chunks)
+    delivered = False
+
+    async def replay() -> dict[str, Any]:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()  # after the body: wait for the disconnect, as servers deliver it
+    return replay
+
+
 class Gateway:
     """The whole gateway as one ASGI app; resources open in the lifespan."""
 
@@ -135,7 +170,15 @@ class Gateway:
             except errors.GatewayError as exc:
                 await _send_error(send, exc)
                 return
-        await self.api(scope, receive, send)
+        if scope["method"] in ("GET", "HEAD"):
+            await self.api(scope, receive, send)
+            return
+        bounded = await _read_bounded(scope, receive, OPERATOR_MAX_BODY_BYTES)
+        if bounded is None:
+            await _send_error(send, errors.PayloadTooLarge(f"request body larger than {OPERATOR_MAX_BODY_BYTES} "
+                                                           "bytes (the operator surface's limit)"))
+            return
+        await self.api(scope, bounded, send)
 
     async def _serve(self, scope: dict[str, Any], receive: Any, send: Any, endpoint: str,
                      rollout_id: str | None, task_id: str | None) -> None:

@@ -141,7 +141,7 @@ class Proxy:
             self.metrics.calls.labels(endpoint, "rollout_data_lost").inc()
             raise errors.Conflict(f"rollout {rollout_id!r} was recorded before Redis lost its data: it cannot be "
                                   "continued or closed; start a new rollout", code="rollout_data_lost")
-        if watch.over_backlog and not await self._rollout_exists(rollout_id):
+        if watch.over_backlog and rollout_id not in watch.recent and not await self._rollout_exists(rollout_id):
             await self._after_backlog(endpoint)
         body = await read_json(receive, self.settings.max_body_bytes)
         policy = self.policy  # one read: the version tag and the adapter the call goes to agree
@@ -192,15 +192,14 @@ class Proxy:
         """A new rollout while the backlog is over `max_backlog`: held until it drops (up to
         `backlog_wait_s`), then 429 with Retry-After. Calls of rollouts under way are never held."""
         self.metrics.calls.labels(endpoint, "held_for_backlog").inc()
-        deadline = time.perf_counter() + self.settings.backlog_wait_s
-        while self.watch.over_backlog:
-            if time.perf_counter() > deadline:
-                self.metrics.calls.labels(endpoint, "backlog_rejected").inc()
-                raise errors.BacklogFull(
-                    f"{self.watch.backlog} episodes wait for rewards or training (max_backlog "
-                    f"{self.settings.max_backlog}): new rollouts are held back; retry shortly",
-                    headers={"retry-after": str(max(1, round(self.settings.backlog_wait_s / 4)))})
-            await asyncio.sleep(self.settings.policy_poll_s / 2)
+        try:
+            await asyncio.wait_for(self.watch.backlog_clear.wait(), self.settings.backlog_wait_s)
+        except TimeoutError:
+            self.metrics.calls.labels(endpoint, "backlog_rejected").inc()
+            raise errors.BacklogFull(
+                f"{self.watch.backlog} episodes wait for rewards or training (max_backlog "
+                f"{self.settings.max_backlog}): new rollouts are held back; retry shortly",
+                headers={"retry-after": str(max(1, round(self.settings.backlog_wait_s / 4)))}) from None
 
     async def _after_push(self) -> episodes.Policy:
         """The policy once the full-weight push under way is over (wait), or 429 (reject, or too long)."""

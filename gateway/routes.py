@@ -136,7 +136,7 @@ def build_api(gateway: Gateway) -> FastAPI:
         return _json(201, created.model_dump_json().encode())
 
     @api.get("/rollouts/{rollout_id}", response_model=RolloutPage)
-    async def get_rollout(rollout_id: str, offset: int = Query(0, ge=0, description="First call index."),
+    async def get_rollout(rollout_id: str, offset: int = Query(0, ge=0, le=2**62, description="First call index."),
                           limit: int = Query(PAGE_DEFAULT, ge=1, le=PAGE_MAX, description="Calls per page.")
                           ) -> Response:
         try:

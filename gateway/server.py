@@ -17,8 +17,8 @@ from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
-import uvicorn
 import structlog
+import uvicorn
 import uvloop
 
 from gateway._connections import ConnectionLimits, Listener

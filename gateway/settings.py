@@ -97,11 +97,15 @@ class GatewaySettings(BaseSettings):
     max_backlog: int = Field(
         10_000, ge=0, description="Hold new rollouts back while more episodes than this wait between the agents "
         "and the learners: closed and not yet acknowledged by a learner, plus reward jobs queued. Calls of "
-        "rollouts under way go on. 0: no limit.")
+        "rollouts under way go on. Keep it above two learner steps' worth (tasks_per_step x rollouts_per_task x 2): "
+        "the learner holds a step's episodes until it has trained them. 0: no limit.")
     backlog_wait_s: float = Field(30.0, ge=0, description="The longest a new rollout's first call is held for the "
                                   "backlog before it gets 429 with Retry-After.")
     reward_queue: str = Field("rlgate-rewards", description="The rq queue reward jobs go through (its waiting "
                               "jobs count toward max_backlog; the reward worker's RLGATE_REWARD_QUEUE).")
+    learner_group: str = Field("learners", description="The learners' consumer group of the closed-episode "
+                               "stream (the learner's RLGATE_LEARNER_GROUP): what it has not acknowledged counts "
+                               "toward max_backlog; without that group (no learner yet) only reward jobs count.")
     recent_rollouts: int = Field(100_000, ge=1, description="How many rollouts this gateway remembers having "
                                  "recorded, to refuse calls into them after Redis lost its data.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")

@@ -6,8 +6,8 @@
   reports `degraded` on `/healthz` until a pointer is stored again (a resumed learner re-pushes its
   checkpoint's version). A stored pointer is always followed, a lower version too (a learner started
   afresh on purpose), with a warning.
-- **The backlog** (`EpisodeStore.backlog`): episodes closed and not yet acknowledged by a learner plus
-  reward jobs queued. Above `max_backlog`, new rollouts are held back (`Proxy`): agents never outrun the
+- **The backlog** (`EpisodeStore.backlog`): episodes closed and not yet acknowledged by the learners'
+  consumer group (`learner_group`) plus reward jobs queued. Above `max_backlog`, new rollouts are held back (`Proxy`): agents never outrun the
   rewards and the training, so what the learner trains on stays fresh.
 - **The store's epoch marker** (`EpisodeStore.epoch`): a random value the first gateway writes. When it
   disappears or changes, Redis lost its data (restarted without persistence, flushed, failed over to an
@@ -41,6 +41,8 @@ class StoreWatch:
         self.policy = episodes.Policy()
         self.backlog = 0
         self.over_backlog = False
+        self.backlog_clear = asyncio.Event()  # set while new rollouts may start (held calls wait on it)
+        self.backlog_clear.set()
         self.epoch: str | None = None
         self.problems: dict[str, str] = {}  # what /healthz reports as degraded, by kind
         self.recent: dict[str, None] = {}  # rollouts this process recorded, oldest first (bounded)
@@ -65,6 +67,8 @@ class StoreWatch:
                 if not failing:
                     log.warning("store_unreadable", error=str(exc))
                 failing = True
+            except Exception as exc:  # a corrupted pointer, say: logged, and the watch goes on
+                log.error("store_watch_failed", error=repr(exc))
             await asyncio.sleep(self.settings.policy_poll_s)
 
     async def poll(self) -> None:
@@ -87,12 +91,16 @@ class StoreWatch:
 
     async def _check_backlog(self) -> None:
         if self.settings.max_backlog:
-            self.backlog = await self.store.backlog(self.queue_key)
+            self.backlog = await self.store.backlog(self.queue_key, self.settings.learner_group)
             over = self.backlog > self.settings.max_backlog
             if over != self.over_backlog:
                 log.info("backlog_holding_new_rollouts" if over else "backlog_released", backlog=self.backlog,
                          max_backlog=self.settings.max_backlog)
             self.over_backlog = over
+            if over:
+                self.backlog_clear.clear()
+            else:
+                self.backlog_clear.set()
 
     async def _check_epoch(self) -> None:
         epoch = await self.store.epoch(create=True)

@@ -18,7 +18,7 @@ What each sampled token's log-prob (and its `top_logprobs`) reports is the engin
 vLLM's `--logprobs-mode` with vLLM v1's semantics (`vllm/v1/sample/sampler.py`, `ops/topk_topp_sampler.py`):
 
     raw_logprobs        log softmax(z)      the model's own distribution: before logit_bias, temperature,
-                                            top-k and top-p (vLLM's default, and the engine's and `rlgate serve`'s)
+                                            top-k and top-p (vLLM's default, and the engine's)
     raw_logits          z
     processed_logprobs  log softmax(z')     the distribution actually sampled from; tokens cut by top-k or
                                             top-p are -inf (reported as -9999.0, as vLLM clamps them)

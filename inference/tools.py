@@ -101,7 +101,12 @@ class HermesStream:
     """One streamed choice's hermes parser state: `step(piece)` gives the delta to send for the text one
     token adds (None: nothing yet). On the last step (`finished`), when that step sends tool-call deltas
     and the last call seen never streamed arguments, `"{}"` is appended to the last delta's arguments, as
-    vLLM's parser does when generation ends. `keep_calls=False` (`tool_choice: null`) drops call deltas."""
+    vLLM's parser does when generation ends. `keep_calls=False` (`tool_choice: null`) drops call deltas.
+
+    Each step rescans the choice's text so far (C-speed string searches; the open block is JSON-parsed
+    only when it ends in "}"), so a choice costs time quadratic in its length with a small constant: one
+    tool call of 4.5k tokens (13k characters) takes about 27 ms in all, of 18k tokens about 0.4 s, on one
+    CPU core. A fully incremental parser would need the tag and JSON state carried across steps."""
 
     keep_calls: bool = True
     text: str = ""

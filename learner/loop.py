@@ -62,6 +62,8 @@ class Learner:
         self.policy = Policy(settings)
         base_model = self.base_model = settings.served_model_name or str(settings.model)
         self.logprobs_checked = settings.logprob_check_tolerance <= 0
+        # a claim outlives the time another learner waits before it reclaims a pending entry
+        self._lease_s = 2 * self.collector.reclaim_idle_s
         self.pusher: LoraPusher | FullPusher
         if settings.push == "lora":
             self.pusher = LoraPusher(settings.inference_urls, self.output_dir / "adapters", self.store, base_model)
@@ -133,6 +135,8 @@ class Learner:
             stats = await asyncio.to_thread(self.policy.update, batches, old)
         train_s = time.perf_counter() - t0
 
+        for entry in entries:  # renew the claims: the step may have run long
+            await self.stream.claim(entry, s.consumer, self._lease_s)
         self.version += 1
         self.step += 1
         checkpoint.save(self.output_dir, self.step, self.version, self.policy, entries)
@@ -160,6 +164,7 @@ class Learner:
             "dropped_other_model": counts["other_model"],
             "dropped_invalid_reward": read_counts["invalid_rewards"],
             "duplicates": read_counts["duplicates"],
+            "claimed_elsewhere": read_counts["claimed_elsewhere"],
             "dropped_singleton": counts["singleton_episodes"] + self.collector.dropped_singletons,
             "already_trained": read_counts["already_trained"],
             "staleness_mean": counts["staleness_sum"] / max(1, counts["trained"]),
@@ -180,9 +185,12 @@ class Learner:
 
         - an entry whose rollout is not closed any more (consumed: trained before a redelivery; failed)
           is acknowledged and left out (`already_trained`);
-        - a second entry of a rollout already in this step (published twice), or one whose rollout
-          another learner holds the claim on, is dropped from the stream without consuming the rollout
-          (`duplicates`): the entry it is trained through is acknowledged after that training;
+        - a second entry of a rollout already in this step (published twice) is dropped from the stream
+          without consuming the rollout (`duplicates`): the entry it is trained through is acknowledged
+          after that training;
+        - an entry whose rollout another learner's lease holds is left pending, untouched
+          (`claimed_elsewhere`): that learner acknowledges it, or, if it died, the entry is reclaimed
+          once idle and its lapsed claim taken over;
         - an episode whose rewards are not finite in float32 is logged, acknowledged and skipped
           (`invalid_rewards`): one bad episode never stops the learner.
         """
@@ -208,9 +216,13 @@ class Learner:
                     await self.stream.ack(entry)
                     counts["invalid_rewards"] += 1
                     continue
-                if not await self.stream.claim(entry, self.settings.consumer, self.collector.reclaim_idle_s):
-                    await self.stream.drop(entry)
-                    counts["duplicates"] += 1
+                claim = await self.stream.claim(entry, self.settings.consumer, self._lease_s)
+                if claim == "not_closed":  # consumed or failed since it was read
+                    await self.stream.ack(entry)
+                    counts["already_trained"] += 1
+                    continue
+                if claim == "held":
+                    counts["claimed_elsewhere"] += 1
                     continue
                 taken.add(entry.rollout_id)
                 kept.append(view)

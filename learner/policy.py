@@ -191,9 +191,11 @@ class Policy:
             loss = policy_loss
             if references is not None:
                 kl = compute_approx_kl(log_probs, references[i].to(self.device), kl_estimator=s.kl_estimator)
-                # aggregated as OpenRLHF's actor aggregates it: like the policy loss, over the step's totals
-                kl_loss = aggregate_loss(kl, mask, token_level_loss=s.token_level_loss,
-                                         batch_num_tokens=total_tokens, global_batch_size=total_samples)
+                # as OpenRLHF's actor aggregates it (`ppo_actor.training_step`: aggregate_loss with the step's
+                # loss_batch_info and token_level_loss left at its default): a token mean over the step,
+                # whatever the policy loss's reduction
+                kl_loss = aggregate_loss(kl, mask, dp_size=1, batch_num_tokens=total_tokens,
+                                         global_batch_size=total_samples)
                 loss = loss + s.kl_coef * kl_loss
                 sums["kl"] += float(kl_loss.detach())
             if self.deepspeed is None:

@@ -4,9 +4,9 @@
 verifies the request's signature (`reward_hooks.signing`) against its method, raw path and body. It
 returns the raw body the route then parses, and leaves the verified `webhook-id` in
 `request.state.webhook_id`: the routes then accept each id once (`reward_hooks.routes`), so a signed
-request cannot be sent again within the tolerance window. With `is_operator` (a check of the operator's credential,
-given the request's Authorization header value), a request it accepts needs no signature, and any other
-needs a valid one, secret or not. `build_router(..., auth=...)` takes another callable of the same shape
+request cannot be sent again within the tolerance window. With `is_operator` (a check of the operator's
+credential, given the request's Authorization header value), a request it accepts needs no signature, and
+any other needs a valid one, secret or not. `build_router(..., auth=...)` takes another callable of the same shape
 (request -> raw body, raising an `ApiError`) to change who may post.
 """
 
@@ -61,8 +61,8 @@ class WebhookAuth:
                                       "webhook secret is configured", code="missing_operator_token")
         if self.secret is not None:
             try:
-                request.state.webhook_id = signing.verify(self.secret, request.method, request_path(request), body,
-                                                          request.headers, tolerance_s=self.tolerance_s)
+                request.state.webhook_id = signing.verify(self.secret, request.method, request_path(request),
+                                                          body, request.headers, tolerance_s=self.tolerance_s)
             except signing.SignatureError as exc:
                 raise errors.Unauthorized(str(exc), code=exc.code) from exc
         return body

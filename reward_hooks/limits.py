@@ -21,7 +21,8 @@ def check_reward(value: Any, max_abs_reward: float, what: str = "reward") -> flo
     Converts what `float()` converts, except text: Python numbers (a bool is 0 or 1, a Decimal, a
     Fraction), numpy scalars and one-element arrays, a one-element torch tensor (`__float__` or
     `__index__`). A string or bytes, None, or an array of several elements is refused as not a number."""
-    if isinstance(value, str | bytes | bytearray) or not (hasattr(value, "__float__") or hasattr(value, "__index__")):
+    convertible = hasattr(value, "__float__") or hasattr(value, "__index__")
+    if isinstance(value, str | bytes | bytearray) or not convertible:
         raise RewardOutOfRange(f"{what} must be a number, got {type(value).__name__} {repr(value)[:100]}")
     try:
         reward = float(value)

@@ -100,8 +100,8 @@ def build_router(store: EpisodeStore, settings: RewardSettings, queue: RewardQue
                 async with store.guard():
                     fresh = await store.redis.set(store.keys.webhook(msg_id), b"1", nx=True, ex=replay_ttl_s)
             if not fresh:
-                raise errors.Conflict(f"webhook-id {msg_id!r} was already accepted: a signed request is accepted "
-                                      "once; sign each request with a new id", code="webhook_replayed")
+                raise errors.Conflict(f"webhook-id {msg_id!r} was already accepted: a signed request is "
+                                      "accepted once; sign each request with a new id", code="webhook_replayed")
         return body
 
     authorized = Depends(checked_body)

@@ -15,7 +15,8 @@ empty).
 The signature header may hold several space-separated entries (Standard Webhooks' rotation); any `v1,`
 entry that matches is enough. The receiver rejects a timestamp further than the tolerance (default 300 s)
 from its clock, in either direction, so a captured request cannot be replayed later; the path binds it to
-its rollout and route, so it cannot be replayed elsewhere either.
+its rollout and route, so it cannot be replayed elsewhere either; and the routes accept each webhook-id
+once (`reward_hooks.routes`), so it cannot be replayed within the window.
 
 `.` separates the fields, so neither the id nor the timestamp may contain one. The path's own dots (rollout
 ids may hold them) cannot move bytes between path and body: that would need two routes, one path a prefix

@@ -49,6 +49,7 @@ class GatewayCommand(GatewaySettings, RewardSettings):
         reward_settings = RewardSettings.model_validate(self.model_dump())
         try:
             gateway_settings.check_layout()
+            reward_settings.check_webhook_secret()
         except ValueError as exc:
             sys.exit(f"rlgate gateway: error: {exc}")
         app = Gateway(gateway_settings)  # the store the webhook routes share is the gateway's own

@@ -78,3 +78,22 @@ def test_the_request_is_stored_once_per_call_not_once_per_choice(gateway: Proc, 
     tail, view = asyncio.run(read())
     assert [c.choice_index for c in tail] == [5, 6, 7] and all(c.request["pad"] == padding for c in tail)
     assert all(c.request["temperature"] == 0.7 for c in view.calls)
+
+
+def test_the_operator_surface_refuses_large_bodies_before_reading_them(gateway: Proc, redis_client: redis.Redis):
+    big = b'{"rollout_id": "big", "metadata": {"x": "' + b"a" * (2 * 1024 * 1024) + b'"}}'
+    response = httpx.post(f"{gateway.url}/rollouts", content=big, headers={"content-type": "application/json"})
+    assert assert_openai_error(response, 413)["code"] == "payload_too_large"
+
+    def chunks():  # no Content-Length: counted as it arrives
+        yield b'{"reward": 1.0, "pad": "'
+        for _ in range(40):
+            yield b"a" * 65536
+        yield b'"}'
+
+    streamed = httpx.post(f"{gateway.url}/rollouts/big/reward", content=chunks(),
+                          headers={"content-type": "application/json"})
+    assert assert_openai_error(streamed, 413)["code"] == "payload_too_large"
+    assert not redis_client.exists("rlgate:rollout:{big}")
+    small = httpx.post(f"{gateway.url}/rollouts", json={"rollout_id": "small", "metadata": {"k": "v"}})
+    assert small.status_code == 201

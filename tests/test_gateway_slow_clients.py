@@ -70,6 +70,34 @@ def port_of(url: str) -> int:
     return int(url.rsplit(":", 1)[1].split("/")[0])
 
 
+def full_request(rid: str, extra_headers: bytes = b"") -> bytes:
+    """A whole chat call, in bytes."""
+    body = b'{"model": "%s", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}' % MODEL.encode()
+    return (b"POST " + PATH.format(rid).encode() + b" HTTP/1.1\r\n" + HEADERS + extra_headers
+            + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+
+
+def read_response(sock: socket.socket, buffer: bytes = b"") -> tuple[bytes, bytes]:
+    """(status line, what follows the response) of one response with a Content-Length."""
+    while b"\r\n\r\n" not in buffer:
+        chunk = sock.recv(65536)
+        assert chunk, f"closed before a response: {buffer!r}"
+        buffer += chunk
+    head, rest = buffer.split(b"\r\n\r\n", 1)
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    while len(rest) < length:
+        rest += sock.recv(65536)
+    return head.split(b"\r\n")[0], rest[length:]
+
+
+def answer_until_closed(sock: socket.socket) -> tuple[float, bytes]:
+    """(seconds until the server closed, what it sent meanwhile)."""
+    start, answer = time.monotonic(), b""
+    while chunk := sock.recv(65536):
+        answer += chunk
+    return time.monotonic() - start, answer
+
+
 class SlowSockets:
     """Raw sockets that stall, watched until the server closes them."""
 
@@ -201,11 +229,38 @@ def test_an_upload_above_the_minimum_rate_outlasts_the_body_deadline(deadlines_g
         assert time.monotonic() - start < BODY_TIMEOUT_S + MARGIN_S
 
 
+def test_a_kept_alive_connection_owes_headers_from_the_first_byte_of_its_next_request(
+        deadlines_gateway: tuple[Proc, str]):
+    """Idle between requests is the keep-alive's business (75 s), not the header deadline's; a next request
+    begun and stalled, or stray blank lines, are. Two pipelined requests are both answered."""
+    gateway, _ = deadlines_gateway
+    port = port_of(gateway.url)
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
+        sock.sendall(full_request(uuid.uuid4().hex) * 2)
+        status, rest = read_response(sock)
+        assert status.startswith(b"HTTP/1.1 200 "), status
+        status, rest = read_response(sock, rest)
+        assert status.startswith(b"HTTP/1.1 200 ") and rest == b"", status
+        time.sleep(HEADER_TIMEOUT_S * 2)  # idle past the header deadline: still open
+        sock.sendall(full_request(uuid.uuid4().hex))
+        status, _ = read_response(sock)
+        assert status.startswith(b"HTTP/1.1 200 "), status
+        sock.sendall(full_request(uuid.uuid4().hex)[:40])  # the next request begun, then stalled
+        seconds, answer = answer_until_closed(sock)
+        assert HEADER_TIMEOUT_S * EARLY <= seconds <= HEADER_TIMEOUT_S + MARGIN_S
+        assert answer.startswith(b"HTTP/1.1 408 "), answer
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
+        sock.sendall(full_request(uuid.uuid4().hex))
+        assert read_response(sock)[0].startswith(b"HTTP/1.1 200 ")
+        sock.sendall(b"\r\n")  # a blank line, which the parser skips: a request is still owed
+        seconds, answer = answer_until_closed(sock)
+        assert HEADER_TIMEOUT_S * EARLY <= seconds <= HEADER_TIMEOUT_S + MARGIN_S
+        assert answer.startswith(b"HTTP/1.1 408 "), answer
+
+
 def send_headers(port: int, pad: int) -> bytes:
     """A chat call with one `x-pad` header of `pad` bytes: the answer's first bytes, or b"" if cut off."""
-    body = b'{"model": "%s", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}' % MODEL.encode()
-    request = (b"POST " + PATH.format(uuid.uuid4().hex).encode() + b" HTTP/1.1\r\n" + HEADERS
-               + b"x-pad: " + b"a" * pad + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    request = full_request(uuid.uuid4().hex, b"x-pad: " + b"a" * pad + b"\r\n")
     with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
         try:
             sock.sendall(request)

@@ -168,21 +168,29 @@ def test_a_clipped_second_epoch_is_openrlhfs_loss_against_the_step_start(tiny: P
 
 
 @pytest.mark.parametrize("token_level", [True, False])
-def test_the_kl_term_is_aggregated_like_the_policy_loss(tiny: Path, token_level: bool):
-    """OpenRLHF's actor aggregates the KL penalty as its policy loss: a token mean, or with
-    token_level_loss false the mean over samples of each sample's token mean (it was always a token
-    mean here)."""
+def test_the_kl_term_is_a_token_mean_over_the_step_as_openrlhf_aggregates_it(tiny: Path, token_level: bool):
+    """OpenRLHF 0.11.2's actor (`ppo_actor.training_step`) calls `aggregate_loss(kl, action_mask,
+    **loss_batch_info)`: loss_batch_info carries only dp_size, batch_num_tokens and global_batch_size, so
+    the KL is a token mean over the step whatever `token_level_loss` says for the policy loss."""
+    from learner._openrlhf import aggregate_loss
+
     policy = Policy(settings(tiny, kl_coef=0.1, token_level_loss=token_level))
-    [batch] = micro_batches(build_samples(transitions()), 10_000, policy.pad_token_id)
-    policy.update([batch])  # away from the reference (the adapter starts as the identity)
-    log_ratio = policy.log_probs(batch) - policy.log_probs(batch, reference=True)
-    k3 = (-log_ratio).exp() - 1 + log_ratio  # Schulman's k3 of KL(pi || ref)
-    mask = batch.action_mask
-    per_token = float((k3 * mask).sum() / mask.sum())
-    per_sample = float(((k3 * mask).sum(-1) / mask.sum(-1)).mean())
-    assert abs(per_token - per_sample) > 1e-3 * per_token > 0  # the two reductions differ here
-    stats = policy.update([batch])
-    assert stats.kl == pytest.approx(per_token if token_level else per_sample, rel=1e-4)
+    batches = micro_batches(build_samples(transitions()), 40, policy.pad_token_id)
+    assert len(batches) > 1
+    policy.update(batches)  # away from the reference (the adapter starts as the identity)
+    tokens = sum(b.num_actions for b in batches)
+    samples = sum(len(b.samples) for b in batches)
+    want, per_sample = 0.0, []
+    for b in batches:
+        log_ratio = policy.log_probs(b) - policy.log_probs(b, reference=True)
+        k3 = (-log_ratio).exp() - 1 + log_ratio  # Schulman's k3 of KL(pi || ref)
+        # called as ppo_actor calls it, micro-batch by micro-batch with the step's totals
+        want += float(aggregate_loss(k3, b.action_mask, dp_size=1, batch_num_tokens=tokens,
+                                     global_batch_size=samples))
+        per_sample += ((k3 * b.action_mask).sum(-1) / b.action_mask.sum(-1)).tolist()
+    assert abs(want - sum(per_sample) / len(per_sample)) > 1e-3 * want > 0  # the reductions differ here
+    stats = policy.update(batches)
+    assert stats.kl == pytest.approx(want, rel=1e-4)
 
 
 def test_importance_weight_statistics_are_logged(tiny: Path):

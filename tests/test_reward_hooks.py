@@ -143,9 +143,10 @@ def test_signed_webhooks(fake_vllm: Proc, tmp_path, redis_client: redis.Redis):
         assert assert_openai_error(tampered, 401)["code"] == "invalid_signature"
         dotted = signing.sign(SECRET, "POST", path, body, msg_id="msg.1")  # '.' would blur the signed fields
         assert assert_openai_error(httpx.post(url, content=body, headers=dotted), 401)["code"] == "invalid_signature"
-        stale = signing.sign(SECRET, "POST", path, body, timestamp=int(time.time()) - 301)
+        # a minute past the 300 s either way: 301 s ahead was accepted when the request took over a second
+        stale = signing.sign(SECRET, "POST", path, body, timestamp=int(time.time()) - 360)
         assert assert_openai_error(httpx.post(url, content=body, headers=stale), 401)["code"] == "signature_expired"
-        ahead = signing.sign(SECRET, "POST", path, body, timestamp=int(time.time()) + 301)
+        ahead = signing.sign(SECRET, "POST", path, body, timestamp=int(time.time()) + 360)
         assert assert_openai_error(httpx.post(url, content=body, headers=ahead), 401)["code"] == "signature_expired"
         assert redis_snapshot(redis_client) == before
         # rotation: any v1 entry of the list may match
@@ -186,8 +187,7 @@ def test_agent_keys_do_not_open_the_reward_routes(fake_vllm: Proc, tmp_path, red
                             {"reward": 1}), (f"/rollouts/{rid}/fail", {}), (f"/rollouts/{rid}/finish",
                             {"reward_fn": "f1", "ground_truth": "x"})):
             refused = httpx.post(proc.url + route, json=body, headers={"Authorization": "Bearer agent-key-2"})
-            assert refused.status_code in (401, 403), (route, refused.text)
-            assert_openai_error(refused, refused.status_code)
+            assert assert_openai_error(refused, 403)["code"] == "wrong_credential", route  # docs/security.md
         assert redis_snapshot(redis_client) == before
         # the operator token opens them without a signature
         operator = {"Authorization": "Bearer op-" + "cd" * 16}

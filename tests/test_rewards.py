@@ -194,7 +194,7 @@ LTRIM_BOMB = ("WITH RECURSIVE r(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM r WH
 def test_sql_runaway_query_hits_the_time_limit(singer_db):
     started = time.monotonic()
     assert score("sql_execution_match", RUNAWAY, "SELECT 1", db_path=str(singer_db), timeout_s=0.3) == 0.0
-    assert time.monotonic() - started < 3
+    assert time.monotonic() - started < 10  # generous (a loaded machine): the deadline is 0.3 s
 
 
 def test_sql_row_limit(singer_db):
@@ -529,14 +529,15 @@ def test_printf_reads_a_star_argument_as_sqlite_does(singer_db, precision):
 
 def test_sql_deadline_holds_when_each_instruction_is_slow(singer_db):
     """The progress handler runs between VM instructions only; the watchdog interrupts at the deadline. Each
-    LIKE here takes about 0.05 s (a 990-character pattern, within the pattern limit): a check every 1,000
-    instructions let the query run for seconds past the deadline."""
+    ltrim of the bomb took 0.45 s (now refused: its character set is too long), each LIKE here takes about
+    0.05 s (a 990-character pattern, within the pattern limit): with a check every 1,000 instructions they
+    ran 49 s and 1.0 s past a 0.2 s deadline; now 0.0 s and 0.22 s."""
     like = ("WITH RECURSIVE r(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM r WHERE i < 300) SELECT count(*) FROM r, "
             "(SELECT printf('%.*c', 60000, 'a') x, '%' || printf('%.*c', 990, 'a') || 'b' p) WHERE substr(x, i) LIKE p")
     for query in (LTRIM_BOMB, like):
         started = time.monotonic()
         assert score("sql_execution_match", query, US_NAMES, db_path=str(singer_db), timeout_s=0.2) == 0.0
-        assert time.monotonic() - started < 5  # generous: the deadline is 0.2 s; before, 44.8 s and 15 s
+        assert time.monotonic() - started < 5  # generous (a loaded machine): the deadline is 0.2 s
     with pytest.raises(RewardInputError, match="time limit"):  # the same query, stopped by the clock
         score("sql_execution_match", US_NAMES, like, db_path=str(singer_db), timeout_s=0.2)
 

@@ -37,7 +37,9 @@ TOOLS = [{"type": "function", "function": {
 TOOL_CALL_TOKEN = 259  # `<tool_call>` in the tiny model's tokenizer
 
 
-ORACLE_TIMEOUT_S = 300  # to start (importing vLLM and torch) or to answer one batch of cases
+# to start (importing vLLM and torch) or to answer one batch of cases; under pytest's timeout (300 s,
+# pyproject.toml), so that a hung oracle fails with its own output rather than pytest's stack dump
+ORACLE_TIMEOUT_S = 240
 
 
 class Oracle:

@@ -21,7 +21,8 @@ An answer is SQL the agent wrote, so what it may cost is bounded inside SQLite:
 - Python's memory: rows are fetched and counted one at a time, at most `max_rows` rows and
   `max_result_bytes` (approximate: string and blob lengths, 8 per other value, 64 per row), and the
   predicted query may return at most `_MAX_COLUMNS` columns (SQLITE_LIMIT_COLUMN, set once the schema is
-  loaded, so tables of any width stay readable, and raised to the gold query's width), so one row holds at most 64 values of 64 KiB.
+  loaded, so tables of any width stay readable, and raised to the gold query's width), so one row holds
+  at most 64 values of 64 KiB.
 
 The limits apply to the gold query as well, so a gold query that passes one (for instance an ORDER BY over
 rows longer than `max_value_bytes`: SQLite's length limit also bounds the records a sort holds) raises
@@ -88,12 +89,12 @@ def sql_execution_match(inp: RewardInput) -> float:
     lists when the gold query contains `ORDER BY` anywhere (as Spider's evaluation does). Columns are
     compared in order, and values with Python equality (so 1 == 1.0).
 
-    Params: `db_path` (required), `timeout_s` (default 5, per query, enforced with SQLite's progress
-    handler), `max_rows` (default 100,000, per query), `max_result_bytes` (default 64 MiB, per query) and
-    `max_value_bytes` (default 64 KiB, the longest string or blob; see the module docstring for what they
-    bound). A predicted query that fails, runs out of time, rows, result size or SQLite's memory, builds a
-    value that is too long, is more than one statement, or is no statement at all (an empty answer) scores
-    0.0. A gold query that does, a missing `db_path`, or a file that is not there raises `RewardInputError`
+    Params: `db_path` (required), `timeout_s` (default 5, per query, enforced by a watchdog thread and
+    SQLite's progress handler), `max_rows` (default 100,000, per query), `max_result_bytes` (default 64 MiB,
+    per query) and `max_value_bytes` (default 64 KiB, the longest string or blob; see the module docstring
+    for what they bound). A predicted query that fails, runs out of time, rows, result size or SQLite's
+    memory, builds a value that is too long, is more than one statement, or is no statement at all (an
+    empty answer) scores 0.0. A gold query that does, a missing `db_path`, or a file that is not there raises `RewardInputError`
     (a ValueError a retry cannot fix). rq's job timeout, raised inside SQLite, is raised as it is.
     """
     params = inp.params
@@ -117,15 +118,18 @@ def sql_execution_match(inp: RewardInput) -> float:
             connection.setlimit(sqlite3.SQLITE_LIMIT_LIKE_PATTERN_LENGTH, _MAX_PATTERN_CHARS)
             connection.execute(f"PRAGMA hard_heap_limit = {HEAP_LIMIT_BYTES}")
             connection.execute("PRAGMA temp_store = MEMORY")
-            connection.execute("SELECT 1 FROM sqlite_schema LIMIT 0")  # loads the schema, whatever its width
+            try:  # loads the schema now, under SQLite's own column limit: tables of any width stay readable
+                connection.execute("SELECT 1 FROM sqlite_schema LIMIT 0")
+            except sqlite3.Error as exc:
+                raise RewardInputError(f"params.db_path is not a readable SQLite database: {exc}") from exc
             builtins.install(connection)
             connection.set_authorizer(trap.own(_read_only))
             try:
                 gold_rows, gold_columns = _run(connection, gold, limits, trap)
             except _QueryFailed as exc:
-                raise RewardInputError(f"the gold SQL failed: {exc} (max_value_bytes={max_value_bytes} also "
-                                       "bounds each row a sort, DISTINCT or GROUP BY holds)") from exc
-            # the schema is loaded, under SQLite's own column limit: a table of any width stays readable
+                hint = (f" (max_value_bytes={max_value_bytes} also bounds each row a sort, DISTINCT or "
+                        "GROUP BY holds)") if "too big" in str(exc) else ""
+                raise RewardInputError(f"the gold SQL failed: {exc}{hint}") from exc
             connection.setlimit(sqlite3.SQLITE_LIMIT_COLUMN, max(_MAX_COLUMNS, gold_columns))
             try:
                 predicted_rows, _ = _run(connection, extract_sql(inp.answer), limits, trap)
@@ -245,13 +249,15 @@ def _run(connection: sqlite3.Connection, query: str, limits: _Limits, trap: _Tra
         trap.reraise()
         if watchdog.fired or time.monotonic() > deadline:
             raise _QueryFailed(f"time limit of {limits.timeout_s} s reached") from exc
-        raise _QueryFailed(f"{type(exc).__name__}: {exc}" + (f" ({trap.refusal})" if trap.refusal else "")) from exc
+        refusal = f" ({trap.refusal})" if trap.refusal else ""
+        raise _QueryFailed(f"{type(exc).__name__}: {exc}{refusal}") from exc
     finally:
         watchdog.stop()
         connection.set_progress_handler(None, 0)
 
 
-def _fetch(connection: sqlite3.Connection, query: str, limits: _Limits, trap: _Trap) -> tuple[list[tuple], int]:
+def _fetch(connection: sqlite3.Connection, query: str, limits: _Limits,
+           trap: _Trap) -> tuple[list[tuple], int]:
     """`_run` without its deadline and its translation of errors."""
     cursor = connection.execute(query)
     if cursor.description is None:  # no statement at all (empty, only comments): no rows to compare
