@@ -146,7 +146,9 @@ def start(cfg: DemoConfig) -> dict[str, Any]:
     serve_port = free_port()
     serve = _spawn(cfg, "serve", [*rlgate, "serve", "--model", str(model), "--port", str(serve_port),
                                   "--served-model-name", MODEL_NAME, "--log-format", "json",
-                                  "--logprobs-mode", "processed_logprobs"],
+                                  "--logprobs-mode", "processed_logprobs",
+                                  # the learner loads its adapters (saved under the workdir) at runtime
+                                  "--allow-runtime-lora-updating", "true", "--weights-root", str(cfg.workdir)],
                    stdout=subprocess.PIPE)
     line = serve.stdout.readline()
     if not line.startswith("READY"):

@@ -171,10 +171,10 @@ end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local owner = redis.call('HGET', KEYS[1], 'claimed_by')
-local till = tonumber(redis.call('HGET', KEYS[1], 'claimed_until') or '0')
+local till = tonumber(redis.call('HGET', KEYS[1], 'claimed_until_ms') or '0')
 if owner and owner ~= ARGV[1] and till > now then
   return -1
 end
-redis.call('HSET', KEYS[1], 'claimed_by', ARGV[1], 'claimed_until', tostring(now + tonumber(ARGV[2])))
+redis.call('HSET', KEYS[1], 'claimed_by', ARGV[1], 'claimed_until_ms', tostring(now + tonumber(ARGV[2])))
 return 1
 """

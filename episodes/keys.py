@@ -21,7 +21,7 @@
 - The rollout hash holds the fields of `records.Rollout` (`status`, `reward`, `closed_at`, ... with
   JSON for `metadata`, `reward_metadata` and `finish`; absent means null) plus `published`, the outbox
   flag ('0' from closing until the episode is on the stream, then '1'), and a learner's training claim
-  (`claimed_by`, `claimed_until`: a lease, so an episode published twice trains once).
+  (`claimed_by`, `claimed_until_ms`: a lease, so an episode published twice trains once).
 - The calls list holds one `records.CallRecord` as JSON per LLM transition, in commit order; a call's
   index is its position in the list (0-based), so it is never stored twice. A request with `n > 1`
   appends one entry per choice, in choice order, in the same script call.

@@ -306,7 +306,7 @@ class EpisodeStore:
 
 
 _JSON_FIELDS = ("metadata", "reward_metadata", "finish")
-_INTERNAL_FIELDS = ("published", "claimed_by", "claimed_until")
+_INTERNAL_FIELDS = ("published", "claimed_by", "claimed_until_ms")
 
 
 def _rollout_from_hash(fields: dict[bytes, bytes]) -> Rollout:

@@ -75,10 +75,13 @@ def match(path: str) -> tuple[str, str | None, str | None] | None:
 OPERATOR_MAX_BODY_BYTES = 1024 * 1024
 
 
+_DISCONNECTED = object()
+
+
 async def _read_bounded(scope: dict[str, Any], receive: Any, limit: int) -> Any:
     """The operator surface's request body, read whole up front (its requests are small), and a `receive`
     that hands it to the app; None when it is over `limit` bytes (by its Content-Length, or as it
-    arrives), without reading further."""
+    arrives), without reading further; `_DISCONNECTED` when the client left before sending it whole."""
     declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
     if declared is not None and declared.isdigit() and int(declared) > limit:
         return None
@@ -86,7 +89,7 @@ async def _read_bounded(scope: dict[str, Any], receive: Any, limit: int) -> Any:
     while True:
         message = await receive()
         if message["type"] != "http.request":
-            break  # a disconnect: the app sees an empty body and the server drops the answer
+            return _DISCONNECTED  # the client left before its body was in: nothing is run
         chunks.append(message.get("body", b""))
         size += len(chunks[-1])
         if size > limit:
@@ -174,6 +177,8 @@ class Gateway:
             await self.api(scope, receive, send)
             return
         bounded = await _read_bounded(scope, receive, OPERATOR_MAX_BODY_BYTES)
+        if bounded is _DISCONNECTED:
+            return
         if bounded is None:
             await _send_error(send, errors.PayloadTooLarge(f"request body larger than {OPERATOR_MAX_BODY_BYTES} "
                                                            "bytes (the operator surface's limit)"))

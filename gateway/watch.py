@@ -58,21 +58,29 @@ class StoreWatch:
                 del recent[next(iter(recent))]
 
     async def run(self) -> None:
-        failing = False
+        failing: set[str] = set()  # checks whose failure was logged (once per failure, not per poll)
         while True:
-            try:
-                await self.poll()
-                failing = False
-            except episodes.StoreUnavailable as exc:
-                if not failing:
-                    log.warning("store_unreadable", error=str(exc))
-                failing = True
-            except Exception as exc:  # a corrupted pointer, say: logged, and the watch goes on
-                log.error("store_watch_failed", error=repr(exc))
+            for name, check in (("epoch", self._check_epoch), ("policy", self._check_policy),
+                                ("backlog", self._check_backlog)):
+                try:  # each on its own: a corrupted pointer must not stop the backlog check
+                    await check()
+                    failing.discard(name)
+                    self.problems.pop(f"watch_{name}", None)
+                except Exception as exc:
+                    if name not in failing:
+                        log.warning("store_watch_failed", check=name, error=str(exc)[:500])
+                    failing.add(name)
+                    if not isinstance(exc, episodes.StoreUnavailable):  # Redis is up but its data is not right
+                        self.problems[f"watch_{name}"] = f"reading the {name} fails: {str(exc)[:200]}"
             await asyncio.sleep(self.settings.policy_poll_s)
 
     async def poll(self) -> None:
+        """One round of every check (what `run` does every `policy_poll_s`)."""
         await self._check_epoch()
+        await self._check_policy()
+        await self._check_backlog()
+
+    async def _check_policy(self) -> None:
         policy = await self.store.stored_policy()
         if policy is None and self.policy.version > 0:
             if "policy_pointer" not in self.problems:
@@ -81,13 +89,12 @@ class StoreWatch:
                 self.metrics.errors.labels("policy_pointer_lost").inc()
             self.problems["policy_pointer"] = (f"the policy pointer is gone from Redis; still serving version "
                                                f"{self.policy.version}")
-            return await self._check_backlog()
+            return
         policy = policy or episodes.Policy()
         if policy.version < self.policy.version:
             log.warning("policy_version_went_back", serving=self.policy.version, stored=policy.version)
         self.policy = policy
         self.problems.pop("policy_pointer", None)
-        await self._check_backlog()
 
     async def _check_backlog(self) -> None:
         if self.settings.max_backlog:

@@ -9,6 +9,10 @@ the base model as `parent`. Here an adapter is a PEFT folder (as the learner sav
 copy of the base model, with its own engine and scheduler: simple and exact for the small models this
 server is for (memory grows by one model per adapter; vLLM instead applies adapters per request in a
 shared batch).
+
+The routes exist only when runtime LoRA updating is enabled, and `lora_path` must lie under the weights
+root (`inference.access`); a path outside it gets vLLM's answer for a missing adapter (404, "Loading lora
+NAME failed: No adapter found for PATH").
 """
 
 from __future__ import annotations
@@ -16,10 +20,10 @@ from __future__ import annotations
 import asyncio
 import copy
 from dataclasses import dataclass
-from pathlib import Path
 
 from torch import nn
 
+from inference.access import WeightsRoot
 from inference.engine import Engine, LogprobsMode
 from inference.protocol import BadRequest, ServeError
 from inference.scheduler import Scheduler
@@ -39,8 +43,10 @@ class Adapter:
 
 class Adapters:
     def __init__(self, base: nn.Module, base_name: str, pad_token_id: int, eos_token_ids: tuple[int, ...],
-                 window_s: float, logprobs_mode: LogprobsMode = "raw_logprobs") -> None:
+                 window_s: float, logprobs_mode: LogprobsMode = "raw_logprobs", *,
+                 root: WeightsRoot | None = None) -> None:
         self.base = base
+        self.root = root  # None: no path is accepted
         self.logprobs_mode = logprobs_mode
         self.base_name = base_name
         self.pad_token_id = pad_token_id
@@ -56,9 +62,11 @@ class Adapters:
                              param="lora_name")
         if name in self.loaded and not inplace:
             raise BadRequest(f"The lora adapter '{name}' has already been loaded.", param="lora_name")
-        if not (Path(path) / "adapter_config.json").is_file():
-            raise AdapterNotFound(f"No adapter found for {path}", param="lora_path")
-        merged = await asyncio.to_thread(self._merge, path)
+        # outside the root: the very answer of a missing adapter
+        folder = self.root.resolve(path) if self.root else None
+        if folder is None or not (folder / "adapter_config.json").is_file():
+            raise AdapterNotFound(f"Loading lora {name} failed: No adapter found for {path}")
+        merged = await asyncio.to_thread(self._merge, str(folder))
         scheduler = Scheduler(Engine(merged, self.pad_token_id, self.eos_token_ids, self.logprobs_mode),
                               window_s=self.window_s)
         scheduler.start()

@@ -14,6 +14,7 @@ import structlog
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+from inference.access import WeightsRoot
 from inference.detokenize import Detokenizer
 from inference.engine import Completion, Engine, LogprobsMode, SamplingParams
 from inference.lora import Adapters
@@ -40,8 +41,11 @@ class Model:
     """The loaded model, its tokenizer and the batching scheduler behind the endpoints."""
 
     def __init__(self, model_dir: Path, served_model_name: str | None, batch_window_s: float,
-                 logprobs_mode: LogprobsMode = "raw_logprobs") -> None:
+                 logprobs_mode: LogprobsMode = "raw_logprobs", weights_root: Path | None = None) -> None:
         self.path = str(model_dir)
+        # where clients may name adapters and weight files (inference.access): by default the model's parent
+        self.weights_root = root = WeightsRoot(weights_root if weights_root is not None
+                                               else Path(model_dir).resolve().parent)
         self.name = served_model_name or str(model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32)
@@ -60,9 +64,10 @@ class Model:
         self.vocab_size = int(model.config.vocab_size)
         self.detok = Detokenizer(self.tokenizer)
         self.scheduler = Scheduler(self.engine, window_s=batch_window_s)
-        self.adapters = Adapters(model, self.name, pad, self.eos_token_ids, batch_window_s, logprobs_mode)
+        self.adapters = Adapters(model, self.name, pad, self.eos_token_ids, batch_window_s, logprobs_mode,
+                                root=root)
         self.weights = WeightSync(model, self.scheduler, lambda: (
-            self.scheduler, *(adapter.scheduler for adapter in self.adapters.loaded.values())))
+            self.scheduler, *(adapter.scheduler for adapter in self.adapters.loaded.values())), root=root)
         self.fingerprint = f"rlgate-{hashlib.sha256(self.path.encode()).hexdigest()[:8]}"
         self.created = int(time.time())
 

@@ -5,8 +5,10 @@ Endpoints (docs/vllm-wire-format.md has the field-by-field contract): `POST /v1/
 `POST /detokenize`, runtime LoRA (`/v1/load_lora_adapter`, `/v1/unload_lora_adapter`), and vLLM's RL
 routes for pause/resume and full-weight updates (`inference.weights`: `/pause`, `/resume`, `/is_paused`,
 `/init_weight_transfer_engine`, `/start_weight_update`, `/update_weights`, `/finish_weight_update`,
-`/update_weight_version`, `/weight_info`; vLLM serves these only with VLLM_SERVER_DEV_MODE=1, so keep
-either server on a private network behind the gateway). Tools are parsed hermes-style
+`/update_weight_version`, `/weight_info`). As in vLLM, the LoRA routes exist only when runtime LoRA updating
+is enabled and the RL routes only in dev mode; `--api-key` guards `/v1` as vLLM's does; adapter and weight
+paths must lie under the weights root (`inference.access`). Keep the server on a private network behind
+the gateway. Tools are parsed hermes-style
 (`inference.tools`), as `vllm serve --enable-auto-tool-choice --tool-call-parser hermes`.
 
 What it reports as log-probs is `--logprobs-mode` (`inference.engine`), with vLLM's four values and
@@ -30,10 +32,11 @@ from typing import Any
 
 import orjson
 import structlog
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
 
+from inference.access import ApiKeyMiddleware
 from inference.endpoints import Server
 from inference.engine import LogprobsMode
 from inference.model import Model
@@ -91,12 +94,118 @@ def _string_field(body: dict[str, Any], key: str, *, required: bool) -> str | No
                                      "msg": "Input should be a valid string"}])
 
 
+# -- Gated routes (inference.access): registered only when enabled, as vLLM registers them ------------
+
+lora_router = APIRouter()  # VLLM_ALLOW_RUNTIME_LORA_UPDATING / --allow-runtime-lora-updating
+rl_router = APIRouter()  # VLLM_SERVER_DEV_MODE / --dev-mode: vLLM's RL routes (inference/weights.py)
+
+
+def _model(request: Request) -> Model:
+    return request.app.state.server.model
+
+
+def _ok(body: dict[str, Any]) -> Response:
+    return Response(orjson.dumps(body), media_type="application/json")
+
+
+async def _optional_json(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    if not raw.strip():
+        return {}
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"the body is not JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    return body
+
+
+@lora_router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(request: Request) -> Response:
+    body = await _parse(request, LoadLoraAdapterRequest)
+    return PlainTextResponse(await _model(request).adapters.load(body.lora_name, body.lora_path,
+                                                                 bool(body.load_inplace)))
+
+
+@lora_router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(request: Request) -> Response:
+    body = await _parse(request, UnloadLoraAdapterRequest)
+    return PlainTextResponse(await _model(request).adapters.unload(body.lora_name))
+
+
+@rl_router.post("/pause")
+async def pause(request: Request, mode: str = "abort", clear_cache: bool = True) -> Response:
+    await _model(request).weights.pause(mode)  # type: ignore[arg-type]
+    return _ok({"status": "paused"})
+
+
+@rl_router.post("/resume")
+async def resume(request: Request) -> Response:
+    _model(request).weights.resume()
+    return _ok({"status": "resumed"})
+
+
+@rl_router.get("/is_paused")
+async def is_paused(request: Request) -> Response:
+    return _ok({"is_paused": _model(request).weights.paused})
+
+
+@rl_router.post("/init_weight_transfer_engine")
+async def init_weight_transfer_engine(request: Request) -> Response:
+    body = await _optional_json(request)
+    if not isinstance(body.get("init_info"), dict):
+        raise BadRequest("init_info (an object) is required", param="init_info")
+    _model(request).weights.init(body["init_info"])
+    return _ok({"message": "Weight transfer initialized"})
+
+
+@rl_router.post("/start_weight_update")
+async def start_weight_update(request: Request) -> Response:
+    _model(request).weights.start()
+    return _ok({"message": "Weight update started"})
+
+
+@rl_router.post("/update_weights")
+async def update_weights(request: Request) -> Response:
+    body = await _optional_json(request)
+    if not isinstance(body.get("update_info"), dict | list):
+        raise BadRequest("update_info (an object, or a list of them) is required", param="update_info")
+    await _model(request).weights.update(body["update_info"])
+    return _ok({"message": "Weights updated"})
+
+
+@rl_router.post("/finish_weight_update")
+async def finish_weight_update(request: Request) -> Response:
+    _model(request).weights.finish(_string_field(await _optional_json(request), "weight_version", required=False))
+    return _ok({"message": "Weight update finished"})
+
+
+@rl_router.post("/update_weight_version")
+async def update_weight_version(request: Request) -> Response:
+    weights = _model(request).weights
+    weights.version = _string_field(await _optional_json(request), "new_version", required=True)
+    return _ok({"success": True, "new_version": weights.version})
+
+
+@rl_router.get("/weight_info")
+async def weight_info(request: Request) -> Response:
+    return _ok({"weight_version": _model(request).weights.version})
+
+
+
 def build_app(model_dir: Path | str, *, served_model_name: str | None = None,
-              batch_window_s: float = 0.003, logprobs_mode: LogprobsMode = "raw_logprobs") -> FastAPI:
+              batch_window_s: float = 0.003, logprobs_mode: LogprobsMode = "raw_logprobs",
+              allow_runtime_lora_updating: bool = False, dev_mode: bool = False,
+              api_keys: list[str] | None = None, weights_root: Path | str | None = None) -> FastAPI:
     """The FastAPI app of `rlgate serve` for the Hugging Face causal LM folder `model_dir` (float32, CPU).
     The model loads now; the scheduler starts with the app (lifespan). `logprobs_mode` is vLLM's
-    `--logprobs-mode` (`inference.engine`), with vLLM's default."""
-    model = Model(Path(model_dir), served_model_name, batch_window_s, logprobs_mode)
+    `--logprobs-mode` (`inference.engine`), with vLLM's default. The gates (`inference.access`), all off by
+    default: `allow_runtime_lora_updating` serves the LoRA routes, `dev_mode` the RL routes, `api_keys`
+    requires one of them on `/v1`; adapters and weight files must lie under `weights_root` (default: the
+    model folder's parent)."""
+    model = Model(Path(model_dir), served_model_name, batch_window_s, logprobs_mode,
+                  Path(weights_root) if weights_root is not None else None)
     server = Server(model)
 
     @asynccontextmanager
@@ -110,6 +219,15 @@ def build_app(model_dir: Path | str, *, served_model_name: str | None = None,
 
     app = FastAPI(title="rlgate serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
+    if allow_runtime_lora_updating:
+        log.warning("runtime LoRA loading and unloading is enabled", weights_root=str(model.weights_root.root))
+        app.include_router(lora_router)
+    if dev_mode:
+        log.warning("development (RL) routes are enabled: pause, weight updates, version",
+                    weights_root=str(model.weights_root.root))
+        app.include_router(rl_router)
+    if tokens := [key for key in api_keys or [] if key]:
+        app.add_middleware(ApiKeyMiddleware, tokens=tokens)
 
     @app.exception_handler(ServeError)
     async def serve_error(request: Request, exc: ServeError) -> Response:
@@ -130,85 +248,6 @@ def build_app(model_dir: Path | str, *, served_model_name: str | None = None,
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await server.completions(await _parse(request, CompletionRequest))
-
-    @app.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(request: Request) -> Response:
-        body = await _parse(request, LoadLoraAdapterRequest)
-        message = await model.adapters.load(body.lora_name, body.lora_path, bool(body.load_inplace))
-        return PlainTextResponse(message)
-
-    @app.post("/v1/unload_lora_adapter")
-    async def unload_lora_adapter(request: Request) -> Response:
-        body = await _parse(request, UnloadLoraAdapterRequest)
-        return PlainTextResponse(await model.adapters.unload(body.lora_name))
-
-    # -- vLLM's RL routes: pause/resume and full-weight updates (inference/weights.py) --
-
-    weights = model.weights
-
-    def ok(body: dict[str, Any]) -> Response:
-        return Response(orjson.dumps(body), media_type="application/json")
-
-    async def optional_json(request: Request) -> dict[str, Any]:
-        raw = await request.body()
-        if not raw.strip():
-            return {}
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            raise BadRequest(f"the body is not JSON: {exc}") from exc
-        if not isinstance(body, dict):
-            raise BadRequest("the body must be a JSON object")
-        return body
-
-    @app.post("/pause")
-    async def pause(mode: str = "abort", clear_cache: bool = True) -> Response:
-        await weights.pause(mode)  # type: ignore[arg-type]
-        return ok({"status": "paused"})
-
-    @app.post("/resume")
-    async def resume() -> Response:
-        weights.resume()
-        return ok({"status": "resumed"})
-
-    @app.get("/is_paused")
-    async def is_paused() -> Response:
-        return ok({"is_paused": weights.paused})
-
-    @app.post("/init_weight_transfer_engine")
-    async def init_weight_transfer_engine(request: Request) -> Response:
-        body = await optional_json(request)
-        if not isinstance(body.get("init_info"), dict):
-            raise BadRequest("init_info (an object) is required", param="init_info")
-        weights.init(body["init_info"])
-        return ok({"message": "Weight transfer initialized"})
-
-    @app.post("/start_weight_update")
-    async def start_weight_update() -> Response:
-        weights.start()
-        return ok({"message": "Weight update started"})
-
-    @app.post("/update_weights")
-    async def update_weights(request: Request) -> Response:
-        body = await optional_json(request)
-        if not isinstance(body.get("update_info"), dict | list):
-            raise BadRequest("update_info (an object, or a list of them) is required", param="update_info")
-        await weights.update(body["update_info"])
-        return ok({"message": "Weights updated"})
-
-    @app.post("/finish_weight_update")
-    async def finish_weight_update(request: Request) -> Response:
-        weights.finish(_string_field(await optional_json(request), "weight_version", required=False))
-        return ok({"message": "Weight update finished"})
-
-    @app.post("/update_weight_version")
-    async def update_weight_version(request: Request) -> Response:
-        weights.version = _string_field(await optional_json(request), "new_version", required=True)
-        return ok({"success": True, "new_version": weights.version})
-
-    @app.get("/weight_info")
-    async def weight_info() -> Response:
-        return ok({"weight_version": weights.version})
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -250,8 +289,12 @@ async def _serve(app: FastAPI, host: str, port: int, announce: bool) -> None:
 
 
 def serve(model_dir: Path | str, host: str = "127.0.0.1", port: int = 8000, *, served_model_name: str | None = None,
-          batch_window_s: float = 0.003, logprobs_mode: LogprobsMode = "raw_logprobs", announce: bool = True) -> None:
-    """Load the model and serve it until interrupted; prints `READY <port>` once listening (port 0 picks one)."""
+          batch_window_s: float = 0.003, logprobs_mode: LogprobsMode = "raw_logprobs", announce: bool = True,
+          allow_runtime_lora_updating: bool = False, dev_mode: bool = False, api_keys: list[str] | None = None,
+          weights_root: Path | str | None = None) -> None:
+    """Load the model and serve it until interrupted; prints `READY <port>` once listening (port 0 picks one).
+    The gates are `build_app`'s."""
     app = build_app(model_dir, served_model_name=served_model_name, batch_window_s=batch_window_s,
-                    logprobs_mode=logprobs_mode)
+                    logprobs_mode=logprobs_mode, allow_runtime_lora_updating=allow_runtime_lora_updating,
+                    dev_mode=dev_mode, api_keys=api_keys, weights_root=weights_root)
     asyncio.run(_serve(app, host, port, announce))

@@ -1,5 +1,6 @@
 """Full-weight updates and pause/resume for `rlgate serve`, with vLLM 0.33's RL routes and semantics
-(`vllm/entrypoints/rl/online/api_router.py`; vLLM registers them with VLLM_SERVER_DEV_MODE=1):
+(`vllm/entrypoints/rl/online/api_router.py`; vLLM registers them only with VLLM_SERVER_DEV_MODE=1, and so
+does `rlgate serve`: `inference.access`):
 
     POST /pause?mode=abort|wait|keep     {"status": "paused"}
     POST /resume                         {"status": "resumed"}
@@ -14,7 +15,8 @@
 The transport here is on the CPU: the `safetensors` backend (vLLM's backends are nccl, ipc, ...). Its
 init_info is `{}`; its update_info is `{"path": FILE}`: a safetensors file of parameters by name (all or
 some of the model's, same shapes), which the server loads and copies into its model between two batches,
-so no batch ever runs on half-updated weights.
+so no batch ever runs on half-updated weights. The file must lie under the weights root
+(`inference.access`); a path outside it gets the same 400 as a missing file.
 
 Pausing: `abort` and `wait` make new requests fail at once with 503 `ServiceUnavailableError` ("Generation
 is paused. Please retry after it resumes.", vLLM's message; we add `Retry-After: 1`); `abort` answers
@@ -34,13 +36,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any, Literal
 
 import structlog
 import torch
 from torch import nn
 
+from inference.access import WeightsRoot
 from inference.protocol import BadRequest, ServeError
 from inference.scheduler import Scheduler
 
@@ -64,8 +66,10 @@ class WeightSync:
     """The pause gate in front of generation and the weight-update state machine of one model."""
 
     def __init__(self, model: nn.Module, scheduler: Scheduler,
-                 queues: Callable[[], Iterable[Scheduler]] | None = None) -> None:
+                 queues: Callable[[], Iterable[Scheduler]] | None = None, *,
+                 root: WeightsRoot | None = None) -> None:
         self.model = model
+        self.root = root  # update_info's path must lie under it (None: no path is accepted)
         self.scheduler = scheduler  # the base model's: a weight copy waits for its running batch
         # every scheduler whose queued requests `pause?mode=abort` ends (the base model's and each
         # LoRA adapter's, all of which `admit` gates)
@@ -168,10 +172,11 @@ class WeightSync:
         extra = set(update_info) - {"path"} if isinstance(update_info, dict) else set()
         if not isinstance(path, str) or extra:
             raise BadRequest("update_info for safetensors is {\"path\": FILE}", param="update_info")
-        if not Path(path).is_file():
+        file = self.root.resolve(path) if self.root else None  # outside the root: the same as missing
+        if file is None or not file.is_file():
             raise BadRequest(f"no safetensors file at {path}", param="update_info")
         try:
-            return load_file(path)
+            return load_file(file)
         except (SafetensorError, OSError) as exc:
             raise BadRequest(f"could not read {path}: {exc}", param="update_info") from exc
 

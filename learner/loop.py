@@ -30,7 +30,7 @@ from typing import Any
 import structlog
 import torch
 
-from episodes import ClosedEpisode, ClosedEpisodes, EpisodeStore, RolloutStatus, RolloutView
+from episodes import ClosedEpisode, ClosedEpisodes, EpisodeStore, RolloutStatus, RolloutView, StoreUnavailable
 from learner import checkpoint
 from learner.collect import Collector, Group
 from learner.policy import Policy
@@ -65,12 +65,15 @@ class Learner:
         # a claim outlives the time another learner waits before it reclaims a pending entry
         self._lease_s = 2 * self.collector.reclaim_idle_s
         self.pusher: LoraPusher | FullPusher
+        api_key = settings.inference_api_key.get_secret_value() if settings.inference_api_key else None
         if settings.push == "lora":
-            self.pusher = LoraPusher(settings.inference_urls, self.output_dir / "adapters", self.store, base_model)
+            self.pusher = LoraPusher(settings.inference_urls, self.output_dir / "adapters", self.store, base_model,
+                                     api_key=api_key)
         else:
             self.pusher = FullPusher(settings.inference_urls, self.output_dir / "weights", self.store, base_model,
                                      settings.push_drain_s, transport=settings.push_transport,
-                                     nccl_address=settings.push_nccl_address, nccl_port=settings.push_nccl_port)
+                                     nccl_address=settings.push_nccl_address, nccl_port=settings.push_nccl_port,
+                                     api_key=api_key)
         self.step = 0
         self.version = 0
         self.writer = None
@@ -135,8 +138,16 @@ class Learner:
             stats = await asyncio.to_thread(self.policy.update, batches, old)
         train_s = time.perf_counter() - t0
 
+        lost = 0
         for entry in entries:  # renew the claims: the step may have run long
-            await self.stream.claim(entry, s.consumer, self._lease_s)
+            try:
+                if await self.stream.claim(entry, s.consumer, self._lease_s) != "claimed":
+                    lost += 1
+            except StoreUnavailable as exc:  # the step is trained: go on; the ack is the exactly-once point
+                log.warning("claim_renewal_failed", error=str(exc))
+        if lost:
+            log.warning("claims_lost_during_step", episodes=lost, lease_s=self._lease_s,
+                        hint="the step ran longer than the lease: another learner may train these too")
         self.version += 1
         self.step += 1
         checkpoint.save(self.output_dir, self.step, self.version, self.policy, entries)
@@ -165,6 +176,7 @@ class Learner:
             "dropped_invalid_reward": read_counts["invalid_rewards"],
             "duplicates": read_counts["duplicates"],
             "claimed_elsewhere": read_counts["claimed_elsewhere"],
+            "claims_lost": lost,
             "dropped_singleton": counts["singleton_episodes"] + self.collector.dropped_singletons,
             "already_trained": read_counts["already_trained"],
             "staleness_mean": counts["staleness_sum"] / max(1, counts["trained"]),

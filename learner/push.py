@@ -39,9 +39,15 @@ def adapter_name(version: int) -> str:
     return f"policy-v{version}"
 
 
+def _auth(api_key: str | None) -> dict[str, str]:
+    """The inference servers' `--api-key` (vLLM guards /v1, where the LoRA routes are), as a header."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 class LoraPusher:
     def __init__(self, server_urls: list[str], adapters_dir: Path, store: EpisodeStore, base_model: str,
-                 timeout_s: float = 120.0) -> None:
+                 timeout_s: float = 120.0, api_key: str | None = None) -> None:
+        self.headers = _auth(api_key)
         self.server_urls = [u.rstrip("/") for u in server_urls]
         self.adapters_dir = adapters_dir
         self.store = store
@@ -57,7 +63,7 @@ class LoraPusher:
         t0 = time.perf_counter()
         name, path = adapter_name(version), self.path(version)
         policy.save_adapter(path)
-        async with aiohttp.ClientSession(timeout=self.timeout) as session:
+        async with aiohttp.ClientSession(timeout=self.timeout, headers=self.headers) as session:
             for url in self.server_urls:
                 await _post(session, f"{url}/v1/load_lora_adapter",
                                  {"lora_name": name, "lora_path": str(path), "load_inplace": True})
@@ -104,7 +110,8 @@ class FullPusher:
 
     def __init__(self, server_urls: list[str], weights_dir: Path, store: EpisodeStore, base_model: str,
                  drain_s: float, timeout_s: float = 300.0, transport: str = "safetensors",
-                 nccl_address: str = "127.0.0.1", nccl_port: int = 29600) -> None:
+                 nccl_address: str = "127.0.0.1", nccl_port: int = 29600, api_key: str | None = None) -> None:
+        self.headers = _auth(api_key)
         self.transport = transport
         self.nccl_address = nccl_address
         self.nccl_port = nccl_port
@@ -130,7 +137,7 @@ class FullPusher:
         pushed = False
         try:
             await asyncio.sleep(self.drain_s)
-            async with aiohttp.ClientSession(timeout=self.timeout) as session:
+            async with aiohttp.ClientSession(timeout=self.timeout, headers=self.headers) as session:
                 for i, url in enumerate(self.server_urls):
                     if url in self.initialized:
                         continue

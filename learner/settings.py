@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -25,6 +25,9 @@ class LearnerSettings(BaseSettings):
     inference_urls: list[str] = Field(
         default_factory=lambda: ["http://127.0.0.1:8000"],
         description="Every inference server's base URL (no /v1); adapters are loaded on each.")
+    inference_api_key: SecretStr | None = Field(
+        None, description="The inference servers' --api-key (vLLM and rlgate serve guard /v1 with it, the LoRA "
+        "routes included).")
     output_dir: Path = Field(Path("learner_output"), description="Adapters, checkpoints and TensorBoard "
                              "logs. The inference servers must read adapters from the same paths.")
     push: Literal["lora", "full"] = Field(

@@ -160,16 +160,40 @@ class ServeCommand(BaseSettings):
         "raw_logprobs", description="What log-probs report, as vLLM's --logprobs-mode (and its default): raw = of "
         "the model's logits, processed = of the distribution sampled from (temperature, logit_bias, top-k/top-p). "
         "The learner needs processed_logprobs.")
+    allow_runtime_lora_updating: bool | None = Field(
+        None, description="Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (else 404). Default: vLLM's "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING (1 or true), else off.")
+    dev_mode: bool | None = Field(
+        None, description="Serve vLLM's RL routes: /pause, /resume, /is_paused, the weight-update phases, "
+        "/update_weight_version, /weight_info (else 404). Default: vLLM's VLLM_SERVER_DEV_MODE (1), else off.")
+    api_key: str | None = Field(
+        None, description="Require this key (Authorization: Bearer KEY) on /v1/..., as vLLM's --api-key (not on "
+        "/health, /tokenize or the dev-mode routes); prefer RLGATE_SERVE_API_KEY or VLLM_API_KEY to a flag "
+        "that ps shows. Default: vLLM's VLLM_API_KEY, else none.")
+    weights_root: Path | None = Field(
+        None, description="Adapters (lora_path) and weight files (update_info.path) are read only from under this "
+        "folder; any other path is answered as missing. Default: the parent folder of --model.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
     log_format: Literal["auto", "json", "console"] = Field("auto", description="auto, json or console.")
 
     def cli_cmd(self) -> None:
+        from inference.access import VllmEnvironment, WeightsRoot
         from inference.server import serve
 
         configure_logging(self.log_level, self.log_format)
         try:
+            vllm_env = VllmEnvironment()  # vLLM's variables for the same gates; the flags win
+            WeightsRoot(self.weights_root or Path(self.model).resolve().parent)
+        except ValueError as exc:
+            sys.exit(f"rlgate serve: error: {str(exc).splitlines()[0]}")
+        lora = self.allow_runtime_lora_updating
+        dev = self.dev_mode
+        try:
             serve(self.model, self.host, self.port, served_model_name=self.served_model_name,
-                  batch_window_s=self.batch_window_ms / 1000, logprobs_mode=self.logprobs_mode)
+                  batch_window_s=self.batch_window_ms / 1000, logprobs_mode=self.logprobs_mode,
+                  allow_runtime_lora_updating=vllm_env.ALLOW_RUNTIME_LORA_UPDATING if lora is None else lora,
+                  dev_mode=vllm_env.SERVER_DEV_MODE if dev is None else dev,
+                  api_keys=[self.api_key or vllm_env.API_KEY or ""], weights_root=self.weights_root)
         except KeyboardInterrupt:
             pass
 

@@ -71,7 +71,8 @@ async def bench_push(settings: LearnerSettings, model: Path, repeat: int, redis_
     from conftest import start_rlgate_serve
 
     logs = Path(tempfile.mkdtemp(prefix="bench_learner_"))
-    serve = start_rlgate_serve(model, logs, "tiny")
+    # the pushers save under `logs`: the server reads adapters and weight files from there only
+    serve = start_rlgate_serve(model, logs, "tiny", lora=True, dev_mode=True, weights_root=logs)
     store = EpisodeStore.from_url(redis_url, prefix=f"bench-learner-{int(time.time())}")
     try:
         policy = Policy(settings)

@@ -109,7 +109,10 @@ def main() -> None:
                        capture_output=True, cwd=ROOT)
         port = free_port()
         server = subprocess.Popen([sys.executable, "-m", "rlgate", "serve", "--model", str(model), "--port",
-                                   str(port), "--served-model-name", "tiny", "--log-level", "warning"],
+                                   str(port), "--served-model-name", "tiny", "--log-level", "warning",
+                                   # the LoRA and weight-update routes it times, reading files under tmp only
+                                   "--allow-runtime-lora-updating", "true", "--dev-mode", "true",
+                                   "--weights-root", tmp],
                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
         try:
             assert server.stdout.readline().startswith("READY"), "rlgate serve did not start"

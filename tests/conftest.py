@@ -123,16 +123,28 @@ def gateway(fake_vllm: Proc, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 
 def start_rlgate_serve(model_dir: Path, log_dir: Path, served_model_name: str,
-                       logprobs_mode: str | None = "processed_logprobs") -> Proc:
+                       logprobs_mode: str | None = "processed_logprobs", *, lora: bool = False,
+                       dev_mode: bool = False, weights_root: Path | None = None, api_key: str | None = None,
+                       env: dict[str, str] | None = None) -> Proc:
     """`rlgate serve` as a real process; its `url` is the server's base (no /v1). It reports the log-probs
     of the distribution it samples from unless told otherwise, as the learner needs (None: the server's
-    default, vLLM's raw_logprobs)."""
+    default, vLLM's raw_logprobs). Its gates are off unless asked for, whatever this shell's environment
+    says: `lora` serves the runtime LoRA routes, `dev_mode` vLLM's RL routes, `weights_root` is where it
+    may read adapters and weight files (default: the model's parent), `api_key` guards /v1; `env` adds
+    variables (vLLM's VLLM_* gates)."""
     log_path = log_dir / f"serve_{time.monotonic_ns()}.log"
     port = free_port()
-    mode = [] if logprobs_mode is None else ["--logprobs-mode", logprobs_mode]
+    args = [] if logprobs_mode is None else ["--logprobs-mode", logprobs_mode]
+    args += ["--allow-runtime-lora-updating", "true"] if lora else []
+    args += ["--dev-mode", "true"] if dev_mode else []
+    args += [] if weights_root is None else ["--weights-root", str(weights_root)]
+    args += [] if api_key is None else ["--api-key", api_key]
+    gates = ("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_SERVER_DEV_MODE", "VLLM_API_KEY")
+    environ = {k: v for k, v in os.environ.items() if k not in gates and not k.startswith("RLGATE_SERVE_")}
     process = subprocess.Popen([sys.executable, "-m", "rlgate", "serve", "--model", str(model_dir), "--port",
-                                str(port), "--served-model-name", served_model_name, "--log-format", "json", *mode],
-                               stdout=subprocess.PIPE, stderr=log_path.open("wb"), text=True, cwd=ROOT)
+                                str(port), "--served-model-name", served_model_name, "--log-format", "json", *args],
+                               stdout=subprocess.PIPE, stderr=log_path.open("wb"), text=True, cwd=ROOT,
+                               env={**environ, **(env or {})})
     line = process.stdout.readline()
     assert line.strip() == f"READY {port}", f"rlgate serve did not start: {line!r} {log_path.read_text()}"
     return Proc(process, f"http://127.0.0.1:{port}", log_path)
@@ -145,7 +157,8 @@ def rlgate_serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
     from inference.tiny_model import build_tiny_model
 
     tmp = tmp_path_factory.mktemp("rlgate_serve")
-    proc = start_rlgate_serve(build_tiny_model(tmp / "tiny", seed=0), tmp, "fake-model")
+    # dev mode: the oracle compares the RL routes' errors with vLLM's too
+    proc = start_rlgate_serve(build_tiny_model(tmp / "tiny", seed=0), tmp, "fake-model", dev_mode=True)
     proc.url += "/v1"
     yield proc
     proc.kill(signal.SIGTERM)

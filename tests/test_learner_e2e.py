@@ -23,6 +23,8 @@ from conftest import REDIS_URL, ROOT, Proc, start_gateway, start_rlgate_serve
 pytest.importorskip("openrlhf")
 
 MODEL = "tiny"
+SERVE_KEY = "serve-key-for-the-learner-tests"
+AUTH = {"Authorization": f"Bearer {SERVE_KEY}"}
 MESSAGES = [{"role": "user", "content": "2+3="}]
 # The agent restricts the answer to a few tokens, as the demo's agent does: the learner must use the same
 # processing (bias, temperature) for its log-probs to be those of the distribution sampled from.
@@ -35,8 +37,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, Proc
 
     tmp = tmp_path_factory.mktemp("learner_e2e")
     model = build_tiny_model(tmp / "tiny", seed=3)
-    serve = start_rlgate_serve(model, tmp, MODEL)
-    gateway = start_gateway(tmp, serve.url + "/v1", policy_poll_s="0.05")
+    # the learner pushes adapters (LoRA routes) and full weights (dev-mode routes), saved in each test's
+    # tmp_path: the server reads them from under pytest's base folder
+    # the server guards /v1 with a key, as a production vLLM would: the gateway and the learner send it
+    serve = start_rlgate_serve(model, tmp, MODEL, lora=True, dev_mode=True,
+                               weights_root=tmp_path_factory.getbasetemp(), api_key=SERVE_KEY)
+    gateway = start_gateway(tmp, serve.url + "/v1", policy_poll_s="0.05", upstream_api_key=SERVE_KEY)
     yield serve, gateway, model
     gateway.kill(signal.SIGTERM)
     serve.kill(signal.SIGTERM)
@@ -57,7 +63,8 @@ def episode(gateway: Proc, task: str, reward: float, calls: int = 2, agent: str 
 def learner(model: Path, serve: Proc, out: Path, **settings: str) -> subprocess.Popen:
     env = {**os.environ, "RLGATE_LEARNER_REDIS_URL": REDIS_URL, "RLGATE_LEARNER_MODEL": str(model),
            "RLGATE_LEARNER_SERVED_MODEL_NAME": MODEL, "RLGATE_LEARNER_INFERENCE_URLS": json.dumps([serve.url]),
-           "RLGATE_LEARNER_OUTPUT_DIR": str(out), "RLGATE_LEARNER_TASKS_PER_STEP": "2",
+           "RLGATE_LEARNER_OUTPUT_DIR": str(out), "RLGATE_LEARNER_INFERENCE_API_KEY": SERVE_KEY,
+           "RLGATE_LEARNER_TASKS_PER_STEP": "2",
            "RLGATE_LEARNER_ROLLOUTS_PER_TASK": "4", "RLGATE_LEARNER_MAX_STEPS": "1",
            "RLGATE_LEARNER_LEARNING_RATE": "0.05", "RLGATE_LEARNER_LOG_FORMAT": "json"}
     env.update({f"RLGATE_LEARNER_{k.upper()}": v for k, v in settings.items()})
@@ -115,7 +122,7 @@ def test_a_step_pushes_an_adapter_that_serves_the_next_call(stack, redis_client:
     assert redis_client.xpending("rlgate:episodes", "learners")["pending"] == 0
     assert redis_client.hgetall("rlgate:policy") == {b"version": b"1", b"adapter": b"policy-v1",
                                                       b"base_model": MODEL.encode(), b"draining": b"0"}
-    models = [m["id"] for m in httpx.get(f"{serve.url}/v1/models").json()["data"]]
+    models = [m["id"] for m in httpx.get(f"{serve.url}/v1/models", headers=AUTH).json()["data"]]
     assert models == [MODEL, "policy-v1"]
 
     # the next call asks for the base model; the gateway sends it to the adapter and tags it version 1
@@ -131,7 +138,7 @@ def test_a_step_pushes_an_adapter_that_serves_the_next_call(stack, redis_client:
     def logprobs(model_name: str) -> list[float]:
         body = {"model": model_name, "prompt": call["prompt_token_ids"], "max_tokens": 1, "logprobs": 1,
                 "temperature": 0.8, "seed": 1, "return_token_ids": True, "logit_bias": BIAS}
-        return httpx.post(f"{serve.url}/v1/completions", json=body, timeout=30).json()["choices"][0]["logprobs"]
+        return httpx.post(f"{serve.url}/v1/completions", json=body, timeout=30, headers=AUTH).json()["choices"][0]["logprobs"]
 
     base, adapted = logprobs(MODEL), logprobs("policy-v1")
     assert base["top_logprobs"] != adapted["top_logprobs"]
@@ -214,7 +221,7 @@ def test_a_full_push_updates_the_servers_weights_and_the_version(stack, redis_cl
         for r in values:
             episode(gateway, task, r)
     probe = {"model": MODEL, "prompt": [50, 43, 51, 61], "max_tokens": 1, "temperature": 0, "logprobs": 1}
-    before = httpx.post(f"{serve.url}/v1/completions", json=probe, timeout=30).json()["choices"][0]["logprobs"]
+    before = httpx.post(f"{serve.url}/v1/completions", json=probe, timeout=30, headers=AUTH).json()["choices"][0]["logprobs"]
     out = tmp_path / "learner"
     proc = learner(model, serve, out, finetune="full", push="full", push_drain_s="0.2")
     assert proc.wait(timeout=240) == 0, (out.parent / "learner.log").read_text()[-4000:]
@@ -224,7 +231,7 @@ def test_a_full_push_updates_the_servers_weights_and_the_version(stack, redis_cl
     assert httpx.get(f"{serve.url}/is_paused").json() == {"is_paused": False}
     assert redis_client.hgetall("rlgate:policy") == {b"version": b"1", b"adapter": b"", b"base_model": b"tiny",
                                                       b"draining": b"0"}
-    after = httpx.post(f"{serve.url}/v1/completions", json=probe, timeout=30).json()["choices"][0]["logprobs"]
+    after = httpx.post(f"{serve.url}/v1/completions", json=probe, timeout=30, headers=AUTH).json()["choices"][0]["logprobs"]
     assert after != before  # the base model itself changed
     time.sleep(0.3)
     rid = uuid.uuid4().hex
@@ -311,7 +318,8 @@ def test_a_server_reporting_raw_logprobs_is_caught_on_the_first_step(stack, redi
     expects processed log-probs stops on its first step with one line naming the cause, trains nothing
     and acknowledges nothing; told the server's mode, it trains (without importance correction)."""
     _, _, model = stack
-    raw = start_rlgate_serve(model, tmp_path, MODEL, logprobs_mode="raw_logprobs")
+    raw = start_rlgate_serve(model, tmp_path, MODEL, logprobs_mode="raw_logprobs", lora=True, dev_mode=True,
+                             weights_root=tmp_path)
     gateway = start_gateway(tmp_path, raw.url + "/v1", policy_poll_s="0.05")
     try:
         rids = [episode(gateway, task, float(i % 2)) for task in ("w1", "w2") for i in range(4)]

@@ -534,3 +534,33 @@ def test_completions_echo_usage_stats_and_long_prompts(server: Proc):
     clamped = post(server, "/v1/completions", {"model": MODEL, "prompt": [65] * 2046, "max_tokens": 50, "seed": 0,
                                                "logit_bias": {str(EOS): -100, "256": -100}, "return_token_ids": True})
     assert clamped.status_code == 200 and len(clamped.json()["choices"][0]["token_ids"]) == 2  # clamped, as vLLM
+
+
+def test_api_key_guards_v1_as_vllms(model_dir: Path, tmp_path: Path):
+    """`--api-key` as vLLM's (its AuthenticationMiddleware): every /v1 path needs `Authorization: Bearer KEY`
+    (else 401 `{"error": "Unauthorized"}`, even for a route that does not exist, so a caller without the key
+    learns nothing about the gates); paths outside /v1 (/health, /tokenize) stay open, as in vLLM. vLLM's
+    VLLM_API_KEY is read when no --api-key is."""
+    proc = start_rlgate_serve(model_dir, tmp_path, MODEL, api_key="sekrit", lora=True)
+    try:
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"},
+                        {"Authorization": "Basic sekrit"}):
+            for method, path in (("GET", "/v1/models"), ("POST", "/v1/chat/completions"),
+                                 ("POST", "/v1/load_lora_adapter"), ("POST", "/v1/nothing")):
+                answer = httpx.request(method, f"{proc.url}{path}", json=body, headers=headers, timeout=60)
+                assert (answer.status_code, answer.json()) == (401, {"error": "Unauthorized"}), (headers, path)
+        key = {"Authorization": "Bearer sekrit"}
+        assert httpx.get(f"{proc.url}/v1/models", headers=key).status_code == 200
+        assert httpx.post(f"{proc.url}/v1/chat/completions", json=body, headers=key, timeout=60).status_code == 200
+        assert httpx.get(f"{proc.url}/health").status_code == 200
+        client = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="sekrit")
+        assert client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2).choices
+    finally:
+        proc.kill(signal.SIGTERM)
+    proc = start_rlgate_serve(model_dir, tmp_path, MODEL, env={"VLLM_API_KEY": "from-env"})
+    try:
+        assert httpx.get(f"{proc.url}/v1/models").status_code == 401
+        assert httpx.get(f"{proc.url}/v1/models", headers={"Authorization": "bearer from-env"}).status_code == 200
+    finally:
+        proc.kill(signal.SIGTERM)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,7 +39,9 @@ def save_adapter(model_dir: Path, path: Path, seed: int) -> Path:
 
 @pytest.fixture(scope="module")
 def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
-    proc = start_rlgate_serve(model_dir, tmp_path_factory.mktemp("lora_log"), MODEL)
+    # adapters are saved in each test's tmp_path: the root is pytest's base folder
+    proc = start_rlgate_serve(model_dir, tmp_path_factory.mktemp("lora_log"), MODEL, lora=True,
+                              weights_root=tmp_path_factory.getbasetemp())
     yield proc
     proc.kill(signal.SIGTERM)
 
@@ -91,4 +94,67 @@ def test_load_select_unload(server: Proc, model_dir: Path, tmp_path: Path):
     missing = httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "policy-v1"})
     assert missing.status_code == 404
     nowhere = httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(tmp_path)})
-    assert nowhere.status_code == 404 and nowhere.json()["error"]["message"].startswith("No adapter found")
+    assert nowhere.status_code == 404 and nowhere.json()["error"] == {
+        "message": f"Loading lora x failed: No adapter found for {tmp_path}", "type": "NotFoundError",
+        "param": None, "code": 404}  # vLLM's LoRAAdapterNotFoundError
+
+
+LORA_ROUTES = ["/v1/load_lora_adapter", "/v1/unload_lora_adapter"]
+
+
+def test_without_runtime_lora_updating_the_routes_are_404_and_change_nothing(model_dir: Path, tmp_path: Path):
+    """As vLLM without VLLM_ALLOW_RUNTIME_LORA_UPDATING: the routes do not exist (404, FastAPI's body), and
+    no adapter is loaded; vLLM's variable turns them on when "1" or "true" (any case), and only then."""
+    adapter = save_adapter(model_dir, tmp_path / "policy-v1", seed=1)
+    body = {"lora_name": MODEL + "-x", "lora_path": str(adapter), "load_inplace": True}
+    for env in ({}, {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "yes"}):
+        proc = start_rlgate_serve(model_dir, tmp_path, MODEL, env=env)
+        try:
+            before = tokens(proc, MODEL)
+            for path in LORA_ROUTES:
+                answer = httpx.post(f"{proc.url}{path}", json=body, timeout=60)
+                assert (answer.status_code, answer.json()) == (404, {"detail": "Not Found"}), (env, path)
+            assert [m["id"] for m in httpx.get(f"{proc.url}/v1/models").json()["data"]] == [MODEL]
+            assert tokens(proc, MODEL) == before
+        finally:
+            proc.kill(signal.SIGTERM)
+    proc = start_rlgate_serve(model_dir, tmp_path, MODEL, weights_root=tmp_path,
+                              env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": " True"})
+    try:
+        loaded = httpx.post(f"{proc.url}/v1/load_lora_adapter", json=body, timeout=60)
+        assert loaded.status_code == 200, loaded.text
+    finally:
+        proc.kill(signal.SIGTERM)
+
+
+def test_an_adapter_outside_the_root_is_answered_as_a_missing_one(model_dir: Path, tmp_path: Path):
+    """`lora_path` is read only from under the weights root (here the default: the model's parent folder):
+    an adapter outside it (directly, through `..`, through a symlink) gets the very answer of a folder that
+    does not exist, and is not loaded."""
+    root, elsewhere = model_dir.parent, tmp_path / "elsewhere"
+    real = save_adapter(model_dir, elsewhere / "policy-v1", seed=1)
+    (root / f"link-{tmp_path.name}").symlink_to(real)
+    proc = start_rlgate_serve(model_dir, tmp_path, MODEL, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"})
+    try:
+        before = tokens(proc, MODEL)
+
+        def answer(path: Path) -> tuple[int, dict]:
+            response = httpx.post(f"{proc.url}/v1/load_lora_adapter",
+                                  json={"lora_name": "policy-v1", "lora_path": str(path)}, timeout=60)
+            body = response.json()
+            body["error"]["message"] = body["error"]["message"].replace(str(path), "PATH")
+            return response.status_code, body
+
+        missing = answer(root / "nothing-here")
+        assert missing == (404, {"error": {"message": "Loading lora policy-v1 failed: No adapter found for PATH",
+                                           "type": "NotFoundError", "param": None, "code": 404}})
+        for outside in (real, root / os.path.relpath(real, root), root / f"link-{tmp_path.name}"):
+            assert answer(outside) == missing
+        assert [m["id"] for m in httpx.get(f"{proc.url}/v1/models").json()["data"]] == [MODEL]
+        assert tokens(proc, MODEL) == before
+        inside = save_adapter(model_dir, root / f"inside-{tmp_path.name}", seed=1)  # the same, under the root
+        loaded = httpx.post(f"{proc.url}/v1/load_lora_adapter",
+                            json={"lora_name": "policy-v1", "lora_path": str(inside)}, timeout=60)
+        assert loaded.status_code == 200, loaded.text
+    finally:
+        proc.kill(signal.SIGTERM)

@@ -22,7 +22,8 @@ PROMPT = [72, 105, 33, 32, 50, 43, 51, 61]
 
 @pytest.fixture
 def served(tmp_path: Path) -> Iterator[tuple[Proc, Path]]:
-    proc = start_rlgate_serve(build_tiny_model(tmp_path / "tiny", seed=0), tmp_path, "tiny")
+    # dev mode, and the default weights root: the model's parent, tmp_path
+    proc = start_rlgate_serve(build_tiny_model(tmp_path / "tiny", seed=0), tmp_path, "tiny", dev_mode=True)
     yield proc, tmp_path
     proc.kill(signal.SIGTERM)
 
@@ -107,6 +108,67 @@ def test_calls_out_of_order_and_bad_updates_are_client_errors(served):
     assert wrong.status_code == 400 and "shape" in wrong.json()["error"]["message"]
     assert greedy_top(proc.url) == before
     assert httpx.get(f"{proc.url}/weight_info").json() == {"weight_version": "default"}
+
+
+RL_ROUTES = [("POST", "/pause?mode=keep", None), ("POST", "/resume", None), ("GET", "/is_paused", None),
+             ("POST", "/init_weight_transfer_engine", {"init_info": {}}), ("POST", "/start_weight_update", None),
+             ("POST", "/update_weights", {"update_info": {"path": "PATH"}}),
+             ("POST", "/finish_weight_update", {"weight_version": "666"}),
+             ("POST", "/update_weight_version", {"new_version": "666"}), ("GET", "/weight_info", None)]
+
+
+def test_without_dev_mode_the_rl_routes_are_404_and_change_nothing(tmp_path: Path):
+    """As vLLM without VLLM_SERVER_DEV_MODE: the routes do not exist (FastAPI's 404, vLLM's answer too), so
+    nobody can pause the server, replace its weights or set its version; with VLLM_SERVER_DEV_MODE=1 in
+    its environment (vLLM's variable) they are served."""
+    model = build_tiny_model(tmp_path / "tiny", seed=0)
+    save_weights(build_tiny_model(tmp_path / "other", seed=7), tmp_path / "v1.safetensors")
+    proc = start_rlgate_serve(model, tmp_path, "tiny")
+    try:
+        before = greedy_top(proc.url)
+        for method, path, body in RL_ROUTES:
+            if body and "update_info" in body:
+                body = {"update_info": {"path": str(tmp_path / "v1.safetensors")}}
+            answer = httpx.request(method, f"{proc.url}{path}", json=body, timeout=30)
+            assert (answer.status_code, answer.json()) == (404, {"detail": "Not Found"}), (path, answer.text)
+        assert greedy_top(proc.url) == before  # not paused (a kept pause would hang this), weights unchanged
+    finally:
+        proc.kill(signal.SIGTERM)
+    dev = start_rlgate_serve(model, tmp_path, "tiny", env={"VLLM_SERVER_DEV_MODE": "1"})
+    try:
+        assert httpx.get(f"{dev.url}/weight_info").json() == {"weight_version": "default"}
+    finally:
+        dev.kill(signal.SIGTERM)
+
+
+def test_a_weight_file_outside_the_root_is_answered_as_a_missing_one(tmp_path: Path):
+    """A weight file is read only from under the weights root (default: the model's parent folder); one
+    outside it, directly, through `..` or through a symlink, gets the same 400 as a path that does not
+    exist, and the weights stay as they were."""
+    models, elsewhere = tmp_path / "models", tmp_path / "elsewhere"
+    proc = start_rlgate_serve(build_tiny_model(models / "tiny", seed=0), tmp_path, "tiny",
+                              env={"VLLM_SERVER_DEV_MODE": "1"})
+    try:
+        elsewhere.mkdir()
+        save_weights(build_tiny_model(tmp_path / "other", seed=7), elsewhere / "v1.safetensors")
+        (models / "link.safetensors").symlink_to(elsewhere / "v1.safetensors")
+        before = greedy_top(proc.url)
+        assert post(proc.url, "/init_weight_transfer_engine", {"init_info": {}}).status_code == 200
+
+        def refused(path: str) -> str:
+            assert post(proc.url, "/start_weight_update").status_code == 200
+            answer = post(proc.url, "/update_weights", {"update_info": {"path": path}})
+            assert answer.status_code == 400, answer.text
+            return answer.json()["error"]["message"].replace(path, "PATH")
+
+        missing = refused(str(models / "none.safetensors"))
+        assert missing == "no safetensors file at PATH"
+        for outside in (elsewhere / "v1.safetensors", models / ".." / "elsewhere" / "v1.safetensors",
+                        models / "link.safetensors"):
+            assert refused(str(outside)) == missing
+        assert greedy_top(proc.url) == before
+    finally:
+        proc.kill(signal.SIGTERM)
 
 
 def test_paused_server_answers_503_with_retry_after_and_resumes(served):
