@@ -254,7 +254,8 @@ class Learner:
         s = self.settings
         fresh = [[t for t in episode if t.policy_version == self.version] for episode in per_episode]
         if s.logprobs_mode == "raw_logprobs":
-            fresh = [[dataclasses.replace(t, temperature=1.0, logit_bias=()) for t in ep] for ep in fresh]
+            fresh = [[dataclasses.replace(t, temperature=1.0, logit_bias=(), top_k=0, top_p=1.0) for t in ep]
+                     for ep in fresh]
         samples = build_samples(fresh, "transition")
         if not samples:
             return False

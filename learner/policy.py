@@ -5,11 +5,13 @@ The learner loads the model itself and hands the module to `Actor`: `Actor`'s ow
 offers bf16/fp16 weights, and a CPU learner trains a small model in float32. The LoRA is made with the
 same `LoraConfig` as `Actor`'s (`TaskType.CAUSAL_LM`, rank, alpha, target modules, no bias).
 
-Log-probs: the server sampled from z' = (z + logit_bias) / T (vLLM applies logit processors such as
-logit_bias before temperature; `rlgate serve` does the same), and reports log-softmax(z') of the sampled
-token. The learner computes log pi(y_j | x, y_<j) from the same z' (OpenRLHF's `log_probs_from_logits`
-on the processed logits), so its ratios compare like with like. Top-p/top-k truncation is not re-applied;
-the importance correction against the rollout log-probs absorbs what differs.
+Log-probs: the server sampled from z' = truncate((z + logit_bias) / T) (vLLM applies logit processors
+such as logit_bias before temperature, then top-k and top-p; `rlgate serve` does the same), and with
+`--logprobs-mode processed_logprobs` reports log-softmax(z') of the sampled token. The learner computes
+log pi(y_j | x, y_<j) from the same z' (OpenRLHF's `log_probs_from_logits` on the processed logits, top-k
+and top-p re-applied per row), so its ratios compare like with like. Sampling defaults a server takes from
+the model's generation_config.json (when the request names no temperature, top_p or top_k) are not
+known to the learner: `default_temperature` stands for the temperature only.
 
 One update (per epoch over a step's samples): gradients of all micro-batches are accumulated, each
 micro-batch's loss scaled by the step's totals (OpenRLHF's `batch_num_tokens` / `global_batch_size`),
@@ -64,8 +66,8 @@ class UpdateStats:
 
 
 def processed_log_probs(logits: torch.Tensor, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-probs of tokens[1:], the processed logits) under each row's logit_bias and temperature.
-    `logits` [B, L, V] float32 (position j predicts token j+1); returns [B, L-1] and [B, L-1, V]."""
+    """(log-probs of tokens[1:], the processed logits) under each row's logit_bias, temperature, top-k and
+    top-p. `logits` [B, L, V] float32 (position j predicts token j+1); returns [B, L-1] and [B, L-1, V]."""
     z = logits[:, :-1, :]
     if batch.logit_bias:
         bias = torch.zeros((z.shape[0], z.shape[-1]), dtype=z.dtype, device=z.device)
@@ -74,7 +76,34 @@ def processed_log_probs(logits: torch.Tensor, batch: MicroBatch) -> tuple[torch.
                 bias[row, token] += value
         z = z + bias[:, None, :]
     z = z / batch.temperature[:, None, None].to(device=z.device, dtype=z.dtype)
-    return log_probs_from_logits(z, batch.sequences[:, 1:].to(z.device)), z
+    targets = batch.sequences[:, 1:].to(z.device)
+    if batch.top_k is not None and batch.top_p is not None and (
+            bool((batch.top_k > 0).any()) or bool((batch.top_p < 1).any())):
+        z = _truncate(z, batch.top_k.tolist(), batch.top_p.tolist(), targets)
+    return log_probs_from_logits(z, targets), z
+
+
+def _truncate(z: torch.Tensor, top_k: list[int], top_p: list[float], targets: torch.Tensor) -> torch.Tensor:
+    """Top-k, then top-p, per row, as the server truncates before sampling (`inference.engine`, checked
+    against vLLM's `apply_top_k_top_p`): the tokens cut get -inf, so the log-softmax renormalises over the
+    kept ones. The token actually sampled at each position is never cut (a float difference from the
+    server must not turn its log-prob into -inf)."""
+    cut = torch.zeros(z.shape, dtype=torch.bool, device=z.device)
+    with torch.no_grad():
+        for row, (k, p) in enumerate(zip(top_k, top_p, strict=True)):
+            zr = z[row]
+            if 0 < k < zr.shape[-1]:
+                kth = torch.topk(zr, k, dim=-1).values[..., -1:]
+                cut[row] |= zr < kth
+            if p < 1:
+                kept = zr.masked_fill(cut[row], float("-inf"))
+                sorted_z, order = torch.sort(kept, dim=-1, descending=True)
+                probs = torch.softmax(sorted_z, dim=-1)
+                drop = probs.cumsum(-1) - probs >= p  # the mass before this token already reaches p
+                drop[..., 0] = False
+                cut[row] |= torch.zeros_like(drop).scatter(-1, order, drop)
+        cut.scatter_(-1, targets[..., None], False)
+    return z.masked_fill(cut, float("-inf"))
 
 
 def masked_entropy(z: torch.Tensor, mask: torch.Tensor) -> float:

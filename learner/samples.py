@@ -2,7 +2,8 @@
 
 A `Transition` is one trainable LLM call with its advantage: the exact prompt and completion token ids
 and sampling log-probs the inference server returned (never re-tokenized), and the sampling processing
-the server applied (temperature, logit_bias), so the learner's log-probs describe the same distribution.
+the server applied (logit_bias, temperature, top-k, top-p), so the learner's log-probs describe the same
+distribution.
 
 Sample shapes:
 - `transition` (default, LightningRL): one sample per call, `prompt + completion`, the action mask on
@@ -39,6 +40,8 @@ class Transition:
     policy_version: int
     temperature: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    top_k: int = 0  # 0: no top-k truncation
+    top_p: float = 1.0
 
 
 @dataclass(slots=True)
@@ -53,6 +56,8 @@ class Sample:
     temperature: float
     logit_bias: tuple[tuple[int, float], ...]
     calls: list[tuple[str, int]] = field(default_factory=list)
+    top_k: int = 0
+    top_p: float = 1.0
 
     @property
     def num_actions(self) -> int:
@@ -70,6 +75,8 @@ def _new_sample(call: Transition) -> Sample:
         temperature=call.temperature,
         logit_bias=call.logit_bias,
         calls=[(call.rollout_id, call.index)],
+        top_k=call.top_k,
+        top_p=call.top_p,
     )
 
 
@@ -77,6 +84,7 @@ def _extend(sample: Sample, call: Transition) -> bool:
     """Append `call` to `sample` if its prompt continues the sample with the same processing."""
     n = len(sample.tokens)
     if (call.temperature != sample.temperature or call.logit_bias != sample.logit_bias
+            or call.top_k != sample.top_k or call.top_p != sample.top_p
             or len(call.prompt_ids) < n or tuple(sample.tokens) != call.prompt_ids[:n]):
         return False
     new_prompt = list(call.prompt_ids[n:])
@@ -109,7 +117,7 @@ def build_samples(episodes: Iterable[Sequence[Transition]], shape: SampleShape =
 @dataclass(slots=True)
 class MicroBatch:
     """Right-padded tensors of some samples. Shapes: sequences/attention_mask [B, L], the action tensors
-    [B, L-1], temperature [B]; `logit_bias` as (row, token id, bias) triples."""
+    [B, L-1], temperature, top_k and top_p [B]; `logit_bias` as (row, token id, bias) triples."""
 
     sequences: torch.Tensor
     attention_mask: torch.Tensor
@@ -119,6 +127,8 @@ class MicroBatch:
     temperature: torch.Tensor
     logit_bias: list[tuple[int, int, float]]
     samples: list[Sample]
+    top_k: torch.Tensor | None = None
+    top_p: torch.Tensor | None = None
 
     @property
     def num_actions(self) -> int:
@@ -143,7 +153,10 @@ def collate(samples: Sequence[Sample], pad_token_id: int) -> MicroBatch:
         rollout[r, : n - 1] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
         bias.extend((r, token, value) for token, value in s.logit_bias)
     temperature = torch.tensor([s.temperature for s in samples], dtype=torch.float32)
-    return MicroBatch(sequences, attention, action, advantages, rollout, temperature, bias, list(samples))
+    top_k = torch.tensor([s.top_k for s in samples], dtype=torch.long)
+    top_p = torch.tensor([s.top_p for s in samples], dtype=torch.float32)
+    return MicroBatch(sequences, attention, action, advantages, rollout, temperature, bias, list(samples),
+                      top_k, top_p)
 
 
 def micro_batches(samples: Sequence[Sample], token_budget: int, pad_token_id: int) -> list[MicroBatch]:

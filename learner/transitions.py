@@ -35,16 +35,22 @@ _ADAPTER = re.compile(r"policy-v[0-9]+")
 
 
 def sampling_processing(request: dict[str, Any], default_temperature: float
-                        ) -> tuple[float, tuple[tuple[int, float], ...]]:
-    """(temperature, logit_bias) the server applied to a call, from the request the agent sent. A
-    temperature of 0 (greedy) reports log-probs of the unscaled logits, i.e. temperature 1."""
+                        ) -> tuple[float, tuple[tuple[int, float], ...], int, float]:
+    """(temperature, logit_bias, top_k, top_p) the server applied to a call, from the request the agent
+    sent. A temperature of 0 (greedy) reports log-probs of the unscaled, untruncated logits, i.e.
+    temperature 1, no top-k, no top-p; temperatures in (0, 0.01) are raised to 0.01, as vLLM does."""
     temperature = request.get("temperature")
     temperature = default_temperature if temperature is None else float(temperature)
-    if temperature == 0:
-        temperature = 1.0
     bias = request.get("logit_bias") or {}
     pairs = tuple(sorted((int(k), float(v)) for k, v in bias.items())) if isinstance(bias, dict) else ()
-    return temperature, pairs
+    if temperature == 0:
+        return 1.0, pairs, 0, 1.0
+    temperature = max(temperature, 0.01)
+    top_k = request.get("top_k")
+    top_k = int(top_k) if isinstance(top_k, (int, float)) and top_k > 0 else 0
+    top_p = request.get("top_p")
+    top_p = float(top_p) if isinstance(top_p, (int, float)) and 0 < top_p < 1 else 1.0
+    return temperature, pairs, top_k, top_p
 
 
 def credited_transitions(groups: Sequence[Sequence[RolloutView]], settings: LearnerSettings, version: int,
@@ -75,12 +81,14 @@ def credited_transitions(groups: Sequence[Sequence[RolloutView]], settings: Lear
                 if reason:
                     counts[reason] += 1
                     continue
-                temperature, bias = sampling_processing(call.request, settings.default_temperature)
+                temperature, bias, top_k, top_p = sampling_processing(call.request,
+                                                                      settings.default_temperature)
                 episode.append(Transition(
                     rollout_id=view.rollout_id, index=call.index, prompt_ids=tuple(call.prompt_token_ids),
                     completion_ids=tuple(call.completion_token_ids),
                     rollout_logprobs=tuple(call.completion_logprobs), advantage=a,
-                    policy_version=call.policy_version, temperature=temperature, logit_bias=bias))
+                    policy_version=call.policy_version, temperature=temperature, logit_bias=bias,
+                    top_k=top_k, top_p=top_p))
                 counts["trained"] += 1
                 counts["staleness_sum"] += version - call.policy_version
             out.append(episode)

@@ -81,21 +81,33 @@ def calls_of(gateway: Proc, rid: str) -> list[dict]:
     return httpx.get(f"{gateway.url}/rollouts/{rid}", timeout=10).json()["calls"]
 
 
-def test_the_servers_log_probs_are_the_learners(stack, redis_client: redis.Redis, tmp_path: Path):
-    """What `rlgate serve` reported for a biased, tempered sample is what the learner computes."""
+@pytest.mark.parametrize("sampling", [
+    {"temperature": 0.8, "logit_bias": BIAS},
+    # top-k then top-p truncate the distribution sampled from (vLLM's order): the learner re-applies both
+    {"temperature": 0.9, "top_k": 40, "top_p": 0.6},
+    {"temperature": 0.005, "top_p": 0.9},  # raised to vLLM's floor of 0.01
+])
+def test_the_servers_log_probs_are_the_learners(stack, redis_client: redis.Redis, tmp_path: Path, sampling: dict):
+    """What `rlgate serve` reported for a processed sample is what the learner computes."""
     from learner.policy import Policy
     from learner.samples import Transition, build_samples, micro_batches
     from learner.settings import LearnerSettings
     from learner.transitions import sampling_processing
 
     serve, gateway, model = stack
-    rid = episode(gateway, "t", 1.0, calls=3)
+    rid = uuid.uuid4().hex
+    client = openai.OpenAI(base_url=f"{gateway.url}/tasks/t/rollouts/{rid}/v1", api_key="unused")
+    extra = {k: v for k, v in sampling.items() if k == "top_k"}
+    for seed in range(3):
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, seed=seed,
+                                       extra_body=extra, **{k: v for k, v in sampling.items() if k != "top_k"})
     policy = Policy(LearnerSettings(model=model, tensorboard=False))
     for call in calls_of(gateway, rid):
-        temperature, bias = sampling_processing(call["request"], 1.0)
-        assert temperature == 0.8 and len(bias) == 10
+        temperature, bias, top_k, top_p = sampling_processing(call["request"], 1.0)
+        assert temperature == max(sampling["temperature"], 0.01)
+        assert (top_k, top_p) == (sampling.get("top_k", 0), sampling.get("top_p", 1.0))
         t = Transition(rid, call["index"], tuple(call["prompt_token_ids"]), tuple(call["completion_token_ids"]),
-                       tuple(call["completion_logprobs"]), 1.0, 0, temperature, bias)
+                       tuple(call["completion_logprobs"]), 1.0, 0, temperature, bias, top_k, top_p)
         [batch] = micro_batches(build_samples([[t]]), 10_000, policy.pad_token_id)
         ours = policy.log_probs(batch)[batch.action_mask]
         assert ours.tolist() == pytest.approx(call["completion_logprobs"], abs=2e-4)
