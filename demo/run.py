@@ -227,7 +227,8 @@ def backlog(where: dict[str, Any]) -> dict[str, int]:
         untrained = 0
         try:  # as the gateway counts it (EpisodeStore.backlog)
             for group in client.xinfo_groups(f"{where['prefix']}:episodes"):
-                untrained += int(group.get("lag") or 0) + int(group.get("pending") or 0)
+                if group.get("name") in ("learners", b"learners"):
+                    untrained += int(group.get("lag") or 0) + int(group.get("pending") or 0)
         except redis.ResponseError:  # no stream yet
             pass
         return {"rewards_queued": queued, "closed_untrained": untrained, "total": queued + untrained}

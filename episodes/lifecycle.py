@@ -31,6 +31,16 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def _require_open(rollout_id: str, status: str) -> None:
+    """Raise the error of a script that needed an open rollout and found `status` ('' when missing)."""
+    if status == "":
+        raise RolloutNotFound(f"no rollout {rollout_id!r}")
+    if status == "expired":
+        raise RolloutExpired(f"rollout {rollout_id!r} expired")
+    if status != "open":
+        raise RolloutNotOpen(rollout_id, status)
+
+
 def _intent(rollout_id: str) -> str:
     """An outbox member of one closer: each has its own, so nobody removes another's intent."""
     return f"{rollout_id}|{uuid.uuid4().hex[:16]}"
@@ -123,27 +133,16 @@ class EpisodeLifecycle:
                 keys=[self.keys.rollout(rollout_id), self.keys.calls(rollout_id), target],
                 args=[index, canonical_reward(reward)])
         outcome = _text(reply[0])
-        if outcome == "ok":
-            return
-        if outcome == "missing":
-            raise RolloutNotFound(f"no rollout {rollout_id!r}")
         if outcome == "no_call":
             raise CallNotFound(f"rollout {rollout_id!r} has no call {index}")
-        if outcome == "expired":
-            raise RolloutExpired(f"rollout {rollout_id!r} expired")
-        raise RolloutNotOpen(rollout_id, outcome)
+        _require_open(rollout_id, {"ok": "open", "missing": ""}.get(outcome, outcome))
 
     async def set_finish(self, rollout_id: str, finish: FinishRequest) -> None:
         """Store the reward job's request on an open rollout."""
         async with self.store.guard():
             status = _text(await self._set_finish(keys=[self.keys.rollout(rollout_id)],
                                                   args=[finish.model_dump_json()]))
-        if status == "":
-            raise RolloutNotFound(f"no rollout {rollout_id!r}")
-        if status == "expired":
-            raise RolloutExpired(f"rollout {rollout_id!r} expired")
-        if status != "open":
-            raise RolloutNotOpen(rollout_id, status)
+        _require_open(rollout_id, status)
 
     async def fail(self, rollout_id: str, error: str) -> bool:
         """Mark an open rollout failed (not trained on); False if it was not open any more."""
@@ -153,13 +152,7 @@ class EpisodeLifecycle:
         """Mark an open rollout failed on request, exactly once. It is never published, so no learner
         trains on it. `RolloutNotFound`, `RolloutExpired`, or `RolloutNotOpen` (closed, consumed, failed
         already) when it is not open; then nothing changed."""
-        before = await self._fail_open(rollout_id, error)
-        if before == "":
-            raise RolloutNotFound(f"no rollout {rollout_id!r}")
-        if before == "expired":
-            raise RolloutExpired(f"rollout {rollout_id!r} expired")
-        if before != "open":
-            raise RolloutNotOpen(rollout_id, before)
+        _require_open(rollout_id, await self._fail_open(rollout_id, error))
 
     async def _fail_open(self, rollout_id: str, error: str) -> str:
         """The FAIL script: the status before ('open': failed now; '' when missing)."""

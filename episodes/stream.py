@@ -68,8 +68,7 @@ class ClosedEpisodes:
     async def ack(self, episode: ClosedEpisode) -> bool:
         """Acknowledge a trained-on episode: marks the rollout consumed (True the first time) and XACKs."""
         first = await self.lifecycle.consume(episode.rollout_id)
-        async with self.store.guard():
-            await self.store.redis.xack(self.key, self.group, episode.entry_id)
+        await self.drop(episode)
         return first
 
     async def claim(self, episode: ClosedEpisode, consumer: str, lease_s: float) -> str:

@@ -186,9 +186,13 @@ class GuardedProtocol(HttpToolsProtocol):
         if self._phase == _HEADERS:
             self._deadline = self.loop.call_later(limits.header_timeout_s, self._expire)
         else:
-            self._body_due = self.loop.time() + limits.body_timeout_s
-            self._body_latest = self._body_due + limits.max_body_bytes * self._s_per_byte
-            self._deadline = self.loop.call_at(self._body_due, self._expire)
+            self._arm_body()
+
+    def _arm_body(self) -> None:
+        limits = self._limits
+        self._body_due = self.loop.time() + limits.body_timeout_s
+        self._body_latest = self._body_due + limits.max_body_bytes * self._s_per_byte
+        self._deadline = self.loop.call_at(self._body_due, self._expire)
 
     def _cancel(self) -> None:
         if self._deadline is not None:
@@ -200,6 +204,10 @@ class GuardedProtocol(HttpToolsProtocol):
         if self.transport.is_closing():
             return
         if self._phase == _BODY:
+            if self.flow.read_paused:  # the app has not asked for the body yet (a call held for the
+                # backlog, say): the wait is the server's, not the client's; its full time starts again
+                self._arm_body()
+                return
             due = min(self._body_due, self._body_latest)
             if due > self.loop.time():  # the body kept coming at the minimum rate: later
                 self._deadline = self.loop.call_at(due, self._expire)

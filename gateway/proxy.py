@@ -139,8 +139,7 @@ class Proxy:
         watch = self.watch
         if watch.lost and rollout_id in watch.lost:
             self.metrics.calls.labels(endpoint, "rollout_data_lost").inc()
-            raise errors.Conflict(f"rollout {rollout_id!r} was recorded before Redis lost its data: it cannot be "
-                                  "continued or closed; start a new rollout", code="rollout_data_lost")
+            watch.refuse_lost(rollout_id)
         if watch.over_backlog and rollout_id not in watch.recent and not await self._rollout_exists(rollout_id):
             await self._after_backlog(endpoint)
         body = await read_json(receive, self.settings.max_body_bytes)
@@ -196,10 +195,7 @@ class Proxy:
             await asyncio.wait_for(self.watch.backlog_clear.wait(), self.settings.backlog_wait_s)
         except TimeoutError:
             self.metrics.calls.labels(endpoint, "backlog_rejected").inc()
-            raise errors.BacklogFull(
-                f"{self.watch.backlog} episodes wait for rewards or training (max_backlog "
-                f"{self.settings.max_backlog}): new rollouts are held back; retry shortly",
-                headers={"retry-after": str(max(1, round(self.settings.backlog_wait_s / 4)))}) from None
+            raise self.watch.backlog_full() from None
 
     async def _after_push(self) -> episodes.Policy:
         """The policy once the full-weight push under way is over (wait), or 429 (reject, or too long)."""

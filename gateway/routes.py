@@ -113,13 +113,9 @@ def build_api(gateway: Gateway) -> FastAPI:
     async def create_rollout(body: CreateRollout, request: Request) -> Response:
         rollout_id = body.rollout_id or uuid.uuid4().hex
         watch = gateway.proxy.watch
-        if rollout_id in watch.lost:
-            raise errors.Conflict(f"rollout {rollout_id!r} was recorded before Redis lost its data; use a new id",
-                                  code="rollout_data_lost")
+        watch.refuse_lost(rollout_id)
         if watch.over_backlog:  # as a new rollout's first call would be held (`max_backlog`)
-            raise errors.BacklogFull(f"{watch.backlog} episodes wait for rewards or training (max_backlog "
-                                     f"{gateway.settings.max_backlog}): retry shortly",
-                                     headers={"retry-after": str(max(1, round(gateway.settings.backlog_wait_s / 4)))})
+            raise watch.backlog_full()
         try:
             rollout = await store.create_rollout(rollout_id, body.task_id, body.metadata)
         except episodes.InvalidId as exc:

@@ -88,7 +88,8 @@ class GatewaySettings(BaseSettings):
     )
     max_body_bytes: int = Field(16 * 1024 * 1024, description="Largest request body accepted (413 above).")
     policy_poll_s: float = Field(
-        0.2, description="How often the current policy version is read from Redis."
+        0.2, description="How often the policy pointer, the store's epoch marker and the backlog are read from "
+        "Redis."
     )
     on_push: Literal["wait", "reject"] = Field(
         "wait", description="During a full-weight push: hold new calls until it is over (wait), or answer "
@@ -135,9 +136,6 @@ class GatewaySettings(BaseSettings):
         """Raise ValueError for a layout where an agent's credential or network would reach the operator
         surface, or where credentials could be taken for one another. (Not a validator: its error would
         echo the settings, secrets included.)"""
-        if self.max_backlog and self.body_timeout_s and self.backlog_wait_s >= self.body_timeout_s:
-            raise ValueError(f"backlog_wait_s ({self.backlog_wait_s:g}) must be below body_timeout_s "
-                             f"({self.body_timeout_s:g}): a held call would be cut off before its body is read")
         keys = [k.strip() for k in (self.api_keys or "").split(",") if k.strip()]
         operator = self.operator_token.get_secret_value() if self.operator_token is not None else None
         secret = self.rollout_key_secret.get_secret_value() if self.rollout_key_secret is not None else None

@@ -27,6 +27,7 @@ import structlog
 
 import episodes
 from episodes import EpisodeStore
+from gateway import errors
 from gateway.metrics import GatewayMetrics
 from gateway.settings import GatewaySettings
 
@@ -48,6 +49,20 @@ class StoreWatch:
         self.recent: dict[str, None] = {}  # rollouts this process recorded, oldest first (bounded)
         self.lost: frozenset[str] = frozenset()  # of those, the ones recorded before Redis lost its data
         self.queue_key = f"rq:queue:{settings.reward_queue}" if settings.reward_queue else None
+
+    def refuse_lost(self, rollout_id: str) -> None:
+        """409 for a rollout recorded here before Redis lost its data: it would reopen empty."""
+        if self.lost and rollout_id in self.lost:
+            raise errors.Conflict(f"rollout {rollout_id!r} was recorded before Redis lost its data: it cannot be "
+                                  "continued, closed or created again; start a new rollout",
+                                  code="rollout_data_lost")
+
+    def backlog_full(self) -> errors.BacklogFull:
+        """The 429 for a new rollout while the backlog is over `max_backlog`."""
+        return errors.BacklogFull(
+            f"{self.backlog} episodes wait for rewards or training (max_backlog {self.settings.max_backlog}): "
+            "new rollouts are held back; retry shortly",
+            headers={"retry-after": str(max(1, round(self.settings.backlog_wait_s / 4)))})
 
     def recorded(self, rollout_id: str) -> None:
         """Remember a rollout this process recorded a call into (cheap: one dict insert)."""
@@ -73,12 +88,6 @@ class StoreWatch:
                     if not isinstance(exc, episodes.StoreUnavailable):  # Redis is up but its data is not right
                         self.problems[f"watch_{name}"] = f"reading the {name} fails: {str(exc)[:200]}"
             await asyncio.sleep(self.settings.policy_poll_s)
-
-    async def poll(self) -> None:
-        """One round of every check (what `run` does every `policy_poll_s`)."""
-        await self._check_epoch()
-        await self._check_policy()
-        await self._check_backlog()
 
     async def _check_policy(self) -> None:
         policy = await self.store.stored_policy()

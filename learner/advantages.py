@@ -21,10 +21,10 @@ Estimators (OpenRLHF's names; eps = 1e-9 as in OpenRLHF):
 | `reinforce_baseline` | g_i - mean, then whitened over all action tokens of the step (`whiten`)      |
 | `dr_grpo`            | g_i - mean (no std division, no whitening)                                 |
 
-The statistics are computed in float64, the mean as the mean of the units' mean returns (an episode's
-mean call return, or each call's return), so a group whose returns are all equal gets exactly zero
-advantages under every estimator (float32 per-call weights 1/T_e would leave a std of ~1e-8, the size of
-eps, and turn rounding noise into advantages of order 1). A group with one unit
+A group whose returns are all equal gets exactly zero advantages under every estimator: it is answered
+before any statistic (float32 per-call weights 1/T_e once left a std of ~1e-8, the size of eps, and
+turned rounding noise into advantages of order 1). The statistics are computed in float64. A group with
+one unit
 (one episode, or one call for `transitions`) has no baseline: its advantages are None and the caller
 decides (the learner drops it unless `singleton_groups="keep"`, which trains it with advantage g_i, as
 REINFORCE without a baseline would).
@@ -52,11 +52,9 @@ def group_advantages(returns: list[torch.Tensor], estimator: Estimator = "group_
     if over == "episodes":
         units = len(episodes)
         weights = [torch.full_like(g, 1.0 / g.numel()) if g.numel() else g for g in returns]
-        unit_means = [g.mean() for g in episodes]
     elif over == "transitions":
         units = sum(g.numel() for g in episodes)
         weights = [torch.ones_like(g) for g in returns]
-        unit_means = list(torch.cat(episodes)) if episodes else []
     else:
         raise ValueError(f"unknown statistics unit {over!r}")
     if estimator not in ("group_norm", "rloo", "reinforce_baseline", "dr_grpo"):
@@ -66,14 +64,14 @@ def group_advantages(returns: list[torch.Tensor], estimator: Estimator = "group_
     flat, w = torch.cat(returns), torch.cat(weights)
     if bool(flat.max() == flat.min()):  # exactly zero, whatever the rounding of the sums below
         return [torch.zeros_like(g, dtype=torch.float32) for g in returns]
-    mean = torch.stack(unit_means).sum() / units
+    total = (w * flat).sum()
+    mean = total / units
     if estimator == "group_norm":
         std = ((w * (flat - mean) ** 2).sum() / (units - 1)).sqrt()
         out = [(g - mean) / (std + EPS) for g in returns]
     elif estimator in ("reinforce_baseline", "dr_grpo"):
         out = [g - mean for g in returns]
     else:  # rloo: leave one unit out of the baseline
-        total = torch.stack(unit_means).sum()
         if over == "episodes":
             out = [g - (total - g.mean()) / (units - 1) if g.numel() else g for g in returns]
         else:

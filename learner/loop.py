@@ -3,10 +3,13 @@
     resume?  -> re-push the checkpoint's version, acknowledge the episodes it trained
     loop:
       groups      <- the closed-episode stream (collect.Collector)
-      episodes    <- each rollout with its calls (episodes already consumed are acknowledged, skipped)
+      episodes    <- each claimed (a lease of 2 x reclaim_idle_s), then read with its calls; episodes
+                     already consumed are acknowledged, second copies dropped, non-finite rewards skipped
       transitions <- credit per call, group advantages, filters (transitions.credited_transitions)
       samples     <- transition or trajectory samples, micro-batches by token budget (samples)
+      check       <- once: the server's log-probs against the learner's (_check_logprobs; LogprobMismatch)
       update      <- OpenRLHF's PolicyLoss on the Actor, epochs_per_step optimizer steps (policy.Policy)
+      renew       <- the claims, before the checkpoint
       version += 1; checkpoint saved (weights, optimizer, step, version, trained entries)
       push        <- policy-v{version} as a LoRA adapter (push.LoraPusher) or full weights through the
                      weight-transfer phases (push.FullPusher); the policy pointer moves
@@ -217,7 +220,13 @@ class Learner:
                     await self.stream.drop(entry)
                     counts["duplicates"] += 1
                     continue
-                view = await self.store.get_rollout_view(entry.rollout_id)
+                # the claim first: it also tells a rollout that is not closed any more, and an episode
+                # another learner holds is not read for nothing
+                claim = await self.stream.claim(entry, self.settings.consumer, self._lease_s)
+                if claim == "held":
+                    counts["claimed_elsewhere"] += 1
+                    continue
+                view = await self.store.get_rollout_view(entry.rollout_id) if claim == "claimed" else None
                 if view is None or view.status != RolloutStatus.CLOSED or view.reward is None:
                     await self.stream.ack(entry)
                     counts["already_trained"] += 1
@@ -227,14 +236,6 @@ class Learner:
                                 "in float32", reward=view.reward)
                     await self.stream.ack(entry)
                     counts["invalid_rewards"] += 1
-                    continue
-                claim = await self.stream.claim(entry, self.settings.consumer, self._lease_s)
-                if claim == "not_closed":  # consumed or failed since it was read
-                    await self.stream.ack(entry)
-                    counts["already_trained"] += 1
-                    continue
-                if claim == "held":
-                    counts["claimed_elsewhere"] += 1
                     continue
                 taken.add(entry.rollout_id)
                 kept.append(view)

@@ -77,8 +77,7 @@ def processed_log_probs(logits: torch.Tensor, batch: MicroBatch) -> tuple[torch.
         z = z + bias[:, None, :]
     z = z / batch.temperature[:, None, None].to(device=z.device, dtype=z.dtype)
     targets = batch.sequences[:, 1:].to(z.device)
-    if batch.top_k is not None and batch.top_p is not None and (
-            bool((batch.top_k > 0).any()) or bool((batch.top_p < 1).any())):
+    if bool((batch.top_k > 0).any()) or bool((batch.top_p < 1).any()):
         z = _truncate(z, batch.top_k.tolist(), batch.top_p.tolist(), targets)
     return log_probs_from_logits(z, targets), z
 

@@ -18,6 +18,7 @@ Two ways, the same calls against `rlgate serve` and vLLM: `LoraPusher` and `Full
 from __future__ import annotations
 
 import asyncio
+import re
 import shutil
 import time
 from pathlib import Path
@@ -33,6 +34,9 @@ log = structlog.get_logger("rlgate.learner")
 
 class PushError(RuntimeError):
     """An inference server refused or did not answer a weight push."""
+
+
+ADAPTER_NAME = re.compile(r"policy-v[0-9]+")  # what `adapter_name` makes
 
 
 def adapter_name(version: int) -> str:

@@ -127,8 +127,8 @@ class MicroBatch:
     temperature: torch.Tensor
     logit_bias: list[tuple[int, int, float]]
     samples: list[Sample]
-    top_k: torch.Tensor | None = None
-    top_p: torch.Tensor | None = None
+    top_k: torch.Tensor
+    top_p: torch.Tensor
 
     @property
     def num_actions(self) -> int:

@@ -18,7 +18,6 @@ Per group (all episodes of one task in the step):
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -28,10 +27,9 @@ import torch
 from episodes import IndexedCall, RolloutView
 from learner.advantages import group_advantages, whiten
 from learner.credit import assign_credit
+from learner.push import ADAPTER_NAME
 from learner.samples import Transition
 from learner.settings import LearnerSettings
-
-_ADAPTER = re.compile(r"policy-v[0-9]+")
 
 
 def sampling_processing(request: dict[str, Any], default_temperature: float
@@ -105,7 +103,7 @@ def credited_transitions(groups: Sequence[Sequence[RolloutView]], settings: Lear
 def is_policy_model(model: str | None, base_model: str | None) -> bool:
     """Whether a call's recorded model is the trained policy: its served base name or a `policy-v{N}`
     adapter (records without a model, and a learner that names no base model, count as the policy)."""
-    return model is None or base_model is None or model == base_model or bool(_ADAPTER.fullmatch(model))
+    return model is None or base_model is None or model == base_model or bool(ADAPTER_NAME.fullmatch(model))
 
 
 def _skip_reason(call: IndexedCall, settings: LearnerSettings, version: int, base_model: str | None) -> str | None:

@@ -47,16 +47,14 @@ class GatewayCommand(GatewaySettings, RewardSettings):
         configure_logging(self.log_level, self.log_format)
         gateway_settings = GatewaySettings.model_validate(self.model_dump())
         reward_settings = RewardSettings.model_validate(self.model_dump())
-        try:
-            gateway_settings.check_layout()
-            reward_settings.check_webhook_secret()
+        try:  # both check their settings (layout, secrets) when built: a mistake is one line
+            app = Gateway(gateway_settings)  # the store the webhook routes share is the gateway's own
+            # Operator surface: the operator token, or for these routes a valid webhook signature instead
+            # (without a token configured: a signature when a webhook secret is set, as before).
+            operator = app.is_operator if gateway_settings.operator_token is not None else None
+            auth = WebhookAuth(reward_settings, is_operator=operator)
         except ValueError as exc:
             sys.exit(f"rlgate gateway: error: {exc}")
-        app = Gateway(gateway_settings)  # the store the webhook routes share is the gateway's own
-        # Operator surface: the operator token, or for these routes a valid webhook signature instead
-        # (without a token configured: a signature when a webhook secret is set, as before).
-        operator = app.is_operator if gateway_settings.operator_token is not None else None
-        auth = WebhookAuth(reward_settings, is_operator=operator)
         app.add_routes(build_router(app.store, reward_settings, RewardQueue(reward_settings), auth),
                        signed=reward_settings.webhook_secret is not None)
         app.add_background(lambda store: sweep_forever(store, reward_settings))
@@ -183,7 +181,7 @@ class ServeCommand(BaseSettings):
         configure_logging(self.log_level, self.log_format)
         try:
             vllm_env = VllmEnvironment()  # vLLM's variables for the same gates; the flags win
-            WeightsRoot(self.weights_root or Path(self.model).resolve().parent)
+            root = WeightsRoot(self.weights_root or Path(self.model).resolve().parent).root
         except ValueError as exc:
             sys.exit(f"rlgate serve: error: {str(exc).splitlines()[0]}")
         lora = self.allow_runtime_lora_updating
@@ -193,7 +191,7 @@ class ServeCommand(BaseSettings):
                   batch_window_s=self.batch_window_ms / 1000, logprobs_mode=self.logprobs_mode,
                   allow_runtime_lora_updating=vllm_env.ALLOW_RUNTIME_LORA_UPDATING if lora is None else lora,
                   dev_mode=vllm_env.SERVER_DEV_MODE if dev is None else dev,
-                  api_keys=[self.api_key or vllm_env.API_KEY or ""], weights_root=self.weights_root)
+                  api_keys=[self.api_key or vllm_env.API_KEY or ""], weights_root=root)
         except KeyboardInterrupt:
             pass
 

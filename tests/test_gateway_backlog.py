@@ -87,6 +87,31 @@ def test_new_rollouts_are_held_back_while_episodes_wait_for_training(backlog_gat
     assert not health(gateway)["holding_new_rollouts"]
 
 
+def test_a_held_call_with_a_large_body_is_not_cut_off_by_the_body_deadline(fake_vllm: Proc, tmp_path,
+                                                                          redis_client: redis.Redis):
+    """Held for the backlog before its body is read, a call's body waits in the server (reading paused
+    past 64 KiB): the body deadline is the client's, so it must not run out meanwhile."""
+    gateway = start_gateway(tmp_path, fake_vllm.url, max_backlog="1", backlog_wait_s="20", body_timeout_s="1",
+                            policy_poll_s="0.05", reward_queue=QUEUE)
+    try:
+        redis_client.rpush(f"rq:queue:{QUEUE}", "a", "b")  # two reward jobs wait: over the bound of 1
+        wait_for(lambda: health(gateway)["holding_new_rollouts"])
+
+        def released() -> None:
+            time.sleep(2.5)  # more than the body deadline
+            redis_client.delete(f"rq:queue:{QUEUE}")
+
+        helper = threading.Thread(target=released)
+        helper.start()
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2, "pad": "x" * (512 * 1024)}
+        response = httpx.post(f"{gateway.url}/tasks/t/rollouts/{uuid.uuid4().hex}/v1/chat/completions",
+                              json=body, timeout=30)
+        helper.join()
+        assert response.status_code == 200, response.text
+    finally:
+        gateway.kill()
+
+
 def test_reward_jobs_waiting_in_the_queue_count_toward_the_backlog(backlog_gateway: Proc,
                                                                     redis_client: redis.Redis):
     """No reward worker runs: the /finish jobs pile up in the rq queue and hold new rollouts back."""

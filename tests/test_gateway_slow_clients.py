@@ -56,7 +56,7 @@ def deadlines_gateway(fake_vllm: Proc, tmp_path_factory: pytest.TempPathFactory)
     control_port = free_port()
     proc = start_gateway(tmp_path_factory.mktemp("slow_gateway"), fake_vllm.url, control_port=str(control_port),
                          header_timeout_s=str(HEADER_TIMEOUT_S), body_timeout_s=str(BODY_TIMEOUT_S),
-                         backlog_wait_s="1", body_min_bytes_per_s="4096")
+                         body_min_bytes_per_s="4096")
     yield proc, f"http://127.0.0.1:{control_port}"
     proc.kill(signal.SIGTERM)
 

@@ -38,9 +38,10 @@ def test_one_learner_wins_a_race_for_an_episode_and_its_claim_lapses_when_it_die
         assert set(race) == {"claimed", "held"}
         winners = {f"l{i % 5}" for i, won in enumerate(race) if won == "claimed"}
         owner = winners.pop() if len(winners) == 1 else None
-        renewed = await lifecycle.claim("r", owner, 0.2)  # the owner renews, with a short lease now
+        renewed = await lifecycle.claim("r", owner, 60)  # the owner renews
         other_before = await lifecycle.claim("r", "z", 60)
-        await asyncio.sleep(0.3)  # the owner "died": its lease ran out
+        await lifecycle.claim("r", owner, 0.2)  # then "dies" with a short lease: it runs out
+        await asyncio.sleep(0.5)
         other_after = await lifecycle.claim("r", "z", 60)
         view = await store.get_rollout_view("r")
         consumed = await lifecycle.consume("r")
@@ -72,12 +73,13 @@ def test_an_entry_whose_episode_another_learner_holds_stays_pending_until_it_can
         stream = ClosedEpisodes(store)
         await stream.ensure_group()
         [entry] = await stream.read("a", count=10, block_ms=100)
-        assert await stream.claim(entry, "a", 0.5) == "claimed"  # A claims, then dies
+        assert await stream.claim(entry, "a", 60) == "claimed"  # A claims
         [taken] = await stream.reclaim("b", 0, 10)  # B takes the entry over at once
         b = SimpleNamespace(store=store, stream=stream, settings=SimpleNamespace(consumer="b"), _lease_s=60)
         first = await Learner._read_episodes(b, [Group("task", [taken])])
         pending_after_first = await stream.pending()
-        await asyncio.sleep(0.6)  # A's lease lapses
+        assert await stream.claim(entry, "a", 0.2) == "claimed"  # A dies: its lease runs out
+        await asyncio.sleep(0.5)
         [again] = await stream.reclaim("b", 0, 10)
         second = await Learner._read_episodes(b, [Group("task", [again])])
         return first, pending_after_first, second

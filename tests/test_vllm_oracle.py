@@ -460,12 +460,15 @@ def test_error_statuses_and_bodies_are_vllms(rlgate_serve: Proc, oracle: Oracle)
 # ------------------------------------------------------------------------------------- sampling: top-k/top-p
 
 def test_processed_logits_match_vllms_sampler(oracle: Oracle):
-    """`inference.engine.processed_logits` (bias, temperature, top-k, top-p) against vLLM's own
-    `SamplingParams` (which raises small temperatures), `Sampler.apply_temperature` and
-    `apply_top_k_top_p_pytorch` on the same random logits."""
+    """`inference.engine.processed_logits` (bias, temperature, top-k, top-p) and the learner's own
+    re-application of them (`learner.policy.processed_log_probs`: it recomputes the log-probs of the
+    distribution the server sampled from) against vLLM's own `SamplingParams` (which raises small
+    temperatures), `Sampler.apply_temperature` and `apply_top_k_top_p` on the same random logits."""
     import torch
 
     from inference.engine import SamplingParams, processed_logits
+    from learner.samples import Transition, build_samples, collate
+    from learner.transitions import sampling_processing
 
     generator = torch.Generator().manual_seed(0)
     settings = [(1.0, 0, 1.0), (0.5, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.9), (0.8, 20, 0.5), (1.0, 3, 0.95),
@@ -479,8 +482,25 @@ def test_processed_logits_match_vllms_sampler(oracle: Oracle):
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
                                 logit_bias={int(k): v for k, v in bias.items()})
         mine.append(processed_logits(torch.tensor(logits), params))
-    for ours, theirs, setting in zip(mine, oracle.ask(cases), settings, strict=True):
+    theirs_all = oracle.ask(cases)
+    for ours, theirs, setting in zip(mine, theirs_all, settings, strict=True):
         theirs = torch.tensor([float("-inf") if v is None else v for v in theirs])
         assert torch.equal(torch.isinf(ours), torch.isinf(theirs)), f"kept tokens differ at {setting}"
         kept = ~torch.isinf(ours)
         assert torch.allclose(ours[kept], theirs[kept], atol=1e-5), setting
+
+    # the learner: its processing read from the request as the agent sent it, its log-probs of the kept
+    # tokens those of vLLM's processed logits (a one-token "completion": the most likely token)
+    from learner.policy import processed_log_probs
+
+    for case, theirs in zip(cases, theirs_all, strict=True):
+        request = {k: case[k] for k in ("temperature", "top_k", "top_p", "logit_bias")}
+        temperature, bias, top_k, top_p = sampling_processing(request, 1.0)
+        theirs = torch.tensor([float("-inf") if v is None else v for v in theirs])
+        for token in torch.nonzero(~torch.isinf(theirs)).flatten().tolist()[:5]:
+            sample = build_samples([[Transition("r", 0, (1,), (token,), (0.0,), 1.0, 0, temperature, bias,
+                                                top_k, top_p)]])
+            logits = torch.tensor(case["logits"])[None, None].repeat(1, 2, 1)  # position 0 predicts the token
+            got = processed_log_probs(logits, collate(sample, 0))[0][0, 0]
+            want = torch.log_softmax(theirs, dim=-1)[token]
+            assert abs(float(got) - float(want)) < 1e-4, (case["temperature"], top_k, top_p, token)
