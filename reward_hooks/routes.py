@@ -8,7 +8,8 @@
 Every route first runs one check (`reward_hooks.auth.WebhookAuth`: with a webhook secret configured, the
 request must be signed, `reward_hooks.signing`), then accepts a signed request's `webhook-id` once (SET NX
 on `Keys.webhook`, kept twice the tolerance: a replayed request is 409 `webhook_replayed`); a request
-refused there, or a bad one, changes nothing.
+refused by the check changes nothing, and one refused later (422, 404, 409, 503) changes nothing but its
+spent webhook-id: a retry must be signed again with a new id.
 Rewards must lie within `max_abs_reward` (422 otherwise). Per-call rewards are taken while the rollout is
 open only: once it is closed the learner may already have read it, so a late one is 409, not ignored.
 """

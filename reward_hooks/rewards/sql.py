@@ -17,7 +17,8 @@ An answer is SQL the agent wrote, so what it may cost is bounded inside SQLite:
 - SQLite's memory: `PRAGMA hard_heap_limit` (`HEAP_LIMIT_BYTES`, 256 MiB) with temporary tables and sorts
   kept in memory (`temp_store = MEMORY`), so a huge DISTINCT or ORDER BY fails instead of growing the
   process or filling the disk. The heap limit is SQLite's, for the whole process, and can only be lowered:
-  reward jobs are its only SQLite user;
+  in `rlgate worker` reward jobs are its only SQLite user (in a test run it also caps the rest of the
+  suite's SQLite use at that limit);
 - Python's memory: rows are fetched and counted one at a time, at most `max_rows` rows and
   `max_result_bytes` (approximate: string and blob lengths, 8 per other value, 64 per row), and the
   predicted query may return at most `_MAX_COLUMNS` columns (SQLITE_LIMIT_COLUMN, set once the schema is
@@ -161,7 +162,8 @@ class _Trap:
     instruction (so no `try` inside the callback can catch it): dropped, it became a failed query scored
     0.0. While `armed`, the hook keeps the first such exception of our callbacks for `_run` to raise, and
     the message of a guarded function's refusal (a ValueError) for the query's error; anything else goes
-    to the previous hook. Hook and tracebacks are process-wide, so they are set only while a query runs."""
+    to the previous hook. Both are process-wide: the hook is put back after each query; callback tracebacks
+    are left off afterwards, whatever they were before (sqlite3 has no getter for them)."""
 
     _REFUSALS = (ValueError, ArithmeticError, sqlite3.Error, MemoryError)
 
