@@ -17,13 +17,18 @@ return 1
 # Appends call records to an open rollout, creating the rollout on its first call.
 # KEYS[1] rollout hash, KEYS[2] calls list
 # ARGV[1] rollout_id, ARGV[2] task_id ('' for none), ARGV[3] now, ARGV[4] schema_version,
-# ARGV[5] expires_at (for a rollout created here), ARGV[6..] call records (JSON)
+# ARGV[5] expires_at (for a rollout created here), ARGV[6] '1' when the rollout must already exist (a call
+# with a rollout key: POST /rollouts made it, so a missing hash means Redis lost it), ARGV[7..] call records
+# (JSON)
 # Returns {0, first_index, created (0/1)} on success, {1, status} when the rollout is not open,
-# {2, task_id} when the call names another task than the rollout's.
+# {2, task_id} when the call names another task than the rollout's, {3} when it must exist and does not.
 RECORD_CALLS = """
 local status = redis.call('HGET', KEYS[1], 'status')
 local created = 0
 if not status then
+  if ARGV[6] == '1' then
+    return {3}
+  end
   redis.call('HSET', KEYS[1], 'schema_version', ARGV[4], 'rollout_id', ARGV[1], 'task_id', ARGV[2],
              'status', 'open', 'created_at', ARGV[3], 'metadata', '{}', 'expires_at', ARGV[5])
   created = 1
@@ -37,8 +42,8 @@ elseif ARGV[2] ~= '' then
     return {2, task}
   end
 end
-local n = redis.call('RPUSH', KEYS[2], unpack(ARGV, 6))
-return {0, n - (#ARGV - 5), created}
+local n = redis.call('RPUSH', KEYS[2], unpack(ARGV, 7))
+return {0, n - (#ARGV - 6), created}
 """
 
 # Closes an open rollout with its final return, exactly once.

@@ -30,6 +30,26 @@ class RolloutNotOpen(StoreError):
         self.status = status
 
 
+class RolloutMissing(StoreError):
+    """A call that must continue an existing rollout (it carries the rollout's key, which only `POST
+    /rollouts` hands out) found none: Redis lost it, or it was deleted."""
+
+    def __init__(self, rollout_id: str) -> None:
+        super().__init__(f"rollout {rollout_id!r} was created but is no longer in Redis (its data was lost or "
+                         "deleted): it cannot be continued; start a new rollout")
+        self.rollout_id = rollout_id
+
+
+class RecordTooLarge(StoreError):
+    """A call's records are larger than the store was told to keep (`max_record_bytes`); nothing written."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"this call's record would take {size} bytes, above the gateway's limit of {limit} "
+                         "(max_record_bytes): ask for fewer choices (n) or fewer tokens (max_tokens)")
+        self.size = size
+        self.limit = limit
+
+
 class TaskMismatch(StoreError):
     """A call names a different task than the one its rollout belongs to."""
 

@@ -19,7 +19,14 @@ from redis import exceptions as redis_exc
 
 from episodes import _lua
 from episodes._batch import ScriptBatcher
-from episodes.errors import RolloutExists, RolloutNotOpen, StoreUnavailable, TaskMismatch
+from episodes.errors import (
+    RecordTooLarge,
+    RolloutExists,
+    RolloutMissing,
+    RolloutNotOpen,
+    StoreUnavailable,
+    TaskMismatch,
+)
 from episodes.keys import Keys, validate_id
 from episodes.records import SCHEMA_VERSION, CallRecord, IndexedCall, Policy, Rollout, RolloutView
 
@@ -124,25 +131,36 @@ class EpisodeStore:
             raise RolloutExists(f"rollout {rollout_id!r} already exists")
         return rollout
 
-    async def record_calls(self, rollout_id: str, task_id: str | None, records: Sequence[CallRecord]) -> int:
+    async def record_calls(self, rollout_id: str, task_id: str | None, records: Sequence[CallRecord], *,
+                           must_exist: bool = False, max_bytes: int | None = None) -> int:
         """Append `records` to the rollout atomically, creating it if new. Returns the first index.
 
         Concurrent calls are group-committed: one pipelined round trip per batch (`_batch`).
 
-        Raises `RolloutNotOpen` or `TaskMismatch` without writing anything.
+        Raises `RolloutNotOpen` or `TaskMismatch` without writing anything; `RolloutMissing` when
+        `must_exist` and the rollout is not there; `RecordTooLarge` when the records' JSON is over
+        `max_bytes`.
         """
         if not records:
             raise ValueError("record_calls needs at least one record")
         now = time.time()
         expires_at = now + self.rollout_ttl_s
-        args: list[Any] = [rollout_id, task_id or "", repr(now), SCHEMA_VERSION, repr(expires_at)]
-        args.extend(record.model_dump_json() for record in records)
+        encoded = [record.model_dump_json() for record in records]
+        if max_bytes is not None:
+            size = sum(map(len, encoded))
+            if size > max_bytes:
+                raise RecordTooLarge(size, max_bytes)
+        args: list[Any] = [rollout_id, task_id or "", repr(now), SCHEMA_VERSION, repr(expires_at),
+                           "1" if must_exist else "0", *encoded]
         # Bounded in time by the record connection's own watchdog (`_batch`), not by a timer per call.
         try:
-            code, value, *created = await self._record(
+            code, *rest = await self._record(
                 [self.keys.rollout(rollout_id), self.keys.calls(rollout_id)], args)
         except (redis_exc.RedisError, OSError) as exc:
             raise _unavailable(exc) from exc
+        if code == 3:
+            raise RolloutMissing(rollout_id)
+        value, *created = rest
         if code == 0 and created[0]:  # a rollout born with its first call: schedule its expiry
             try:
                 async with _guard(self.timeout_s):

@@ -57,11 +57,13 @@ class Credentials:
     def rollout_key(self, rollout_id: str) -> str | None:
         return None if self.rollout_secret is None else rollout_key(self.rollout_secret, rollout_id)
 
-    def authorize_agent(self, authorization: bytes, rollout_id: str | None) -> str | None:
-        """The rollout id the call may be recorded under, or raise 401/403.
+    def authorize_agent(self, authorization: bytes, rollout_id: str | None) -> tuple[str | None, bool]:
+        """The rollout id the call may be recorded under and whether a rollout key named it, or raise
+        401/403.
 
         A rollout key names its rollout: a call that names none (no path prefix, no X-Rollout-Id) is
-        recorded under the key's; a call that names another is 403."""
+        recorded under the key's; a call that names another is 403. Only `POST /rollouts` hands out rollout
+        keys, so a call with one continues a rollout that exists (or existed before Redis lost it)."""
         token = bearer(authorization)
         if token and self.operator_token is not None and hmac.compare_digest(token, self.operator_token):
             raise errors.Forbidden("the operator token is not an agent credential: use an API key or the "
@@ -73,13 +75,13 @@ class Credentials:
             if rollout_id is not None and rollout_id != key_rollout:
                 raise errors.Forbidden("this rollout key is valid for its own rollout only",
                                        code="rollout_key_mismatch")
-            return key_rollout
+            return key_rollout, True
         if self.require_rollout_keys:
             raise errors.Unauthorized("this gateway requires the rollout's key (Authorization: Bearer "
                                       "rk-...), as POST /rollouts returns it", code="rollout_key_required")
         if self.api_keys and not (token and any(hmac.compare_digest(token, key) for key in self.api_keys)):
             raise errors.Unauthorized("missing or invalid API key (Authorization: Bearer KEY)")
-        return rollout_id
+        return rollout_id, False
 
     def _rollout_of(self, token: bytes) -> str | None:
         """The rollout a well-formed, authentic rollout key is for; None otherwise."""

@@ -52,6 +52,7 @@ class Call:
     t0: float
     rollout_header: tuple[bytes, bytes]
     served_model: str | None = None  # the adapter the call was sent to, when the policy pointer named one
+    keyed: bool = False  # a rollout key named the rollout: it must exist (POST /rollouts made it)
 
     @property
     def stream(self) -> bool:
@@ -99,7 +100,7 @@ class Proxy:
             named = next((v.decode("latin-1") for k, v in headers if k == b"x-rollout-id"), None)
             rollout_id = rollout_id or named
             self.credentials.authorize_agent(next((v for k, v in headers if k == b"authorization"), b""),
-                                             rollout_id)
+                                             rollout_id)[0]
         async with self.upstream.request("GET", "/models") as response:
             body = await response.read()
             status = response.status
@@ -121,8 +122,9 @@ class Proxy:
                 agent_name = value.decode("utf-8", "replace")
             elif name == b"authorization":
                 authorization = value
+        keyed = False
         if self.check_credentials:  # before anything is read, recorded or sent upstream
-            rollout_id = self.credentials.authorize_agent(authorization, rollout_id)
+            rollout_id, keyed = self.credentials.authorize_agent(authorization, rollout_id)
         try:
             if rollout_id is None:
                 if self.settings.require_rollout_id:
@@ -147,7 +149,7 @@ class Proxy:
         if policy.draining:
             policy = await self._after_push()
         call = Call(rollout_id, task_id, agent_name, endpoint, body, policy.version, started_at, t0,
-                    (b"x-rollout-id", rollout_id.encode()))
+                    (b"x-rollout-id", rollout_id.encode()), keyed=keyed)
         upstream_body, injected = (capture.inject(endpoint, body) if self.inject
                                    else (body, capture.Injected()))
         if policy.adapter is not None and body.get("model") == policy.base_model:
@@ -161,6 +163,12 @@ class Proxy:
         except orjson.JSONEncodeError as exc:
             raise errors.BadRequest(f"request body cannot be stored: {exc} (JSON nested more than 254 levels)",
                                     code="invalid_json") from exc
+        if len(upstream_raw) > self.settings.max_record_bytes:  # its record could not be kept: not sent
+            self.metrics.calls.labels(endpoint, "record_too_large").inc()
+            raise errors.PayloadTooLarge(
+                f"this request ({len(upstream_raw)} bytes) is larger than a call's record may be "
+                f"(max_record_bytes {self.settings.max_record_bytes})", code="record_too_large",
+                headers={"x-rollout-id": rollout_id})
         disconnect = asyncio.ensure_future(disconnected(receive))
         serve = self._stream if call.stream else self._unary
         try:
@@ -356,16 +364,27 @@ class Proxy:
                 record.request_shared = True
         return records
 
-    async def _commit(self, call: Call, records: list[CallRecord], outcome: str, write_log: bool = True
-                      ) -> tuple[str, int | None]:
+    async def _commit(self, call: Call, records: list[CallRecord], outcome: str, write_log: bool = True,
+                      limit: bool = True) -> tuple[str, int | None]:
         """Record the call in Redis, or raise: the caller releases the answer only after this returns.
 
         Returns (outcome, index) for the call's log line; with `write_log=False` the caller writes that line
         (`_log_call`) once the answer is out."""
         t = time.perf_counter()
         try:
-            index = await self.store.record_calls(call.rollout_id, call.task_id, records)
+            index = await self.store.record_calls(call.rollout_id, call.task_id, records, must_exist=call.keyed,
+                                                  max_bytes=self.settings.max_record_bytes if limit else None)
             self.watch.recorded(call.rollout_id)
+        except episodes.RecordTooLarge as exc:
+            # The answer is dropped, the call kept as failed (its request fits: checked before the upstream).
+            error = CallError(status=413, type="invalid_request_error", message=str(exc), code="record_too_large")
+            await self._commit(call, self._records(call, [], error, records[0].latency_ms, records[0].ttfb_ms),
+                               "record_too_large", limit=False)
+            raise errors.PayloadTooLarge(str(exc), code="record_too_large") from exc
+        except episodes.RolloutMissing as exc:
+            self.metrics.calls.labels(call.endpoint, "rollout_data_lost").inc()
+            self.metrics.errors.labels("rollout_data_lost").inc()
+            raise errors.Conflict(str(exc), code="rollout_data_lost") from exc
         except episodes.StoreUnavailable as exc:
             self.metrics.errors.labels("store").inc()
             if self.settings.on_store_error == "pass":

@@ -87,6 +87,11 @@ class GatewaySettings(BaseSettings):
         "success) or pass (the agent gets the answer, the call is lost and logged as an error).",
     )
     max_body_bytes: int = Field(16 * 1024 * 1024, description="Largest request body accepted (413 above).")
+    max_record_bytes: int = Field(
+        32 * 1024 * 1024, ge=1024, description="Largest record of one call kept in Redis: its request, stored "
+        "once, plus every choice's answer, token ids and log-probs. A request already above it is 413 before "
+        "the upstream is called; an answer that takes the record above it is dropped, the call recorded as "
+        "failed and the agent told 413 (code record_too_large).")
     policy_poll_s: float = Field(
         0.2, description="How often the policy pointer, the store's epoch marker and the backlog are read from "
         "Redis."

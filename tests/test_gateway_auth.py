@@ -285,3 +285,34 @@ def test_unsafe_layouts_refuse_to_start(settings: dict[str, str], message: str, 
     assert done.returncode != 0
     assert message in done.stdout + done.stderr
     assert OPERATOR not in done.stdout + done.stderr
+
+
+def test_a_rollout_key_never_recreates_a_rollout_redis_lost(counting: CountingUpstream, tmp_path, redis_client):
+    """Only POST /rollouts hands out rollout keys, so a call with one continues a rollout that exists: when
+    Redis lost it, every gateway process (not only the one that recorded it) answers 409 rollout_data_lost
+    and recreates nothing."""
+    settings = dict(operator_token=OPERATOR, rollout_key_secret=ROLLOUT_SECRET, require_rollout_keys="true")
+    first = start_gateway(tmp_path, counting.url, **settings)
+    second = None
+    try:
+        key = create(first.url, "r-lost")["api_key"]
+        assert httpx.post(f"{first.url}/v1/chat/completions", json=CHAT, headers=bearer(key)).status_code == 200
+        redis_client.delete("rlgate:rollout:{r-lost}", "rlgate:rollout:{r-lost}:calls")  # lost
+        second = start_gateway(tmp_path, counting.url, **settings)  # never saw r-lost
+        posts = counting.posts
+        for proc in (second, first):
+            url = f"{proc.url}/rollouts/r-lost/v1/chat/completions"
+            response = httpx.post(url, json=CHAT, headers=bearer(key))
+            assert assert_openai_error(response, 409)["code"] == "rollout_data_lost"
+            # a stream learns it at its end, in place of [DONE] (checked when the call is recorded)
+            with httpx.stream("POST", url, json={**CHAT, "stream": True}, headers=bearer(key)) as stream:
+                lines = [line for line in stream.iter_lines() if line.startswith("data:")]
+            assert "data: [DONE]" not in lines and "no longer in Redis" in lines[-1]
+        assert not redis_client.exists("rlgate:rollout:{r-lost}", "rlgate:rollout:{r-lost}:calls")
+        assert counting.posts - posts <= 4  # the upstream may have answered; nothing was kept
+        key_b = create(second.url, "r-new")["api_key"]
+        assert httpx.post(f"{second.url}/v1/chat/completions", json=CHAT, headers=bearer(key_b)).status_code == 200
+    finally:
+        first.kill()
+        if second is not None:
+            second.kill()

@@ -97,3 +97,37 @@ def test_the_operator_surface_refuses_large_bodies_before_reading_them(gateway: 
     assert not redis_client.exists("rlgate:rollout:{big}")
     small = httpx.post(f"{gateway.url}/rollouts", json={"rollout_id": "small", "metadata": {"k": "v"}})
     assert small.status_code == 201
+
+
+def test_a_call_whose_record_would_be_too_large_is_413(fake_vllm: Proc, tmp_path, redis_client: redis.Redis):
+    """`max_record_bytes` bounds what one call may write to Redis: a request above it never reaches the
+    upstream; an answer that takes the record above it is dropped, the call kept as failed (small), and the
+    agent told 413 (a stream: an error event in place of its end)."""
+    from conftest import start_gateway
+    from test_gateway_auth import CountingUpstream
+
+    counting = CountingUpstream(fake_vllm.url)
+    proc = start_gateway(tmp_path, counting.url, max_record_bytes="16384")
+    try:
+        rid = uuid.uuid4().hex
+        url = f"{proc.url}/rollouts/{rid}/v1/chat/completions"
+        big = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, "pad": "x" * 20_000}
+        error = assert_openai_error(httpx.post(url, json=big), 413)
+        assert error["code"] == "record_too_large" and "max_record_bytes" in error["message"]
+        assert counting.posts == 0 and not redis_client.exists(f"rlgate:rollout:{{{rid}}}")
+
+        many = {"model": MODEL, "messages": MESSAGES, "n": 64, "max_tokens": 64, "temperature": 1.0}
+        error = assert_openai_error(httpx.post(url, json=many, timeout=30), 413)
+        assert error["code"] == "record_too_large" and counting.posts == 1
+        with httpx.stream("POST", url, json={**many, "stream": True}, timeout=30) as stream:
+            lines = [line for line in stream.iter_lines() if line.startswith("data:")]
+        assert "data: [DONE]" not in lines and "max_record_bytes" in lines[-1]
+        assert httpx.post(url, json={"model": MODEL, "messages": MESSAGES, "max_tokens": 4}).status_code == 200
+        calls = httpx.get(f"{proc.url}/rollouts/{rid}").json()["calls"]
+        assert [c["error"] and c["error"]["code"] for c in calls] == ["record_too_large", "record_too_large", None]
+        assert calls[0]["response"] is None and calls[0]["request"]["n"] == 64
+        stored = sum(len(item) for item in redis_client.lrange(f"rlgate:rollout:{{{rid}}}:calls", 0, -1))
+        assert stored < 3 * 16384
+    finally:
+        proc.kill()
+        counting.close()
