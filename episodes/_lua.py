@@ -18,12 +18,20 @@ return 1
 # KEYS[1] rollout hash, KEYS[2] calls list
 # ARGV[1] rollout_id, ARGV[2] task_id ('' for none), ARGV[3] now, ARGV[4] schema_version,
 # ARGV[5] expires_at (for a rollout created here), ARGV[6] '1' when the rollout must already exist (a call
-# with a rollout key: POST /rollouts made it, so a missing hash means Redis lost it), ARGV[7..] call records
-# (JSON)
+# with a rollout key: POST /rollouts made it, so a missing hash means Redis lost it), ARGV[7] the most
+# records a rollout may hold ('0': no limit), ARGV[8..] call records (JSON)
 # Returns {0, first_index, created (0/1)} on success, {1, status} when the rollout is not open,
-# {2, task_id} when the call names another task than the rollout's, {3} when it must exist and does not.
+# {2, task_id} when the call names another task than the rollout's, {3} when it must exist and does not,
+# {4, records held} when these records would take it above its limit.
 RECORD_CALLS = """
 local status = redis.call('HGET', KEYS[1], 'status')
+local limit = tonumber(ARGV[7])
+if limit > 0 and (status == false or status == 'open') then
+  local held = redis.call('LLEN', KEYS[2])
+  if held + (#ARGV - 7) > limit then
+    return {4, held}
+  end
+end
 local created = 0
 if not status then
   if ARGV[6] == '1' then
@@ -42,8 +50,8 @@ elseif ARGV[2] ~= '' then
     return {2, task}
   end
 end
-local n = redis.call('RPUSH', KEYS[2], unpack(ARGV, 7))
-return {0, n - (#ARGV - 6), created}
+local n = redis.call('RPUSH', KEYS[2], unpack(ARGV, 8))
+return {0, n - (#ARGV - 7), created}
 """
 
 # Closes an open rollout with its final return, exactly once.

@@ -40,6 +40,17 @@ class RolloutMissing(StoreError):
         self.rollout_id = rollout_id
 
 
+class RolloutFull(StoreError):
+    """The rollout already holds the most call records it may (`max_calls`); nothing written."""
+
+    def __init__(self, rollout_id: str, held: int, limit: int) -> None:
+        super().__init__(f"rollout {rollout_id!r} holds {held} call records; at most {limit} are kept per rollout "
+                         "(max_calls_per_rollout): close it and start a new one")
+        self.rollout_id = rollout_id
+        self.held = held
+        self.limit = limit
+
+
 class RecordTooLarge(StoreError):
     """A call's records are larger than the store was told to keep (`max_record_bytes`); nothing written."""
 

@@ -22,6 +22,7 @@ from episodes._batch import ScriptBatcher
 from episodes.errors import (
     RecordTooLarge,
     RolloutExists,
+    RolloutFull,
     RolloutMissing,
     RolloutNotOpen,
     StoreUnavailable,
@@ -132,14 +133,14 @@ class EpisodeStore:
         return rollout
 
     async def record_calls(self, rollout_id: str, task_id: str | None, records: Sequence[CallRecord], *,
-                           must_exist: bool = False, max_bytes: int | None = None) -> int:
+                           must_exist: bool = False, max_bytes: int | None = None, max_calls: int = 0) -> int:
         """Append `records` to the rollout atomically, creating it if new. Returns the first index.
 
         Concurrent calls are group-committed: one pipelined round trip per batch (`_batch`).
 
         Raises `RolloutNotOpen` or `TaskMismatch` without writing anything; `RolloutMissing` when
         `must_exist` and the rollout is not there; `RecordTooLarge` when the records' JSON is over
-        `max_bytes`.
+        `max_bytes`; `RolloutFull` when the rollout would hold more than `max_calls` records (0: no limit).
         """
         if not records:
             raise ValueError("record_calls needs at least one record")
@@ -151,7 +152,7 @@ class EpisodeStore:
             if size > max_bytes:
                 raise RecordTooLarge(size, max_bytes)
         args: list[Any] = [rollout_id, task_id or "", repr(now), SCHEMA_VERSION, repr(expires_at),
-                           "1" if must_exist else "0", *encoded]
+                           "1" if must_exist else "0", str(max_calls), *encoded]
         # Bounded in time by the record connection's own watchdog (`_batch`), not by a timer per call.
         try:
             code, *rest = await self._record(
@@ -161,6 +162,8 @@ class EpisodeStore:
         if code == 3:
             raise RolloutMissing(rollout_id)
         value, *created = rest
+        if code == 4:
+            raise RolloutFull(rollout_id, int(value), max_calls)
         if code == 0 and created[0]:  # a rollout born with its first call: schedule its expiry
             try:
                 async with _guard(self.timeout_s):

@@ -373,7 +373,8 @@ class Proxy:
         t = time.perf_counter()
         try:
             index = await self.store.record_calls(call.rollout_id, call.task_id, records, must_exist=call.keyed,
-                                                  max_bytes=self.settings.max_record_bytes if limit else None)
+                                                  max_bytes=self.settings.max_record_bytes if limit else None,
+                                                  max_calls=self.settings.max_calls_per_rollout)
             self.watch.recorded(call.rollout_id)
         except episodes.RecordTooLarge as exc:
             # The answer is dropped, the call kept as failed (its request fits: checked before the upstream).
@@ -381,6 +382,9 @@ class Proxy:
             await self._commit(call, self._records(call, [], error, records[0].latency_ms, records[0].ttfb_ms),
                                "record_too_large", limit=False)
             raise errors.PayloadTooLarge(str(exc), code="record_too_large") from exc
+        except episodes.RolloutFull as exc:
+            self.metrics.calls.labels(call.endpoint, "rollout_full").inc()
+            raise errors.Conflict(str(exc), code="rollout_full") from exc
         except episodes.RolloutMissing as exc:
             self.metrics.calls.labels(call.endpoint, "rollout_data_lost").inc()
             self.metrics.errors.labels("rollout_data_lost").inc()

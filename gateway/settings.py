@@ -87,6 +87,9 @@ class GatewaySettings(BaseSettings):
         "success) or pass (the agent gets the answer, the call is lost and logged as an error).",
     )
     max_body_bytes: int = Field(16 * 1024 * 1024, description="Largest request body accepted (413 above).")
+    max_calls_per_rollout: int = Field(
+        10_000, ge=0, description="Most call records (one per choice) one rollout may hold; a call above it is "
+        "409 rollout_full, recorded nowhere (its answer dropped). 0: no limit.")
     max_record_bytes: int = Field(
         32 * 1024 * 1024, ge=1024, description="Largest record of one call kept in Redis: its request, stored "
         "once, plus every choice's answer, token ids and log-probs. A request already above it is 413 before "

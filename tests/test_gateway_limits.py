@@ -99,15 +99,16 @@ def test_the_operator_surface_refuses_large_bodies_before_reading_them(gateway: 
     assert small.status_code == 201
 
 
-def test_a_call_whose_record_would_be_too_large_is_413(fake_vllm: Proc, tmp_path, redis_client: redis.Redis):
+def test_a_calls_record_and_a_rollouts_calls_are_bounded(fake_vllm: Proc, tmp_path, redis_client: redis.Redis):
     """`max_record_bytes` bounds what one call may write to Redis: a request above it never reaches the
     upstream; an answer that takes the record above it is dropped, the call kept as failed (small), and the
-    agent told 413 (a stream: an error event in place of its end)."""
+    agent told 413 (a stream: an error event in place of its end). `max_calls_per_rollout` bounds how many
+    records one rollout holds: above it, 409 and nothing written."""
     from conftest import start_gateway
     from test_gateway_auth import CountingUpstream
 
     counting = CountingUpstream(fake_vllm.url)
-    proc = start_gateway(tmp_path, counting.url, max_record_bytes="16384")
+    proc = start_gateway(tmp_path, counting.url, max_record_bytes="16384", max_calls_per_rollout="5")
     try:
         rid = uuid.uuid4().hex
         url = f"{proc.url}/rollouts/{rid}/v1/chat/completions"
@@ -128,6 +129,17 @@ def test_a_call_whose_record_would_be_too_large_is_413(fake_vllm: Proc, tmp_path
         assert calls[0]["response"] is None and calls[0]["request"]["n"] == 64
         stored = sum(len(item) for item in redis_client.lrange(f"rlgate:rollout:{{{rid}}}:calls", 0, -1))
         assert stored < 3 * 16384
+
+        two = {"model": MODEL, "messages": MESSAGES, "n": 2, "max_tokens": 4, "temperature": 1.0}
+        assert httpx.post(url, json=two).status_code == 200  # 5 records held: the limit
+        for body in (two, {"model": MODEL, "messages": MESSAGES, "max_tokens": 4}):
+            assert assert_openai_error(httpx.post(url, json=body), 409)["code"] == "rollout_full"
+        assert redis_client.llen(f"rlgate:rollout:{{{rid}}}:calls") == 5
+        new = uuid.uuid4().hex
+        other = f"{proc.url}/rollouts/{new}/v1/chat/completions"
+        assert httpx.post(other, json={**two, "n": 6}).status_code == 409
+        assert not redis_client.exists(f"rlgate:rollout:{{{new}}}")  # a new rollout is not created
+        assert httpx.post(other, json=two).status_code == 200
     finally:
         proc.kill()
         counting.close()
