@@ -7,6 +7,7 @@ pydantic records that Redis holds as JSON, `store` the async store whose multi-k
 from episodes.errors import (
     CallNotFound,
     InvalidId,
+    ModeMismatch,
     RecordTooLarge,
     RewardConflict,
     RolloutExpired,
@@ -29,12 +30,14 @@ from episodes.records import (
     Endpoint,
     FinishRequest,
     IndexedCall,
+    Mode,
     Policy,
     Rollout,
+    RolloutEvent,
     RolloutStatus,
     RolloutView,
 )
-from episodes.store import EpisodeStore
+from episodes.store import EVENT_MAX_BYTES, EVENTS_MAX, EpisodeStore
 from episodes.stream import ClosedEpisode, ClosedEpisodes
 
 __all__ = [
@@ -46,6 +49,7 @@ __all__ = [
     "ClosedEpisodes",
     "EpisodeLifecycle",
     "FinishRequest",
+    "ModeMismatch",
     "RecordTooLarge",
     "RewardConflict",
     "RolloutExpired",
@@ -54,7 +58,10 @@ __all__ = [
     "CallResponse",
     "Endpoint",
     "EpisodeStore",
+    "EVENTS_MAX",
+    "EVENT_MAX_BYTES",
     "IndexedCall",
+    "Mode",
     "InvalidId",
     "Keys",
     "Policy",
@@ -64,6 +71,7 @@ __all__ = [
     "RolloutNotFound",
     "RolloutMissing",
     "RolloutNotOpen",
+    "RolloutEvent",
     "RolloutStatus",
     "RolloutView",
     "StoreError",

@@ -3,14 +3,14 @@ lifecycle they implement is described in `episodes.keys`."""
 
 # KEYS[1] rollout hash
 # ARGV[1] rollout_id, ARGV[2] task_id ('' for none), ARGV[3] created_at, ARGV[4] schema_version,
-# ARGV[5] metadata JSON, ARGV[6] expires_at
+# ARGV[5] metadata JSON, ARGV[6] expires_at, ARGV[7] mode (train or val)
 # Returns 1 when created, 0 when the rollout already existed (nothing changed).
 CREATE_ROLLOUT = """
 if redis.call('EXISTS', KEYS[1]) == 1 then
   return 0
 end
 redis.call('HSET', KEYS[1], 'schema_version', ARGV[4], 'rollout_id', ARGV[1], 'task_id', ARGV[2],
-           'status', 'open', 'created_at', ARGV[3], 'metadata', ARGV[5], 'expires_at', ARGV[6])
+           'status', 'open', 'created_at', ARGV[3], 'metadata', ARGV[5], 'expires_at', ARGV[6], 'mode', ARGV[7])
 return 1
 """
 
@@ -19,16 +19,18 @@ return 1
 # ARGV[1] rollout_id, ARGV[2] task_id ('' for none), ARGV[3] now, ARGV[4] schema_version,
 # ARGV[5] expires_at (for a rollout created here), ARGV[6] '1' when the rollout must already exist (a call
 # with a rollout key: POST /rollouts made it, so a missing hash means Redis lost it), ARGV[7] the most
-# records a rollout may hold ('0': no limit), ARGV[8..] call records (JSON)
+# records a rollout may hold ('0': no limit), ARGV[8] the mode the call asks for ('' any; a rollout created
+# here gets 'train' then), ARGV[9..] call records (JSON)
 # Returns {0, first_index, created (0/1)} on success, {1, status} when the rollout is not open,
 # {2, task_id} when the call names another task than the rollout's, {3} when it must exist and does not,
-# {4, records held} when these records would take it above its limit.
+# {4, records held} when these records would take it above its limit, {5, mode} when the rollout is of
+# another mode than the call asks for.
 RECORD_CALLS = """
 local status = redis.call('HGET', KEYS[1], 'status')
 local limit = tonumber(ARGV[7])
 if limit > 0 and (status == false or status == 'open') then
   local held = redis.call('LLEN', KEYS[2])
-  if held + (#ARGV - 7) > limit then
+  if held + (#ARGV - 8) > limit then
     return {4, held}
   end
 end
@@ -37,12 +39,23 @@ if not status then
   if ARGV[6] == '1' then
     return {3}
   end
+  local mode = ARGV[8]
+  if mode == '' then
+    mode = 'train'
+  end
   redis.call('HSET', KEYS[1], 'schema_version', ARGV[4], 'rollout_id', ARGV[1], 'task_id', ARGV[2],
-             'status', 'open', 'created_at', ARGV[3], 'metadata', '{}', 'expires_at', ARGV[5])
+             'status', 'open', 'created_at', ARGV[3], 'metadata', '{}', 'expires_at', ARGV[5], 'mode', mode)
   created = 1
 elseif status ~= 'open' then
   return {1, status}
-elseif ARGV[2] ~= '' then
+end
+if created == 0 and ARGV[8] ~= '' then
+  local mode = redis.call('HGET', KEYS[1], 'mode') or 'train'
+  if mode ~= ARGV[8] then
+    return {5, mode}
+  end
+end
+if created == 0 and ARGV[2] ~= '' then
   local task = redis.call('HGET', KEYS[1], 'task_id')
   if task == '' then
     redis.call('HSET', KEYS[1], 'task_id', ARGV[2])
@@ -50,14 +63,14 @@ elseif ARGV[2] ~= '' then
     return {2, task}
   end
 end
-local n = redis.call('RPUSH', KEYS[2], unpack(ARGV, 8))
-return {0, n - (#ARGV - 7), created}
+local n = redis.call('RPUSH', KEYS[2], unpack(ARGV, 9))
+return {0, n - (#ARGV - 8), created}
 """
 
 # Closes an open rollout with its final return, exactly once.
 # KEYS[1] rollout hash
 # ARGV[1] reward (canonical repr), ARGV[2] reward metadata JSON, ARGV[3] now
-# Returns {'closed', task_id} to the one caller that closed it; {'same', published} when it was already
+# Returns {'closed', task_id, mode} to the one caller that closed it; {'same', published} when it was already
 # closed with this reward; {'conflict', reward} when closed with another; {status} when missing,
 # expired or failed.
 CLOSE = """
@@ -68,7 +81,7 @@ end
 if status == 'open' then
   redis.call('HSET', KEYS[1], 'status', 'closed', 'reward', ARGV[1], 'reward_metadata', ARGV[2],
              'closed_at', ARGV[3], 'published', '0')
-  return {'closed', redis.call('HGET', KEYS[1], 'task_id')}
+  return {'closed', redis.call('HGET', KEYS[1], 'task_id'), redis.call('HGET', KEYS[1], 'mode') or 'train'}
 end
 if status == 'closed' or status == 'consumed' then
   local reward = redis.call('HGET', KEYS[1], 'reward')
@@ -190,4 +203,18 @@ if owner and owner ~= ARGV[1] and till > now then
 end
 redis.call('HSET', KEYS[1], 'claimed_by', ARGV[1], 'claimed_until_ms', tostring(now + tonumber(ARGV[2])))
 return 1
+"""
+
+# Keeps an event an agent posted (Agent Lightning's event route) with its open rollout.
+# KEYS[1] rollout hash, KEYS[2] events list; ARGV[1] the event (JSON), ARGV[2] the most events kept
+# Returns {0, index}, {1, status} when the rollout is not open ('' when missing), {2} when it holds the most.
+APPEND_EVENT = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if status ~= 'open' then
+  return {1, status or ''}
+end
+if redis.call('LLEN', KEYS[2]) >= tonumber(ARGV[2]) then
+  return {2}
+end
+return {0, redis.call('RPUSH', KEYS[2], ARGV[1]) - 1}
 """

@@ -41,14 +41,24 @@ class RolloutMissing(StoreError):
 
 
 class RolloutFull(StoreError):
-    """The rollout already holds the most call records it may (`max_calls`); nothing written."""
+    """The rollout already holds the most call records (`max_calls`) or events it may; nothing written."""
 
-    def __init__(self, rollout_id: str, held: int, limit: int) -> None:
-        super().__init__(f"rollout {rollout_id!r} holds {held} call records; at most {limit} are kept per rollout "
-                         "(max_calls_per_rollout): close it and start a new one")
+    def __init__(self, rollout_id: str, held: int, limit: int, what: str = "calls") -> None:
+        setting = "max_calls_per_rollout" if what == "calls" else "a fixed limit"
+        super().__init__(f"rollout {rollout_id!r} holds {held} {what}; at most {limit} are kept per rollout "
+                         f"({setting}): close it and start a new one")
         self.rollout_id = rollout_id
         self.held = held
         self.limit = limit
+
+
+class ModeMismatch(StoreError):
+    """A call into a training rollout through a validation URL, or the other way round."""
+
+    def __init__(self, rollout_id: str, mode: str, given: str) -> None:
+        super().__init__(f"rollout {rollout_id!r} is a {mode} rollout, not {given}")
+        self.rollout_id = rollout_id
+        self.mode = mode
 
 
 class RecordTooLarge(StoreError):

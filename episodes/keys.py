@@ -100,6 +100,10 @@ class Keys:
     def air(self, rollout_id: str) -> str:
         return f"{self.prefix}:rollout:{{{rollout_id}}}:air"
 
+    def events(self, rollout_id: str) -> str:
+        """The events the rollout's agent posted (Agent Lightning's event route), JSON, in order."""
+        return f"{self.prefix}:rollout:{{{rollout_id}}}:events"
+
     def webhook(self, msg_id: str) -> str:
         """A signed request's webhook-id (`reward_hooks.signing` allows A-Z a-z 0-9 _ - only)."""
         return f"{self.prefix}:webhook:{msg_id}"

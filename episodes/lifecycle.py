@@ -92,7 +92,7 @@ class EpisodeLifecycle:
                                       args=[value, metadata_json, repr(time.time())])
         outcome = _text(reply[0])
         if outcome == "closed":
-            await self._publish(rollout_id, _text(reply[1]) or None, value, intent)
+            await self._publish(rollout_id, (_text(reply[1]) or None, _text(reply[2])), value, intent)
             return CloseResult("closed", float(value))
         # Not ours to publish: the closer that closed it does, or, if that one died, the sweeper finds its
         # intent. So the stream holds each episode once in normal operation.
@@ -108,13 +108,20 @@ class EpisodeLifecycle:
             raise RolloutExpired(f"rollout {rollout_id!r} expired before its reward arrived")
         raise RolloutNotOpen(rollout_id, outcome)
 
-    async def _publish(self, rollout_id: str, task_id: str | None, reward: str, intent: str) -> None:
-        """Put a closed episode on the stream (at least once), then clear the intent and its expiry."""
+    async def _publish(self, rollout_id: str, task_and_mode: tuple[str | None, str] | None, reward: str,
+                       intent: str) -> None:
+        """Put a closed episode on the stream (at least once), then clear the intent and its expiry. A
+        validation episode (mode val) carries its mode: learners score it apart and never train on it."""
         async with self.store.guard():
-            if task_id is None:
-                task_id = _text(await self.store.redis.hget(self.keys.rollout(rollout_id), "task_id") or b"")
-            await self.store.redis.xadd(self.keys.episodes,
-                                        {"rollout_id": rollout_id, "task_id": task_id, "reward": reward})
+            if task_and_mode is None:
+                task, mode = await self.store.redis.hmget(self.keys.rollout(rollout_id), "task_id", "mode")
+                task_id, mode_name = _text(task or b"") or None, _text(mode or b"train")
+            else:
+                task_id, mode_name = task_and_mode
+            fields = {"rollout_id": rollout_id, "task_id": task_id or "", "reward": reward}
+            if mode_name != "train":
+                fields["mode"] = mode_name
+            await self.store.redis.xadd(self.keys.episodes, fields)
             await self._mark_published(keys=[self.keys.rollout(rollout_id)])
             async with self.store.redis.pipeline(transaction=False) as pipe:
                 pipe.zrem(self.keys.outbox, intent)

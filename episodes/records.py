@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 SCHEMA_VERSION = 1
 
 Endpoint = Literal["chat.completions", "completions", "responses"]
+Mode = Literal["train", "val"]
 
 
 class _Record(BaseModel):
@@ -52,6 +53,8 @@ class Rollout(_Record):
     status: RolloutStatus = RolloutStatus.OPEN
     created_at: float = Field(description="Unix seconds.")
     expires_at: float | None = Field(None, description="When an open rollout expires (unix seconds).")
+    mode: Mode = Field("train", description="train: trained on once closed. val: a validation run, recorded and "
+                       "scored like any other, reported apart by the learner and never trained on.")
     metadata: dict[str, Any] = Field(default_factory=dict)
     reward: float | None = Field(None, description="The final return R, once closed.")
     reward_metadata: dict[str, Any] | None = None
@@ -136,10 +139,22 @@ class IndexedCall(CallRecord):
     air_reward: float | None = Field(None, description="Automatic intermediate reward (failed tool call).")
 
 
+class RolloutEvent(_Record):
+    """An event an agent posted with its rollout (Agent Lightning's event route): kept, not interpreted,
+    except `reward` events, which close the episode and are not kept here."""
+
+    event_type: str = Field(max_length=128)
+    attempt_id: str | None = None
+    timestamp: float = Field(description="Unix seconds when the gateway received it.")
+    data: dict[str, Any] = Field(default_factory=dict)
+
+
 class RolloutView(Rollout):
     """`GET /rollouts/{id}`: the rollout with its calls in order."""
 
     calls: list[IndexedCall] = Field(default_factory=list)
+    events: list[RolloutEvent] = Field(default_factory=list, description="Events the agent posted (at most "
+                                       "`EVENTS_MAX` per rollout).")
 
 
 class Policy(_Record):

@@ -20,16 +20,34 @@ from redis import exceptions as redis_exc
 from episodes import _lua
 from episodes._batch import ScriptBatcher
 from episodes.errors import (
+    ModeMismatch,
     RecordTooLarge,
     RolloutExists,
     RolloutFull,
     RolloutMissing,
+    RolloutNotFound,
     RolloutNotOpen,
     StoreUnavailable,
     TaskMismatch,
 )
 from episodes.keys import Keys, validate_id
-from episodes.records import SCHEMA_VERSION, CallRecord, IndexedCall, Policy, Rollout, RolloutView
+from episodes.records import (
+    SCHEMA_VERSION,
+    CallRecord,
+    IndexedCall,
+    Mode,
+    Policy,
+    Rollout,
+    RolloutEvent,
+    RolloutView,
+)
+
+EVENTS_MAX = 256  # events kept per rollout (each at most EVENT_MAX_BYTES of JSON)
+EVENT_MAX_BYTES = 16 * 1024
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _unavailable(exc: Exception) -> StoreUnavailable:
@@ -76,6 +94,7 @@ class EpisodeStore:
         self.rollout_ttl_s = rollout_ttl_s
         self._create = redis.register_script(_lua.CREATE_ROLLOUT)
         self._record = ScriptBatcher(redis, _lua.RECORD_CALLS, timeout_s)
+        self._append_event = redis.register_script(_lua.APPEND_EVENT)
 
     @classmethod
     def from_url(
@@ -111,7 +130,8 @@ class EpisodeStore:
             await self.redis.ping()
 
     async def create_rollout(
-        self, rollout_id: str, task_id: str | None = None, metadata: dict[str, Any] | None = None
+        self, rollout_id: str, task_id: str | None = None, metadata: dict[str, Any] | None = None,
+        mode: Mode = "train",
     ) -> Rollout:
         """Create an open rollout; raise `RolloutExists` if the id is taken."""
         validate_id(rollout_id, "rollout id")
@@ -119,12 +139,12 @@ class EpisodeStore:
             validate_id(task_id, "task id")
         now = time.time()
         rollout = Rollout(rollout_id=rollout_id, task_id=task_id, created_at=now, metadata=metadata or {},
-                          expires_at=now + self.rollout_ttl_s)
+                          expires_at=now + self.rollout_ttl_s, mode=mode)
         async with _guard(self.timeout_s):
             created = await self._create(
                 keys=[self.keys.rollout(rollout_id)],
                 args=[rollout_id, task_id or "", repr(now), SCHEMA_VERSION, orjson.dumps(rollout.metadata),
-                      repr(rollout.expires_at)],
+                      repr(rollout.expires_at), mode],
             )
             if created:
                 await self.redis.zadd(self.keys.expiry, {rollout_id: rollout.expires_at})
@@ -133,14 +153,17 @@ class EpisodeStore:
         return rollout
 
     async def record_calls(self, rollout_id: str, task_id: str | None, records: Sequence[CallRecord], *,
-                           must_exist: bool = False, max_bytes: int | None = None, max_calls: int = 0) -> int:
+                           must_exist: bool = False, max_bytes: int | None = None, max_calls: int = 0,
+                           mode: Mode | None = None) -> int:
         """Append `records` to the rollout atomically, creating it if new. Returns the first index.
 
         Concurrent calls are group-committed: one pipelined round trip per batch (`_batch`).
 
         Raises `RolloutNotOpen` or `TaskMismatch` without writing anything; `RolloutMissing` when
         `must_exist` and the rollout is not there; `RecordTooLarge` when the records' JSON is over
-        `max_bytes`; `RolloutFull` when the rollout would hold more than `max_calls` records (0: no limit).
+        `max_bytes`; `RolloutFull` when the rollout would hold more than `max_calls` records (0: no limit);
+        `ModeMismatch` when `mode` is given and the rollout is of the other one (a rollout created here gets
+        `mode`, default train).
         """
         if not records:
             raise ValueError("record_calls needs at least one record")
@@ -152,7 +175,7 @@ class EpisodeStore:
             if size > max_bytes:
                 raise RecordTooLarge(size, max_bytes)
         args: list[Any] = [rollout_id, task_id or "", repr(now), SCHEMA_VERSION, repr(expires_at),
-                           "1" if must_exist else "0", str(max_calls), *encoded]
+                           "1" if must_exist else "0", str(max_calls), mode or "", *encoded]
         # Bounded in time by the record connection's own watchdog (`_batch`), not by a timer per call.
         try:
             code, *rest = await self._record(
@@ -164,6 +187,8 @@ class EpisodeStore:
         value, *created = rest
         if code == 4:
             raise RolloutFull(rollout_id, int(value), max_calls)
+        if code == 5:
+            raise ModeMismatch(rollout_id, _text(value), mode or "")
         if code == 0 and created[0]:  # a rollout born with its first call: schedule its expiry
             try:
                 async with _guard(self.timeout_s):
@@ -236,7 +261,8 @@ class EpisodeStore:
                 pipe.lrange(self.keys.calls(rollout_id), offset, last)
                 pipe.hgetall(self.keys.rewards(rollout_id))
                 pipe.hgetall(self.keys.air(rollout_id))
-                fields, raw_calls, rewards, air = await pipe.execute()
+                pipe.lrange(self.keys.events(rollout_id), 0, EVENTS_MAX - 1)
+                fields, raw_calls, rewards, air, raw_events = await pipe.execute()
         if not fields:
             return None
         rollout = _rollout_from_hash(fields)
@@ -254,7 +280,31 @@ class EpisodeStore:
                     for i, item in enumerate(items, offset)]
 
         calls = await asyncio.to_thread(decode) if big else decode()
-        return RolloutView(**rollout.model_dump(), calls=calls)
+        events = [RolloutEvent.model_validate_json(item) for item in raw_events]
+        return RolloutView(**rollout.model_dump(), calls=calls, events=events)
+
+    async def task_and_mode(self, rollout_id: str) -> tuple[str | None, Mode] | None:
+        """The rollout's task id and mode; None when there is no such rollout."""
+        async with _guard(self.timeout_s):
+            status, task, mode = await self.redis.hmget(self.keys.rollout(rollout_id), "status", "task_id", "mode")
+        if status is None:
+            return None
+        return (task.decode() or None) if task else None, "val" if mode == b"val" else "train"
+
+    async def append_event(self, rollout_id: str, event: RolloutEvent) -> int:
+        """Keep an event the agent posted with its open rollout; returns its index. Raises
+        `RolloutNotFound`, `RolloutNotOpen`, or `RolloutFull` when it holds `EVENTS_MAX` already."""
+        async with _guard(self.timeout_s):
+            reply = await self._append_event(keys=[self.keys.rollout(rollout_id), self.keys.events(rollout_id)],
+                                             args=[event.model_dump_json(), EVENTS_MAX])
+        if reply[0] == 0:
+            return int(reply[1])
+        if reply[0] == 2:
+            raise RolloutFull(rollout_id, EVENTS_MAX, EVENTS_MAX, what="events")
+        status = _text(reply[1])
+        if not status:
+            raise RolloutNotFound(f"no rollout {rollout_id!r}")
+        raise RolloutNotOpen(rollout_id, status)
 
     async def policy(self) -> Policy:
         """The current policy pointer (version 0 and no adapter before the learner's first push)."""

@@ -23,6 +23,7 @@ class ClosedEpisode:
     rollout_id: str
     task_id: str | None
     reward: float
+    mode: str = "train"  # val: a validation episode, scored apart and never trained on
 
 
 def _episode(entry_id: bytes | str, fields: dict[bytes, bytes]) -> ClosedEpisode:
@@ -30,7 +31,8 @@ def _episode(entry_id: bytes | str, fields: dict[bytes, bytes]) -> ClosedEpisode
         return fields.get(key, b"").decode()
 
     entry = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-    return ClosedEpisode(entry, text(b"rollout_id"), text(b"task_id") or None, float(text(b"reward") or "nan"))
+    return ClosedEpisode(entry, text(b"rollout_id"), text(b"task_id") or None, float(text(b"reward") or "nan"),
+                         text(b"mode") or "train")
 
 
 class ClosedEpisodes:

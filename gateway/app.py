@@ -5,9 +5,12 @@ Agent-facing paths (the rollout id in the path, in headers, or absent):
     /v1/{endpoint}
     /rollouts/{rollout_id}/v1/{endpoint}
     /tasks/{task_id}/rollouts/{rollout_id}/v1/{endpoint}
+    /proxy/rollout/{rollout_id}/attempt/{attempt_id}/mode/{train|val}/openai/v1/{endpoint}   (Agent Lightning)
 
 with endpoint one of chat/completions, completions, responses (POST, recorded) and models (GET,
-forwarded): the agent surface, opened by agent credentials (`gateway.auth`). Everything else is the
+forwarded): the agent surface, opened by agent credentials (`gateway.auth`). Routes added with
+`add_agent_routes` (Agent Lightning's event route) are on the agent surface too, opened by an agent
+credential valid for the rollout in their path, or by the operator token. Everything else is the
 operator surface: the FastAPI management app (`gateway.routes`) and the routes added to it (the reward
 webhook), opened by the operator token, or by a route's own signature check for routes added as signed.
 
@@ -49,9 +52,12 @@ _ENDPOINTS = {
 }
 
 
-def match(path: str) -> tuple[str, str | None, str | None] | None:
-    """(endpoint, rollout_id, task_id) for an agent-facing path, None for anything else."""
-    rollout_id = task_id = None
+Attempt = tuple[str, str]  # Agent Lightning's (attempt id, mode) of a call
+
+
+def match(path: str) -> tuple[str, str | None, str | None, Attempt | None] | None:
+    """(endpoint, rollout_id, task_id, attempt) for an agent-facing path, None for anything else."""
+    rollout_id = task_id = attempt = None
     if path.startswith("/v1/"):
         rest = path[3:]
     elif path.startswith("/rollouts/"):
@@ -64,10 +70,23 @@ def match(path: str) -> tuple[str, str | None, str | None] | None:
         if len(parts) < 7 or parts[3] != "rollouts" or parts[5] != "v1":
             return None
         task_id, rollout_id, rest = parts[2], parts[4], "/" + parts[6]
+    elif path.startswith("/proxy/rollout/"):
+        # '', 'proxy', 'rollout', rid, 'attempt', aid, 'mode', mode, 'openai', 'v1', rest
+        parts = path.split("/", 10)
+        if (len(parts) < 11 or parts[4] != "attempt" or parts[6] != "mode" or parts[7] not in ("train", "val")
+                or parts[8] != "openai" or parts[9] != "v1"):
+            return None
+        rollout_id, attempt, rest = parts[3], (parts[5], parts[7]), "/" + parts[10]
     else:
         return None
     endpoint = _ENDPOINTS.get(rest)
-    return None if endpoint is None else (endpoint, rollout_id, task_id)
+    return None if endpoint is None else (endpoint, rollout_id, task_id, attempt)
+
+
+def _agent_route_rollout(path: str) -> str | None:
+    """The rollout id in an added agent route's path (`/api/rollouts/{rid}/...`)."""
+    parts = path.split("/", 4)
+    return parts[3] if len(parts) > 3 and parts[1] == "api" and parts[2] == "rollouts" else None
 
 
 # The operator surface's requests are small (rollouts, rewards, finish requests): a larger body is 413 before
@@ -124,6 +143,7 @@ class Gateway:
         self.api = build_api(self)
         self.control = ControlListener(self) if settings.control_port is not None else None
         self._signed: list[BaseRoute] = []
+        self._agent_routes: list[BaseRoute] = []
         self._background: list[Callable[[], Awaitable[None]]] = [self.proxy.watch.run]
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -135,6 +155,14 @@ class Gateway:
         self.api.include_router(router)
         if signed:
             self._signed.extend(router.routes)
+
+    def add_agent_routes(self, router: APIRouter) -> None:
+        """Serve routes on the agent surface (how `rlgate gateway` adds Agent Lightning's event route), each
+        under `/api/rollouts/{rollout_id}/...`: a request needs an agent credential valid for that rollout
+        (Bearer or `x-api-key`) or the operator token; the route finds which in `request.state.credential`
+        ("agent" or "operator")."""
+        self.api.include_router(router)
+        self._agent_routes.extend(router.routes)
 
     def is_operator(self, authorization: str | None) -> bool:
         """Whether an Authorization header value carries the operator token (for routes added as signed:
@@ -151,6 +179,9 @@ class Gateway:
             route = match(scope["path"])
             if route is not None:
                 await self._serve(scope, receive, send, *route)
+            elif self._agent_routes and scope["path"].startswith("/api/rollouts/") and any(
+                    r.matches(scope)[0] == Match.FULL for r in self._agent_routes):
+                await self._agent_route(scope, receive, send)
             elif self.control is not None:
                 await _agent_port_rest(scope, send)
             else:
@@ -185,8 +216,34 @@ class Gateway:
             return
         await self.api(scope, bounded, send)
 
+    async def _agent_route(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """An added agent route: the operator token, or an agent credential for the path's rollout."""
+        headers = scope["headers"]
+        authorization = next((v for k, v in headers if k == b"authorization"), b"")
+        if not authorization:
+            api_key = next((v for k, v in headers if k == b"x-api-key"), None)
+            authorization = b"Bearer " + api_key if api_key else b""
+        credential = "operator"
+        if not self.credentials.is_operator(authorization):
+            credential = "agent"
+            try:
+                if self.credentials.agent_checked:
+                    self.credentials.authorize_agent(authorization, _agent_route_rollout(scope["path"]))
+            except errors.GatewayError as exc:
+                await _send_error(send, exc)
+                return
+        scope.setdefault("state", {})["credential"] = credential
+        bounded = await _read_bounded(scope, receive, OPERATOR_MAX_BODY_BYTES)
+        if bounded is _DISCONNECTED:
+            return
+        if bounded is None:
+            await _send_error(send, errors.PayloadTooLarge(f"request body larger than {OPERATOR_MAX_BODY_BYTES} "
+                                                           "bytes"))
+            return
+        await self.api(scope, bounded, send)
+
     async def _serve(self, scope: dict[str, Any], receive: Any, send: Any, endpoint: str,
-                     rollout_id: str | None, task_id: str | None) -> None:
+                     rollout_id: str | None, task_id: str | None, attempt: Attempt | None) -> None:
         started = False
 
         async def tracked_send(message: dict[str, Any]) -> None:
@@ -202,7 +259,7 @@ class Gateway:
             else:
                 if scope["method"] != "POST":
                     raise _method_not_allowed(scope, "POST")
-                await self.proxy.call(scope, receive, tracked_send, endpoint, rollout_id, task_id)
+                await self.proxy.call(scope, receive, tracked_send, endpoint, rollout_id, task_id, attempt)
         except errors.GatewayError as exc:
             if exc.status >= 500:
                 log.warning("call_failed", path=scope["path"], status=exc.status, error=exc.message)

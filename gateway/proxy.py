@@ -53,6 +53,8 @@ class Call:
     rollout_header: tuple[bytes, bytes]
     served_model: str | None = None  # the adapter the call was sent to, when the policy pointer named one
     keyed: bool = False  # a rollout key named the rollout: it must exist (POST /rollouts made it)
+    mode: episodes.Mode | None = None  # the mode the call's URL names (Agent Lightning's), None: any
+    alias_of: str | None = None  # the model name the alias resolved to (model_aliases)
 
     @property
     def stream(self) -> bool:
@@ -60,6 +62,8 @@ class Call:
 
     @property
     def model(self) -> str | None:
+        if self.alias_of is not None:
+            return self.alias_of
         model = self.request.get("model")
         return model if isinstance(model, str) else None
 
@@ -80,6 +84,8 @@ class Proxy:
         self.check_credentials = credentials.agent_checked  # False: the open development mode
         self.air = (AutomaticRewards(store, settings.air_reward, settings.air_error_patterns)
                     if settings.air else None)
+        self.aliases = settings.model_aliases
+        self._attempt_tasks: dict[str, str | None] = {}  # attempt episode -> its rollout's task (bounded)
         self._background: set[asyncio.Task[Any]] = set()
 
     @property
@@ -109,10 +115,11 @@ class Proxy:
         await send_body(send, status, body, [_JSON])
 
     async def call(self, scope: dict[str, Any], receive: Any, send: Any, endpoint: Endpoint,
-                   rollout_id: str | None, task_id: str | None) -> None:
+                   rollout_id: str | None, task_id: str | None, attempt: tuple[str, str] | None = None) -> None:
         started_at, t0 = time.time(), time.perf_counter()
         agent_name = None
         authorization = b""
+        keep_token_ids = self.settings.keep_token_ids or attempt is not None  # Agent Lightning's agents read them
         for name, value in scope["headers"]:
             if name == b"x-rollout-id":
                 rollout_id = rollout_id or value.decode("latin-1")
@@ -122,6 +129,8 @@ class Proxy:
                 agent_name = value.decode("utf-8", "replace")
             elif name == b"authorization":
                 authorization = value
+            elif name == b"x-rlgate-keep-token-ids":
+                keep_token_ids = capture.is_true(value.decode("latin-1"))
         keyed = False
         if self.check_credentials:  # before anything is read, recorded or sent upstream
             rollout_id, keyed = self.credentials.authorize_agent(authorization, rollout_id)
@@ -138,6 +147,9 @@ class Proxy:
                 episodes.validate_id(task_id, "task id")
         except episodes.InvalidId as exc:
             raise errors.BadRequest(str(exc), code="invalid_id") from exc
+        mode = None
+        if attempt is not None:  # Agent Lightning: each attempt of a rollout is an episode of its own
+            rollout_id, task_id, keyed, mode = await self._attempt(rollout_id, attempt, keyed)
         watch = self.watch
         if watch.lost and rollout_id in watch.lost:
             self.metrics.calls.labels(endpoint, "rollout_data_lost").inc()
@@ -149,10 +161,16 @@ class Proxy:
         if policy.draining:
             policy = await self._after_push()
         call = Call(rollout_id, task_id, agent_name, endpoint, body, policy.version, started_at, t0,
-                    (b"x-rollout-id", rollout_id.encode()), keyed=keyed)
+                    (b"x-rollout-id", rollout_id.encode()), keyed=keyed, mode=mode)
         upstream_body, injected = (capture.inject(endpoint, body) if self.inject
                                    else (body, capture.Injected()))
-        if policy.adapter is not None and body.get("model") == policy.base_model:
+        if keep_token_ids:
+            injected.token_ids = False  # left in the answer for the agent
+        requested = body.get("model")
+        if self.aliases and isinstance(requested, str) and requested in self.aliases:
+            call.alias_of = self.aliases[requested]
+            upstream_body = {**upstream_body, "model": call.alias_of}
+        if policy.adapter is not None and call.model == policy.base_model:
             # The agent names the base model; the learner's latest weights are served as an adapter.
             upstream_body = {**upstream_body, "model": policy.adapter}
             call.served_model = policy.adapter
@@ -187,6 +205,41 @@ class Proxy:
             raise
         finally:
             disconnect.cancel()
+
+    async def _attempt(self, rollout_id: str, attempt: tuple[str, str], keyed: bool
+                       ) -> tuple[str, str | None, bool, episodes.Mode]:
+        """(episode id, task id, must exist, mode) of a call through Agent Lightning's proxy URL. Attempt 0
+        is the rollout itself; a later attempt (a retry) is the episode `{rollout_id}.{attempt_id}`, of the
+        rollout's task and mode, so a retry never collides with the attempt that failed."""
+        attempt_id, mode = attempt
+        if attempt_id == "0":
+            return rollout_id, None, keyed, mode  # type: ignore[return-value]
+        episode = f"{rollout_id}.{attempt_id}"
+        try:
+            episodes.validate_id(attempt_id, "attempt id")
+            episodes.validate_id(episode, "rollout and attempt id")
+        except episodes.InvalidId as exc:
+            raise errors.BadRequest(str(exc), code="invalid_id") from exc
+        if episode in self._attempt_tasks:
+            return episode, self._attempt_tasks[episode], False, mode  # type: ignore[return-value]
+        try:
+            parent = await self.store.task_and_mode(rollout_id)
+        except episodes.StoreUnavailable as exc:
+            raise errors.StoreUnavailable("the gateway cannot reach Redis; retry later",
+                                          headers={"retry-after": "1"}) from exc
+        if parent is None:
+            if keyed:  # its key came from POST /rollouts: the rollout existed
+                raise errors.Conflict(str(episodes.RolloutMissing(rollout_id)), code="rollout_data_lost")
+            task_id = None
+        else:
+            task_id, parent_mode = parent
+            if parent_mode != mode:
+                raise errors.Conflict(f"rollout {rollout_id!r} is a {parent_mode} rollout, not {mode}",
+                                      code="mode_mismatch")
+        if len(self._attempt_tasks) >= 10_000:
+            self._attempt_tasks.pop(next(iter(self._attempt_tasks)))
+        self._attempt_tasks[episode] = task_id
+        return episode, task_id, False, mode  # type: ignore[return-value]
 
     async def _rollout_exists(self, rollout_id: str) -> bool:
         try:
@@ -374,7 +427,7 @@ class Proxy:
         try:
             index = await self.store.record_calls(call.rollout_id, call.task_id, records, must_exist=call.keyed,
                                                   max_bytes=self.settings.max_record_bytes if limit else None,
-                                                  max_calls=self.settings.max_calls_per_rollout)
+                                                  max_calls=self.settings.max_calls_per_rollout, mode=call.mode)
             self.watch.recorded(call.rollout_id)
         except episodes.RecordTooLarge as exc:
             # The answer is dropped, the call kept as failed (its request fits: checked before the upstream).
@@ -382,6 +435,9 @@ class Proxy:
             await self._commit(call, self._records(call, [], error, records[0].latency_ms, records[0].ttfb_ms),
                                "record_too_large", limit=False)
             raise errors.PayloadTooLarge(str(exc), code="record_too_large") from exc
+        except episodes.ModeMismatch as exc:
+            self.metrics.calls.labels(call.endpoint, "mode_mismatch").inc()
+            raise errors.Conflict(str(exc), code="mode_mismatch") from exc
         except episodes.RolloutFull as exc:
             self.metrics.calls.labels(call.endpoint, "rollout_full").inc()
             raise errors.Conflict(str(exc), code="rollout_full") from exc

@@ -33,6 +33,8 @@ class CreateRollout(BaseModel):
 
     task_id: str | None = Field(None, description="The task this rollout is a run of (the GRPO group key).")
     rollout_id: str | None = Field(None, description="Choose the id yourself; default: a new random one.")
+    mode: episodes.Mode = Field("train", description="val: a validation run, recorded and scored, never trained "
+                                "on (the learner reports its success apart).")
     metadata: dict[str, Any] = Field(default_factory=dict, description="Up to 64 KiB of JSON, stored with the "
                                      "rollout (nested at most 254 levels; no lone UTF-16 surrogates).")
 
@@ -60,6 +62,9 @@ class RolloutCreated(BaseModel):
     base_url: str = Field(description="OPENAI_BASE_URL for the agent of this rollout.")
     api_key: str | None = Field(description="OPENAI_API_KEY for the agent of this rollout: valid on this "
                                 "rollout's completion endpoints alone. Null without a rollout key secret.")
+    agent_env: dict[str, str] = Field(description="The environment to start this rollout's agent with: "
+                                      "OPENAI_BASE_URL and OPENAI_API_KEY, and Agent Lightning's AGL_OPENAI_BASE_URL, "
+                                      "AGL_EVENT_URL and AGL_KEY (attempt 0).")
 
 
 PAGE_DEFAULT, PAGE_MAX = 100, 1000
@@ -117,7 +122,7 @@ def build_api(gateway: Gateway) -> FastAPI:
         if watch.over_backlog:  # as a new rollout's first call would be held (`max_backlog`)
             raise watch.backlog_full()
         try:
-            rollout = await store.create_rollout(rollout_id, body.task_id, body.metadata)
+            rollout = await store.create_rollout(rollout_id, body.task_id, body.metadata, body.mode)
         except episodes.InvalidId as exc:
             raise errors.BadRequest(str(exc), code="invalid_id") from exc
         except episodes.RolloutExists as exc:
@@ -127,8 +132,13 @@ def build_api(gateway: Gateway) -> FastAPI:
             base_url = f"{base}/tasks/{rollout.task_id}/rollouts/{rollout.rollout_id}/v1"
         else:
             base_url = f"{base}/rollouts/{rollout.rollout_id}/v1"
+        api_key = gateway.credentials.rollout_key(rollout.rollout_id)
+        key = api_key or "none"  # SDKs want some key; an open gateway takes any
+        agl = f"{base}/proxy/rollout/{rollout.rollout_id}/attempt/0/mode/{rollout.mode}/openai/v1"
+        agent_env = {"OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": key, "AGL_OPENAI_BASE_URL": agl,
+                     "AGL_EVENT_URL": f"{base}/api/rollouts/{rollout.rollout_id}/attempt/0/events", "AGL_KEY": key}
         created = RolloutCreated(**rollout.model_dump(exclude={"schema_version"}), base_url=base_url,
-                                 api_key=gateway.credentials.rollout_key(rollout.rollout_id))
+                                 api_key=api_key, agent_env=agent_env)
         return _json(201, created.model_dump_json().encode())
 
     @api.get("/rollouts/{rollout_id}", response_model=RolloutPage)

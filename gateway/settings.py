@@ -78,6 +78,14 @@ class GatewaySettings(BaseSettings):
         description="Regular expressions (case-insensitive, JSON list) that mark a tool result as an error; "
         'a JSON object with an "error" key always does.',
     )
+    model_aliases: dict[str, str] = Field(
+        {}, description='Model names agents send mapped to the served model, as JSON: {"auto": "Qwen/Qwen2.5-1.5B-'
+        'Instruct"} (Agent Lightning\'s agents send "auto"). Applied before adapter routing; the call is '
+        "recorded with both names (the request as sent, the model it was served by).")
+    keep_token_ids: bool = Field(
+        False, description="Leave the token ids the gateway asked the upstream for in the answers (vLLM's "
+        "prompt_token_ids, token_ids; the Responses API's input and output messages), for agents that read "
+        "them; per request: header X-Rlgate-Keep-Token-Ids: true. Always on for Agent Lightning's proxy URLs.")
     require_rollout_id: bool = Field(
         False, description="Reject calls without a rollout id (400) instead of recording them under a new one."
     )

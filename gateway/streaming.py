@@ -8,7 +8,14 @@ from typing import Any
 import orjson
 
 from episodes import CallError, CallResponse, Endpoint
-from gateway.capture import Injected, Transition, sampled_logprobs, strip_response
+from gateway.capture import (
+    Injected,
+    Transition,
+    responses_transition,
+    sampled_logprobs,
+    strip_response,
+    strip_responses,
+)
 
 DONE = b"data: [DONE]"
 # Events of a `responses` stream after which the response is complete.
@@ -91,7 +98,14 @@ class StreamRelay:
             chunk = orjson.loads(payload)
             feed(chunk)
             if endpoint == "responses":
-                if chunk.get("type") in RESPONSES_FINAL:
+                kind = chunk.get("type")
+                if strip and "error" not in chunk:
+                    if "response" in chunk:  # the assembler keeps this one: strip a copy
+                        chunk = orjson.loads(payload)
+                    strip_responses(chunk, injected)
+                    event = (b"event: " + str(kind).encode() + b"\ndata: " + orjson.dumps(chunk) if kind
+                             else b"data: " + orjson.dumps(chunk))
+                if kind in RESPONSES_FINAL:
                     self.held = event
                     continue
             elif strip and "error" not in chunk:
@@ -253,10 +267,7 @@ class StreamAssembler:
     def transitions(self) -> list[Transition]:
         """The complete calls, one per choice in index order (one for `responses`)."""
         if self.endpoint == "responses":
-            final = self.final or {}
-            return [Transition(0, CallResponse(
-                id=final.get("id"), output=final.get("output"), finish_reason=final.get("status"),
-                usage=final.get("usage")), None, None, None)]
+            return [responses_transition(self.final or {})]
         out = []
         for index in sorted(self._choices):
             state = self._choices[index]

@@ -19,6 +19,7 @@ entries other consumers left pending longer than `reclaim_idle_s` (dead learners
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -51,6 +52,7 @@ class Collector:
         self.waiting: dict[str, Group] = {}
         self.seen: set[str] = set()  # entry ids waiting here, so a redelivery is not counted twice
         self.dropped_singletons = 0
+        self.validation: list[float] = []  # rewards of validation episodes scored since the last step
         self._last_reclaim = 0.0
 
     async def start(self) -> None:
@@ -80,6 +82,10 @@ class Collector:
     async def _add(self, entries: list[ClosedEpisode]) -> None:
         for entry in entries:
             if entry.entry_id in self.seen:
+                continue
+            if entry.mode == "val":  # scored apart, never trained on: acknowledged (consumed) at once
+                if await self.stream.ack(entry) and math.isfinite(entry.reward):
+                    self.validation.append(entry.reward)
                 continue
             self.seen.add(entry.entry_id)
             key = entry.task_id if entry.task_id is not None else f"\0{entry.rollout_id}"

@@ -159,6 +159,7 @@ class Learner:
         self.episodes_trained += len(entries)
 
         rewards = [v.reward for g in views for v in g]
+        val, self.collector.validation = self.collector.validation, []
         metrics = {
             "step": self.step,
             "time": time.time(),
@@ -167,6 +168,9 @@ class Learner:
             "groups": len(views),
             "reward_mean": statistics.fmean(rewards) if rewards else math.nan,
             "success_rate": sum(r >= s.success_threshold for r in rewards) / len(rewards) if rewards else math.nan,
+            "val_episodes": len(val),
+            "val_reward_mean": statistics.fmean(val) if val else math.nan,
+            "val_success_rate": sum(r >= s.success_threshold for r in val) / len(val) if val else math.nan,
             "group_reward_std": statistics.fmean(
                 statistics.stdev([v.reward for v in g]) if len(g) > 1 else 0.0 for g in views),
             "samples": stats.samples,

@@ -20,6 +20,12 @@ class Unauthorized(WebhookError):
     code = "invalid_signature"
 
 
+class Forbidden(WebhookError):
+    status = 403
+    type = "permission_error"
+    code = "forbidden"
+
+
 class NotFound(WebhookError):
     status = 404
     type = "not_found_error"

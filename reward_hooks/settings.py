@@ -36,6 +36,11 @@ class RewardSettings(BaseSettings):
         description="Rewards must lie in [-max_abs_reward, max_abs_reward]: an episode reward, a call reward "
         "or a reward job's result outside is refused (422; a job fails) and changes nothing. The gateway checks "
         "webhook rewards, the worker job results: give both the same value.")
+    agent_rewards: bool = Field(
+        False, description="Take reward events an agent posts with its own key on Agent Lightning's event route "
+        "(POST /api/rollouts/{id}/attempt/{n}/events). Agent Lightning's agents grade themselves this way; an "
+        "agent under training can then post any reward, so turn it on only for agents whose grading you "
+        "trust. Off: 403, and only the operator token (or the signed reward routes) closes episodes.")
     reward_fn_modules: list[str] = Field(
         [],
         description="Modules whose functions a finish request may name by dotted path (JSON list, e.g. "

@@ -39,6 +39,7 @@ class GatewayCommand(GatewaySettings, RewardSettings):
 
     def cli_cmd(self) -> None:
         from gateway import Gateway, serve
+        from reward_hooks.agl import build_agl_router
         from reward_hooks.auth import WebhookAuth
         from reward_hooks.queue import RewardQueue
         from reward_hooks.routes import build_router
@@ -57,6 +58,7 @@ class GatewayCommand(GatewaySettings, RewardSettings):
             sys.exit(f"rlgate gateway: error: {exc}")
         app.add_routes(build_router(app.store, reward_settings, RewardQueue(reward_settings), auth),
                        signed=reward_settings.webhook_secret is not None)
+        app.add_agent_routes(build_agl_router(app.store, reward_settings))
         app.add_background(lambda store: sweep_forever(store, reward_settings))
         serve(gateway_settings, app)
 

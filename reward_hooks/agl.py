@@ -1,0 +1,120 @@
+"""Agent Lightning's event route, so its agents post rewards and events to rlgate unchanged.
+
+    POST /api/rollouts/{rollout_id}/attempt/{attempt_id}/events   {"event_type": "reward", "data": {"value": R}}
+
+An Agent Lightning 1.x agent reads `AGL_EVENT_URL` and `AGL_KEY` and posts its reward there itself (its
+`raise_for_status()` ends the agent on any error). The gateway serves this route on the agent surface
+(`Gateway.add_agent_routes`): the request carries an agent credential valid for that rollout (Bearer or
+`x-api-key`), or the operator token.
+
+- A `reward` event closes the attempt's episode with `data.value` (exactly once, within `max_abs_reward`),
+  or, with `data.call_index`, gives that call an intermediate reward. An agent that grades itself can post
+  any reward it likes, so rewards from agent credentials are taken only with `agent_rewards` on (403
+  otherwise); the operator token is always taken.
+- Any other event is kept with the episode while it is open (at most `episodes.EVENTS_MAX`, each at most
+  `episodes.EVENT_MAX_BYTES` of JSON) and shown by `GET /rollouts/{id}`.
+
+The answer is Agent Lightning's: 200 with the event (`event_type`, `rollout_id`, `attempt_id`, `timestamp`,
+`data`). Attempt 0 is the rollout itself; attempt N the episode `{rollout_id}.{N}` (as the gateway records
+its calls).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+import episodes
+from episodes import EpisodeLifecycle, EpisodeStore, RolloutEvent
+from reward_hooks import errors
+from reward_hooks.limits import RewardOutOfRange, check_reward
+from reward_hooks.routes import _store_errors
+from reward_hooks.settings import RewardSettings
+
+__all__ = ["attempt_episode", "build_agl_router"]
+
+
+class EventPost(BaseModel):
+    """Agent Lightning's `EventCreate`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    event_type: str = Field(min_length=1, max_length=128)
+    data: dict[str, Any] = Field(default_factory=dict)
+
+
+def attempt_episode(rollout_id: str, attempt_id: str) -> str:
+    """The episode an Agent Lightning attempt records into: the rollout itself for attempt 0, else
+    `{rollout_id}.{attempt_id}` (a retry is an episode of its own, of the same task)."""
+    return rollout_id if attempt_id == "0" else f"{rollout_id}.{attempt_id}"
+
+
+def build_agl_router(store: EpisodeStore, settings: RewardSettings) -> APIRouter:
+    router = APIRouter()
+    lifecycle = EpisodeLifecycle(store)
+
+    @router.post("/api/rollouts/{rollout_id}/attempt/{attempt_id}/events")
+    async def post_event(rollout_id: str, attempt_id: str, request: Request) -> Response:
+        raw = await request.body()
+        try:
+            episode = episodes.validate_id(attempt_episode(rollout_id, attempt_id), "rollout and attempt id")
+        except episodes.InvalidId as exc:
+            raise errors.NotFound(str(exc), code="rollout_not_found") from exc
+        try:
+            body = EventPost.model_validate_json(raw or b"{}")
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or None
+            raise errors.Unprocessable(f"{where or 'body'}: {first['msg']}", param=where) from exc
+        try:
+            orjson.dumps(body.data)
+        except orjson.JSONEncodeError as exc:  # lone surrogates, integers past 64 bits, too deep
+            raise errors.Unprocessable(f"data cannot be stored as JSON: {exc}", param="data") from exc
+        now = time.time()
+        if body.event_type == "reward":
+            if getattr(request.state, "credential", "operator") != "operator" and not settings.agent_rewards:
+                raise errors.Forbidden("this gateway takes rewards from the operator only: an agent that grades "
+                                       "itself can post any reward (turn on RLGATE_AGENT_REWARDS to accept "
+                                       "Agent Lightning's self-reported rewards)", code="agent_rewards_off")
+            value = body.data.get("value")
+            try:
+                reward = check_reward(value, settings.max_abs_reward, "data.value")
+            except RewardOutOfRange as exc:
+                raise errors.Unprocessable(str(exc), param="data.value", code="reward_out_of_range") from exc
+            index = body.data.get("call_index")
+            with _store_errors():
+                if index is None:
+                    details = {k: v for k, v in body.data.items() if k != "value"}
+                    try:
+                        await lifecycle.close(episode, reward, {"source": "agent_event", **details})
+                    except ValueError as exc:  # details that cannot be stored as JSON
+                        raise errors.Unprocessable(str(exc), param="data") from exc
+                elif isinstance(index, int) and not isinstance(index, bool) and index >= 0:
+                    await lifecycle.set_call_reward(episode, index, reward)
+                else:
+                    raise errors.Unprocessable("data.call_index must be a call's index (an integer >= 0)",
+                                               param="data.call_index")
+        else:
+            event = RolloutEvent(event_type=body.event_type, attempt_id=attempt_id, timestamp=now, data=body.data)
+            try:
+                size = len(event.model_dump_json())
+            except ValueError as exc:
+                raise errors.Unprocessable(f"data cannot be stored as JSON: {exc}", param="data") from exc
+            if size > episodes.EVENT_MAX_BYTES:
+                raise errors.Unprocessable(f"the event is {size} bytes of JSON; at most {episodes.EVENT_MAX_BYTES}",
+                                           param="data")
+            with _store_errors():
+                try:
+                    await store.append_event(episode, event)
+                except episodes.RolloutFull as exc:
+                    raise errors.Conflict(str(exc), code="rollout_full") from exc
+        answer = {"event_type": body.event_type, "rollout_id": rollout_id, "attempt_id": attempt_id,
+                  "timestamp": now, "data": body.data}
+        return Response(orjson.dumps(answer), media_type="application/json")
+
+    return router
