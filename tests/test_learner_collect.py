@@ -106,3 +106,26 @@ def test_a_dead_learners_pending_episodes_come_back(redis_client: redis.Redis, s
 
     groups = with_store(body)
     assert sorted((g.task_id, len(g.episodes)) for g in groups) == [("a", 3), ("b", 3)]
+
+
+def test_validation_episodes_are_scored_apart_and_never_trained(redis_client: redis.Redis):
+    """A rollout created with mode val, closed like any other: on the stream with its mode, acknowledged
+    (consumed) by the collector at once, its reward kept for the step's val_* numbers, in no group."""
+    from episodes import EpisodeLifecycle
+
+    async def body(store):
+        lifecycle = EpisodeLifecycle(store)
+        for i, mode in enumerate(["val", "train", "train", "train", "val"]):
+            await store.create_rollout(f"r{i}", "a", mode=mode)
+            await lifecycle.close(f"r{i}", float(i))
+        c = collector(store, tasks_per_step=1)
+        await c.start()
+        groups = await c.next_step(deadline_s=2)
+        statuses = [(await store.get_rollout(f"r{i}")).status for i in range(5)]
+        return groups, c.validation, statuses
+
+    groups, validation, statuses = with_store(body)
+    assert [[e.rollout_id for e in g.episodes] for g in groups] == [["r1", "r2", "r3"]]
+    assert all(e.mode == "train" for g in groups for e in g.episodes)
+    assert validation == [0.0, 4.0]
+    assert statuses[0] == statuses[4] == "consumed" and statuses[1] == "closed"  # trained ones: acked after training
