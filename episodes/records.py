@@ -121,13 +121,15 @@ class CallRecord(_Record):
 
     @property
     def trainable(self) -> bool:
-        """A call the learner can train on: no error, and the server's token ids and log-probs."""
+        """A call the learner can train on: no error, and the server's token ids. Its log-probs, when the
+        server gave them, must cover every completion token; a server that gave none (vLLM's Responses API
+        for an answer of tool calls only) leaves the learner to take its own pre-update log-probs as the
+        sampler's for this call (importance weight 1)."""
         return (
             self.error is None
             and self.prompt_token_ids is not None
             and self.completion_token_ids is not None
-            and self.completion_logprobs is not None
-            and len(self.completion_logprobs) == len(self.completion_token_ids)
+            and (self.completion_logprobs is None or len(self.completion_logprobs) == len(self.completion_token_ids))
         )
 
 

@@ -176,6 +176,7 @@ class Learner:
             "samples": stats.samples,
             "tokens": stats.tokens,
             "calls": counts["calls"],
+            "calls_without_server_logprobs": counts["no_server_logprobs"],
             "dropped_failed": counts["failed"],
             "dropped_other_agent": counts["other_agent"],
             "dropped_stale": counts["stale"],
@@ -266,7 +267,7 @@ class Learner:
             return False
         gap = tokens = 0.0
         for batch in micro_batches(samples, s.micro_batch_tokens, self.policy.pad_token_id):
-            mask = batch.action_mask
+            mask = batch.action_mask & ~torch.isnan(batch.rollout_logprobs)  # the server's own log-probs only
             ours = self.policy.log_probs(batch).cpu()
             gap += float((ours - batch.rollout_logprobs).abs()[mask].sum())
             tokens += int(mask.sum())

@@ -212,9 +212,13 @@ class Policy:
             mask = batch.action_mask.to(self.device)
             log_probs, z = self._log_probs(batch)
             old = log_probs.detach() if old_log_probs is None else old_log_probs[i].to(self.device)
+            rollout_lp = batch.rollout_logprobs.to(self.device)
+            unknown = torch.isnan(rollout_lp)  # calls the server gave no log-probs for: ours before the step
+            if bool(unknown.any()):
+                rollout_lp = torch.where(unknown, old, rollout_lp)
             policy_loss, clip_ratio, ppo_kl, rollout_kl, filtered = self.loss_fn(
                 log_probs, old, batch.advantages.to(self.device), action_mask=mask,
-                rollout_log_probs=batch.rollout_logprobs.to(self.device),
+                rollout_log_probs=rollout_lp,
                 batch_num_tokens=total_tokens, global_batch_size=total_samples)
             loss = policy_loss
             if references is not None:
@@ -239,11 +243,11 @@ class Policy:
                 sums["rollout_kl"] += float(rollout_kl) * share
                 sums["filt"] += float(filtered) * share
             else:
-                sums["rollout_kl"] += float(masked_mean(batch.rollout_logprobs.to(self.device) - log_probs.detach(),
+                sums["rollout_kl"] += float(masked_mean(rollout_lp - log_probs.detach(),
                                                         mask.float(), dim=None)) * share
             sums["entropy"] += masked_entropy(z, mask) * share
             if batch.num_actions:
-                log_w = (old - batch.rollout_logprobs.to(self.device)).detach()[mask]
+                log_w = (old - rollout_lp).detach()[mask]
                 w = log_w.exp()
                 sums["w_mean"] += float(w.sum()) / total_tokens
                 sums["gap"] += float(log_w.abs().sum()) / total_tokens

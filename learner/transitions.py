@@ -6,7 +6,8 @@ Per group (all episodes of one task in the step):
 2. the group's advantages are computed from those returns (`advantages.group_advantages`); the baseline
    statistics see every call of the group's episodes, including calls that are not trained below (other
    agents' calls count for the return and the baseline);
-3. only trainable calls become transitions: no error, the server's token ids and log-probs present,
+3. only trainable calls become transitions: no error, the server's token ids present (its log-probs too,
+   or, where the server gave none, the learner's own pre-update ones stand in: `CallRecord.trainable`),
    served by the trained policy (the base model's served name or one of its `policy-v{N}` adapters; a
    judge or tool model called through the same gateway is not the policy), made by one of
    `train_agents` (when set), served by a policy at most `max_staleness` versions old;
@@ -16,6 +17,8 @@ Per group (all episodes of one task in the step):
 """
 
 from __future__ import annotations
+
+import math
 
 import dataclasses
 from collections import Counter
@@ -84,10 +87,13 @@ def credited_transitions(groups: Sequence[Sequence[RolloutView]], settings: Lear
                 episode.append(Transition(
                     rollout_id=view.rollout_id, index=call.index, prompt_ids=tuple(call.prompt_token_ids),
                     completion_ids=tuple(call.completion_token_ids),
-                    rollout_logprobs=tuple(call.completion_logprobs), advantage=a,
+                    rollout_logprobs=(tuple(call.completion_logprobs) if call.completion_logprobs is not None
+                                      else (math.nan,) * len(call.completion_token_ids)),  # see `trainable`
+                    advantage=a,
                     policy_version=call.policy_version, temperature=temperature, logit_bias=bias,
                     top_k=top_k, top_p=top_p))
                 counts["trained"] += 1
+                counts["no_server_logprobs"] += call.completion_logprobs is None
                 counts["staleness_sum"] += version - call.policy_version
             out.append(episode)
     if settings.estimator == "reinforce_baseline":

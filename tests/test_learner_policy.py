@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from pathlib import Path
 
 import pytest
@@ -213,3 +215,26 @@ def test_importance_weight_statistics_are_logged(tiny: Path):
 def test_raw_logprobs_mode_turns_the_importance_correction_off(tiny: Path):
     policy = Policy(settings(tiny, logprobs_mode="raw_logprobs", is_correction="icepop"))
     assert policy.loss_fn.is_correction_level == "off"
+
+
+def test_a_call_without_server_logprobs_trains_with_importance_weight_one(tiny: Path):
+    """vLLM's Responses API gives no log-probs for an answer of tool calls only: such a call trains with
+    the learner's own pre-update log-probs as the sampler's, judged by OpenRLHF's PolicyLoss with TIS."""
+    policy = Policy(settings(tiny, is_correction="tis"))
+    episodes = transitions(3)
+    episodes[1] = [dataclasses.replace(episodes[1][0], rollout_logprobs=(math.nan,) * len(episodes[1][0].completion_ids))]
+    [batch] = micro_batches(build_samples(episodes), 10_000, policy.pad_token_id)
+    log_probs = policy.log_probs(batch)
+    unknown = torch.isnan(batch.rollout_logprobs)
+    assert unknown.any() and not unknown[0].any()
+    reference = PolicyLoss(clip_eps_low=0.2, clip_eps_high=0.28, is_correction_level="token",
+                           is_correction_mode="clip", is_correction_threshold=[0.5, 5.0])
+    want = reference(log_probs, log_probs, batch.advantages, action_mask=batch.action_mask,
+                     rollout_log_probs=torch.where(unknown, log_probs, batch.rollout_logprobs))[0]
+    stats = policy.update([batch])
+    assert math.isfinite(stats.loss) and abs(stats.policy_loss - float(want)) < 1e-5
+    mask = batch.action_mask & ~unknown
+    w = (log_probs - batch.rollout_logprobs).exp()[mask]
+    # the unknown tokens count with weight 1
+    assert stats.is_weight_mean == pytest.approx(float((w.sum() + (batch.action_mask & unknown).sum()) /
+                                                       batch.action_mask.sum()), rel=1e-5)

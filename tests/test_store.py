@@ -124,7 +124,9 @@ def test_record_round_trips_through_json():
     record = _record("r5", error=None, ttfb_ms=3.5)
     assert CallRecord.model_validate_json(record.model_dump_json()) == record
     assert record.trainable
-    assert not _record("r5", completion_logprobs=None).trainable
+    assert _record("r5", completion_logprobs=None).trainable  # the learner takes its own log-probs then
+    assert not _record("r5", completion_logprobs=[-0.5]).trainable  # not one per token
+    assert not _record("r5", completion_token_ids=None).trainable
     with pytest.raises(ValueError):
         CallRecord.model_validate({**record.model_dump(), "unknown_field": 1})
 
