@@ -11,6 +11,8 @@
 | `{prefix}:policy`                  | hash   | learner (`version`, `adapter`, `draining`,| gateway (polled)         | none |
 |                                    |        | `base_model`: `records.Policy`)         |                          |      |
 | `{prefix}:expiry`                  | zset   | gateway (rollout id -> expires_at)      | sweeper                  | none |
+| `{prefix}:rollouts`                | zset   | gateway (rollout id -> created_at, at   | `GET /rollouts` (listing)| none |
+|                                    |        | creation; trimmed to the newest N)      |                          |      |
 | `{prefix}:outbox`                  | zset   | reward hooks, sweeper (id -> intent ts) | sweeper (repair)         | none |
 | `{prefix}:episodes`                | stream | reward hooks, sweeper (closed episodes) | learners (consumer group)| none |
 | `{prefix}:epoch`                   | string | gateway (SET NX, a random value)        | gateways (polled)        | none |
@@ -29,11 +31,15 @@
   (`RLGATE_WEBHOOK_TOLERANCE_S`, default 300 s): as long as the request's timestamp can be accepted. The
   same id again is refused (`409 webhook_replayed`), so a captured request cannot be sent twice. The id is
   not a hash tag: a global key, touched by one SET NX.
+- The rollouts index lists rollouts by creation time for `GET /rollouts`; it is written next to the expiry
+  entry when a rollout is created (outside the creating script: another slot on a cluster) and trimmed to
+  the newest `EpisodeStore.index_max` entries (`RLGATE_ROLLOUT_INDEX_MAX`), so it never grows without
+  bound. Rollouts created before it existed are not in it.
 - The epoch marker tells a gateway that Redis lost its data: it is written once (SET NX) and only
   disappears with the rest (`gateway.watch`).
 - Keys of one rollout carry the Redis Cluster hash tag `{<rid>}`, so every Lua script (they only ever
   touch one rollout's keys) hits one slot and runs unchanged on a cluster. The global keys (`policy`,
-  `expiry`, `outbox`, `episodes`) are only touched by single-key commands.
+  `expiry`, `rollouts`, `outbox`, `episodes`) are only touched by single-key commands.
 
 Episode lifecycle (every transition is one script on the rollout hash, so it happens exactly once however
 many gateways, webhooks or workers race on it):
@@ -75,7 +81,7 @@ def validate_id(value: str, what: str = "id") -> str:
 class Keys:
     """Builds the keys of one rlgate deployment; `prefix` lets several share a Redis."""
 
-    __slots__ = ("prefix", "policy", "expiry", "outbox", "episodes", "epoch", "health")
+    __slots__ = ("prefix", "policy", "expiry", "rollouts", "outbox", "episodes", "epoch", "health")
 
     def __init__(self, prefix: str = "rlgate") -> None:
         if not prefix or "{" in prefix or "}" in prefix:
@@ -83,6 +89,7 @@ class Keys:
         self.prefix = prefix
         self.policy = f"{prefix}:policy"
         self.expiry = f"{prefix}:expiry"
+        self.rollouts = f"{prefix}:rollouts"
         self.outbox = f"{prefix}:outbox"
         self.episodes = f"{prefix}:episodes"
         self.epoch = f"{prefix}:epoch"

@@ -172,3 +172,25 @@ class Policy(_Record):
     base_model: str | None = None
     draining: bool = Field(False, description="A full-weight push is under way: gateways hold new calls "
                            "(or answer 429) until it is over; calls in flight finish on the old weights.")
+
+
+class RolloutSummary(BaseModel):
+    """A rollout as `GET /rollouts` lists it: its state, without its metadata and calls."""
+
+    rollout_id: str
+    task_id: str | None = None
+    status: RolloutStatus
+    mode: Mode = "train"
+    created_at: float = Field(description="Unix seconds.")
+    closed_at: float | None = None
+    reward: float | None = None
+    error: str | None = None
+    calls: int = Field(description="Call records held (one per choice).")
+
+
+class RolloutListing(BaseModel):
+    """One page of `GET /rollouts`: newest first. A filtered page may hold fewer rollouts than asked for,
+    even none; the listing goes on while `next_cursor` is not null."""
+
+    rollouts: list[RolloutSummary]
+    next_cursor: str | None = Field(description="Pass as `cursor` for the next page; null on the last one.")

@@ -39,11 +39,16 @@ from episodes.records import (
     Policy,
     Rollout,
     RolloutEvent,
+    RolloutListing,
+    RolloutSummary,
     RolloutView,
 )
 
 EVENTS_MAX = 256  # events kept per rollout (each at most EVENT_MAX_BYTES of JSON)
 EVENT_MAX_BYTES = 16 * 1024
+INDEX_MAX = 1_000_000  # rollouts the listing index keeps (the newest; `EpisodeStore.index_max`)
+LIST_MAX = 1000  # most index entries one `list_rollouts` call reads
+_SUMMARY_FIELDS = ("rollout_id", "task_id", "status", "mode", "created_at", "closed_at", "reward", "error")
 
 
 def _text(value: bytes | str) -> str:
@@ -92,6 +97,7 @@ class EpisodeStore:
         self.keys = keys or Keys()
         self.timeout_s = timeout_s
         self.rollout_ttl_s = rollout_ttl_s
+        self.index_max = INDEX_MAX  # the listing index is trimmed to this many (the newest) rollouts
         self._create = redis.register_script(_lua.CREATE_ROLLOUT)
         self._record = ScriptBatcher(redis, _lua.RECORD_CALLS, timeout_s)
         self._append_event = redis.register_script(_lua.APPEND_EVENT)
@@ -147,7 +153,7 @@ class EpisodeStore:
                       repr(rollout.expires_at), mode],
             )
             if created:
-                await self.redis.zadd(self.keys.expiry, {rollout_id: rollout.expires_at})
+                await self._schedule(rollout_id, now, rollout.expires_at)
         if not created:
             raise RolloutExists(f"rollout {rollout_id!r} already exists")
         return rollout
@@ -192,10 +198,10 @@ class EpisodeStore:
         if code == 0 and created[0]:  # a rollout born with its first call: schedule its expiry
             try:
                 async with _guard(self.timeout_s):
-                    await self.redis.zadd(self.keys.expiry, {rollout_id: expires_at})
+                    await self._schedule(rollout_id, now, expires_at)
             except StoreUnavailable:
                 # The call is recorded; failing it now would leave a record the agent never got. The
-                # rollout then just does not expire by itself (a reward still closes it).
+                # rollout then just does not expire by itself (a reward still closes it), nor is it listed.
                 pass
         if code == 0:
             return int(value)
@@ -203,6 +209,67 @@ class EpisodeStore:
         if code == 1:
             raise RolloutNotOpen(rollout_id, value)
         raise TaskMismatch(rollout_id, value, task_id or "")
+
+    async def _schedule(self, rollout_id: str, created_at: float, expires_at: float) -> None:
+        """A new rollout's global entries, in one round trip: its expiry, and its place in the listing index
+        (trimmed to the newest `index_max`). Not in the creating script: these keys live in other slots."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zadd(self.keys.expiry, {rollout_id: expires_at})
+        pipe.zadd(self.keys.rollouts, {rollout_id: created_at})
+        pipe.zremrangebyrank(self.keys.rollouts, 0, -self.index_max - 1)
+        await pipe.execute()
+
+    async def list_rollouts(self, *, task_id: str | None = None, status: str | None = None,
+                            since: float | None = None, until: float | None = None, limit: int = 100,
+                            cursor: str | None = None) -> RolloutListing:
+        """One page of rollouts, newest first, from the listing index (`Keys.rollouts`).
+
+        Reads at most `limit` (1 .. `LIST_MAX`) index entries created in [since, until], or, with `cursor`
+        (the previous page's `next_cursor`), the entries after that page. The candidates' hashes are read
+        with one HMGET each, pipelined; `task_id` and `status` then filter them, so a filtered page may hold
+        fewer than `limit` rollouts, even none, with a `next_cursor` to continue: the listing is over when
+        `next_cursor` is null. Rollouts whose hash is gone are left out. Raises `ValueError` for a cursor
+        that is not one.
+        """
+        if not 1 <= limit <= LIST_MAX:
+            raise ValueError(f"limit must be 1 .. {LIST_MAX}")
+        top: float | str = "+inf" if until is None else until
+        skip = 0
+        if cursor is not None:
+            top, skip = _parse_cursor(cursor)
+        bottom: float | str = "-inf" if since is None else since
+        async with _guard(self.timeout_s):
+            entries = await self.redis.zrange(self.keys.rollouts, top, bottom, desc=True, byscore=True,
+                                              offset=skip, num=limit, withscores=True)
+            pipe = self.redis.pipeline(transaction=False)
+            for member, _ in entries:
+                rid = _text(member)
+                pipe.hmget(self.keys.rollout(rid), *_SUMMARY_FIELDS)
+                pipe.llen(self.keys.calls(rid))
+            replies = await pipe.execute() if entries else []
+        next_cursor = None
+        if len(entries) == limit:  # a full page: there may be more
+            last = entries[-1][1]
+            ties = sum(1 for _, score in entries if score == last)
+            if cursor is not None and ties == len(entries) and float(top) == last:
+                ties += skip  # the whole page sits on the cursor's timestamp: skip past it too
+            next_cursor = f"{last!r}:{ties}"
+
+        def decode() -> list[RolloutSummary]:
+            rows = []
+            for i in range(0, len(replies), 2):
+                values, calls = replies[i], replies[i + 1]
+                if values[2] is None:  # no status: the hash is gone
+                    continue
+                data = {name: _text(value) for name, value in zip(_SUMMARY_FIELDS, values, strict=True)
+                        if value is not None}
+                data["task_id"] = data.get("task_id") or None
+                if (task_id is None or data["task_id"] == task_id) and (status is None or data["status"] == status):
+                    rows.append(RolloutSummary.model_validate({**data, "calls": calls}))
+            return rows
+
+        rollouts = await asyncio.to_thread(decode) if len(entries) > 100 else decode()
+        return RolloutListing(rollouts=rollouts, next_cursor=next_cursor)
 
     async def get_rollout(self, rollout_id: str) -> Rollout | None:
         async with _guard(self.timeout_s):
@@ -378,6 +445,19 @@ class EpisodeStore:
 
 _JSON_FIELDS = ("metadata", "reward_metadata", "finish")
 _INTERNAL_FIELDS = ("published", "claimed_by", "claimed_until_ms")
+
+
+def _parse_cursor(cursor: str) -> tuple[float, int]:
+    """A listing cursor: the creation time of the previous page's last rollout and how many rollouts of
+    that time it held."""
+    score, _, skip = cursor.rpartition(":")
+    try:
+        top, count = float(score), int(skip)
+    except ValueError:
+        raise ValueError(f"invalid cursor {cursor!r}: pass a next_cursor of GET /rollouts unchanged") from None
+    if count < 0 or top != top:
+        raise ValueError(f"invalid cursor {cursor!r}: pass a next_cursor of GET /rollouts unchanged")
+    return top, count
 
 
 def _rollout_from_hash(fields: dict[bytes, bytes]) -> Rollout:

@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import episodes
 from episodes import RolloutView
 from episodes.api_error import ApiError, error_body
+from episodes.records import RolloutListing
 from gateway import errors
 
 if TYPE_CHECKING:
@@ -140,6 +141,25 @@ def build_api(gateway: Gateway) -> FastAPI:
         created = RolloutCreated(**rollout.model_dump(exclude={"schema_version"}), base_url=base_url,
                                  api_key=api_key, agent_env=agent_env)
         return _json(201, created.model_dump_json().encode())
+
+    @api.get("/rollouts", response_model=RolloutListing)
+    async def list_rollouts(
+        task_id: str | None = Query(None, description="Only the rollouts of this task."),
+        status: episodes.RolloutStatus | None = Query(None, description="Only rollouts in this state."),
+        since: float | None = Query(None, description="Only rollouts created at or after (unix seconds)."),
+        until: float | None = Query(None, description="Only rollouts created at or before (unix seconds)."),
+        limit: int = Query(PAGE_DEFAULT, ge=1, le=PAGE_MAX, description="Index entries read for this page."),
+        cursor: str | None = Query(None, max_length=64, description="The previous page's next_cursor."),
+    ) -> Response:
+        """Rollouts newest first, a page at a time (`EpisodeStore.list_rollouts`): a filtered page may hold
+        fewer than `limit` rollouts, even none; go on with `cursor=next_cursor` until it is null."""
+        try:
+            listing = await store.list_rollouts(task_id=task_id, status=status, since=since, until=until,
+                                                limit=limit, cursor=cursor)
+        except ValueError as exc:
+            raise errors.BadRequest(str(exc), param="cursor", code="invalid_cursor") from exc
+        body = await asyncio.to_thread(listing.model_dump_json) if limit > 100 else listing.model_dump_json()
+        return _json(200, body.encode())
 
     @api.get("/rollouts/{rollout_id}", response_model=RolloutPage)
     async def get_rollout(rollout_id: str, offset: int = Query(0, ge=0, le=2**62, description="First call index."),

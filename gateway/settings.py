@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
+
+from episodes.settings import SHARED_ENV, SharedSettings
 
 
-class GatewaySettings(BaseSettings):
+class GatewaySettings(SharedSettings):
     """Run the recording gateway: an OpenAI-compatible proxy that records every completion in Redis."""
+
+    # the upstream is the inference server: its key is the one the learner and `rlgate serve` share
+    shared_env: ClassVar[dict[str, str]] = {**SHARED_ENV, "upstream_api_key": "RLGATE_INFERENCE_API_KEY"}
 
     model_config = SettingsConfigDict(
         env_prefix="RLGATE_", cli_kebab_case=True, cli_implicit_flags=True, extra="ignore"
@@ -123,6 +128,9 @@ class GatewaySettings(BaseSettings):
     learner_group: str = Field("learners", description="The learners' consumer group of the closed-episode "
                                "stream (the learner's RLGATE_LEARNER_GROUP): what it has not acknowledged counts "
                                "toward max_backlog; without that group (no learner yet) only reward jobs count.")
+    rollout_index_max: int = Field(
+        1_000_000, ge=1, description="How many rollouts the listing index (GET /rollouts) keeps: the newest; "
+        "older ones stay readable by id, they are just no longer listed.")
     recent_rollouts: int = Field(100_000, ge=1, description="How many rollouts this gateway remembers having "
                                  "recorded, to refuse calls into them after Redis lost its data.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")

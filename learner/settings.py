@@ -1,4 +1,5 @@
-"""`rlgate learner` settings: flags or RLGATE_LEARNER_* environment variables."""
+"""`rlgate learner` settings: flags or RLGATE_LEARNER_* environment variables (the settings every service
+shares also from their RLGATE_* names: `episodes.settings`)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,12 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, SecretStr, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
+
+from episodes.settings import SharedSettings
 
 
-class LearnerSettings(BaseSettings):
+class LearnerSettings(SharedSettings):
     model_config = SettingsConfigDict(env_prefix="RLGATE_LEARNER_", extra="ignore")
 
     # Where episodes come from and where weights go
@@ -23,7 +26,7 @@ class LearnerSettings(BaseSettings):
         None, description="The name the inference servers serve the base model under (what agents ask "
         "for); default: the model path, as vLLM names it.")
     inference_urls: list[str] = Field(
-        default_factory=lambda: ["http://127.0.0.1:8000"],
+        ["http://127.0.0.1:8000"],
         description="Every inference server's base URL (no /v1); adapters are loaded on each.")
     inference_api_key: SecretStr | None = Field(
         None, description="The inference servers' --api-key (vLLM and rlgate serve guard /v1 with it, the LoRA "
@@ -44,7 +47,7 @@ class LearnerSettings(BaseSettings):
     push_drain_s: float = Field(0.5, ge=0, description="Full push: how long to wait after telling the "
                                 "gateways to hold new calls (at least twice their RLGATE_POLICY_POLL_S).")
     resume: bool = Field(True, description="Continue from the last checkpoint in output_dir when there is one "
-                         "(its weights, optimizer, step and version; it re-pushes that version). --resume false "
+                         "(its weights, optimizer, step and version; it re-pushes that version). --no-resume "
                          "starts fresh from the base weights at version 0.")
 
     # Steps and groups

@@ -5,12 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from pydantic import Field, SecretStr, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
+
+from episodes.settings import SharedSettings
 
 MIN_SECRET_CHARS = 16  # as the gateway's operator token
 
 
-class RewardSettings(BaseSettings):
+class RewardSettings(SharedSettings):
     """Run the reward worker: an rq worker that computes rewards and closes episodes."""
 
     # hide_input_in_errors: a refused setting's error must not echo the settings, the webhook secret included

@@ -1,12 +1,18 @@
-"""The `rlgate` command: one subcommand per service. Flags or RLGATE_* environment variables.
+"""The `rlgate` command: one subcommand per service. Flags or environment variables; `--help` names both.
 
     rlgate gateway --upstream-url http://127.0.0.1:8000/v1 --port 8100
     rlgate worker
     rlgate reward ROLLOUT_ID 1.0
+    rlgate rollouts list --status closed --since 2026-11-30 && rlgate rollouts show ROLLOUT_ID
     rlgate export episodes.parquet --format parquet --min-reward 0.5
     rlgate make-tiny-model runs/tiny && rlgate serve --model runs/tiny --port 8000
     rlgate demo --quick
     rlgate learner --model runs/tiny --served-model-name tiny --inference-urls '["http://127.0.0.1:8000"]'
+
+Settings every service shares (RLGATE_REDIS_URL, RLGATE_KEY_PREFIX, the secrets) have one name for all
+(`episodes.settings`); the others are under the service's prefix (RLGATE_LEARNER_*, RLGATE_SERVE_*,
+RLGATE_DEMO_*). Booleans are flags (`--resume` / `--no-resume`; `--resume true` still works). An ordinary
+mistake is one line on stderr and exit code 2 (`rlgate._errors`); `--debug` shows the traceback.
 
 This module is where the services meet: the gateway serves the reward webhook routes and runs the
 sweeper, but neither package imports the other.
@@ -17,19 +23,85 @@ sweeper, but neither package imports the other.
 from __future__ import annotations
 
 import json
+import os
 import sys
+import types
+import typing
+from argparse import RawDescriptionHelpFormatter
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Literal
+from typing import Any, ClassVar, Literal
+from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import Field
+from pydantic import Field, SecretStr, ValidationError
+from pydantic_core import core_schema
 from pydantic_settings import (
-    BaseSettings, CliApp, CliImplicitFlag, CliPositionalArg, CliSubCommand, SettingsConfigDict,
+    BaseSettings,
+    CliApp,
+    CliToggleFlag,
+    CliPositionalArg,
+    CliSettingsSource,
+    CliSubCommand,
+    EnvSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
 )
+from pydantic_settings.sources.providers.cli import _CliInternalArgParser, _CliPositionalArg, _CliSubCommand
 
+from episodes import StoreUnavailable
+from episodes.settings import SharedSettings
 from gateway import GatewaySettings
 from learner.settings import LearnerSettings
 from reward_hooks.settings import RewardSettings
+from rlgate._errors import EXIT_USAGE, UsageError, explain
 from rlgate._logging import configure_logging
+
+
+def parse_time(value: Any) -> Any:
+    """Unix seconds, an ISO date (2026-11-30: midnight UTC) or date and time (UTC unless it names its
+    offset), as unix seconds."""
+    if value is None or isinstance(value, int | float):
+        return value
+    text = str(value).strip()
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        raise ValueError("use unix seconds, a date (2026-11-30) or a date and time (2026-11-30T12:00, UTC "
+                         "unless it names its offset, e.g. +02:00)") from None
+    return (moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)).timestamp()
+
+
+class Timestamp(float):
+    """A point in time: unix seconds, or an ISO 8601 date or date and time (`parse_time`)."""
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source: Any, handler: Any) -> core_schema.CoreSchema:
+        return core_schema.no_info_before_validator_function(parse_time, core_schema.float_schema())
+
+
+def _redact(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+async def _check_redis(url: str, prefix: str, timeout_s: float) -> None:
+    """Raise `StoreUnavailable` (one line for the user) unless Redis answers: a service that starts
+    anyway would only fail later, less clearly."""
+    from episodes import EpisodeStore
+
+    store = EpisodeStore.from_url(url, prefix=prefix, timeout_s=timeout_s)
+    try:
+        await store.ping()
+    finally:
+        await store.aclose()
 
 
 class GatewayCommand(GatewaySettings, RewardSettings):
@@ -45,6 +117,8 @@ class GatewayCommand(GatewaySettings, RewardSettings):
         from reward_hooks.routes import build_router
         from reward_hooks.sweeper import sweep_forever
 
+        import asyncio
+
         configure_logging(self.log_level, self.log_format)
         gateway_settings = GatewaySettings.model_validate(self.model_dump())
         reward_settings = RewardSettings.model_validate(self.model_dump())
@@ -55,7 +129,14 @@ class GatewayCommand(GatewaySettings, RewardSettings):
             operator = app.is_operator if gateway_settings.operator_token is not None else None
             auth = WebhookAuth(reward_settings, is_operator=operator)
         except ValueError as exc:
-            sys.exit(f"rlgate gateway: error: {exc}")
+            raise UsageError(str(exc)) from exc
+        app.store.index_max = gateway_settings.rollout_index_max
+        try:  # the gateway runs without Redis (503 to agents, or unrecorded with on_store_error=pass): say so
+            asyncio.run(_check_redis(self.redis_url, self.key_prefix, self.redis_timeout_s))
+        except StoreUnavailable as exc:
+            print(f"rlgate gateway: warning: {str(exc).rstrip('.')}: calls are refused (503) until Redis "
+                  f"answers at {_redact(self.redis_url)} (start redis-server or set RLGATE_REDIS_URL)",
+                  file=sys.stderr)
         app.add_routes(build_router(app.store, reward_settings, RewardQueue(reward_settings), auth),
                        signed=reward_settings.webhook_secret is not None)
         app.add_agent_routes(build_agl_router(app.store, reward_settings))
@@ -63,17 +144,36 @@ class GatewayCommand(GatewaySettings, RewardSettings):
         serve(gateway_settings, app)
 
 
-class WorkerCommand(RewardSettings):
-    """Run the reward worker: an rq worker that runs reward jobs (POST /rollouts/{id}/finish), each of which
-    computes the episode's reward with the named reward function and closes the episode."""
+def _like(cls: type[BaseSettings], name: str) -> Any:
+    """A field declared as `cls` declares it (default, constraints, description)."""
+    from copy import deepcopy
 
+    return deepcopy(cls.model_fields[name])
+
+
+class WorkerCommand(SharedSettings):
+    """Run the reward worker: an rq worker that runs reward jobs (POST /rollouts/{id}/finish), each of which
+    computes the episode's reward with the named reward function and closes the episode. Only the settings
+    a reward job reads; the gateway's (secrets, retries, expiry) are set on the gateway."""
+
+    model_config = SettingsConfigDict(env_prefix="RLGATE_", extra="ignore", hide_input_in_errors=True)
+
+    redis_url: str = _like(RewardSettings, "redis_url")
+    key_prefix: str = _like(RewardSettings, "key_prefix")
+    redis_timeout_s: float = _like(RewardSettings, "redis_timeout_s")
+    reward_queue: str = _like(RewardSettings, "reward_queue")
+    reward_fn_modules: list[str] = _like(RewardSettings, "reward_fn_modules")
+    max_abs_reward: float = _like(RewardSettings, "max_abs_reward")
+    reward_data_dir: Path | None = _like(RewardSettings, "reward_data_dir")
+    judge_model: str | None = _like(RewardSettings, "judge_model")
+    judge_api_base: str | None = _like(RewardSettings, "judge_api_base")
     burst: bool = Field(False, description="Exit once the queue is empty.")
     fork: bool = Field(True, description="Run each job in a forked work horse (rq's default: a crashing or "
-                       "leaking reward function cannot take the worker down). --fork false runs jobs in the "
+                       "leaking reward function cannot take the worker down). --no-fork runs jobs in the "
                        "worker process (rq's SimpleWorker): several times more jobs per second for light "
                        "reward functions such as math_answer.")
-    log_level: str = Field("info", description="Log level.")
-    log_format: str = Field("auto", description="auto, json or console.")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
+    log_format: Literal["auto", "json", "console"] = Field("auto", description="auto, json or console.")
 
     def cli_cmd(self) -> None:
         from rq import SimpleWorker, Worker
@@ -82,18 +182,29 @@ class WorkerCommand(RewardSettings):
         from reward_hooks.queue import connect
 
         configure_logging(self.log_level, self.log_format)
-        worker = (Worker if self.fork else SimpleWorker)([self.reward_queue], connection=connect(self), serializer=JSONSerializer)
+        settings = RewardSettings.model_validate(self.model_dump(include=set(RewardSettings.model_fields)))
+        # A reward job reads its settings from RLGATE_* (`reward_hooks.jobs`), in this process or a forked
+        # work horse: this worker's flags reach it through them.
+        for name in self.model_fields_set & set(RewardSettings.model_fields):
+            value = getattr(self, name)
+            if value is not None:
+                os.environ[f"RLGATE_{name.upper()}"] = json.dumps(value) if isinstance(value, list) else str(value)
+        connection = connect(settings)
+        connection.ping()  # Redis down: one line now rather than rq's retries
+        worker = (Worker if self.fork else SimpleWorker)([self.reward_queue], connection=connection,
+                                                         serializer=JSONSerializer)
         worker.work(burst=self.burst, with_scheduler=True)
 
 
-class RewardCommand(BaseSettings):
+class RewardCommand(SharedSettings):
     """Post an episode's final reward to the gateway's webhook (signed when RLGATE_WEBHOOK_SECRET is set)."""
 
     model_config = SettingsConfigDict(env_prefix="RLGATE_", cli_kebab_case=True, extra="ignore")
 
     rollout_id: CliPositionalArg[str] = Field(description="The rollout to close.")
     value: CliPositionalArg[float] = Field(description="Its final reward.")
-    gateway_url: str = Field("http://127.0.0.1:8100", description="The gateway's base URL.")
+    gateway_url: str = Field("http://127.0.0.1:8100", description="The gateway's base URL (its control port "
+                             "when it has one).")
 
     def cli_cmd(self) -> None:
         from reward_hooks.client import RewardRejected, post_reward
@@ -104,12 +215,33 @@ class RewardCommand(BaseSettings):
             answer = post_reward(self.gateway_url, self.rollout_id, self.value,
                                  secret=secret.get_secret_value() if secret is not None else None)
         except RewardRejected as exc:
-            print(exc.body, file=sys.stderr)
-            raise SystemExit(1) from exc
+            raise UsageError(f"the gateway refused the reward: HTTP {exc.status}: {_error_message(exc.body)}"
+                             f"{_auth_hint(exc.status, 'RLGATE_WEBHOOK_SECRET or RLGATE_OPERATOR_TOKEN')}"
+                             ) from exc
+        except OSError as exc:
+            raise _unreachable(self.gateway_url, exc) from exc
         print(json.dumps(answer))
 
 
-class ExportCommand(BaseSettings):
+def _error_message(body: str) -> str:
+    """The message of an OpenAI-shaped error body, else the body's first line."""
+    try:
+        return str(json.loads(body)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return body.strip().splitlines()[0] if body.strip() else "(no body)"
+
+
+def _auth_hint(status: int, what: str) -> str:
+    return f" (set {what})" if status in (401, 403) else ""
+
+
+def _unreachable(url: str, exc: OSError) -> UsageError:
+    reason = getattr(exc, "reason", exc)
+    return UsageError(f"cannot reach the gateway at {_redact(url)} ({reason}): start it (rlgate gateway) or "
+                      "pass --gateway-url (RLGATE_GATEWAY_URL)")
+
+
+class ExportCommand(SharedSettings):
     """Export episodes as training data: one row per LLM call (JSONL or Parquet, loadable with HF datasets),
     or chat-format rows for supervised fine-tuning (--format sft)."""
 
@@ -119,9 +251,12 @@ class ExportCommand(BaseSettings):
     format: Literal["jsonl", "parquet", "sft"] = Field("jsonl", description="jsonl, parquet or sft (JSONL).")
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis holding the episodes.")
     key_prefix: str = Field("rlgate", description="Prefix of every Redis key.")
-    status: list[str] = Field(["closed", "consumed"], description="Episode statuses to export (JSON list).")
-    since: float | None = Field(None, description="Only episodes closed at or after (unix seconds).")
-    until: float | None = Field(None, description="Only episodes closed before (unix seconds).")
+    redis_timeout_s: float = Field(5.0, description="Time limit of one Redis operation.")
+    status: list[str] = Field(["closed", "consumed"], description="Episode statuses to export (JSON list, or "
+                              "the flag repeated).")
+    since: Timestamp | None = Field(None, description="Only episodes closed at or after this time: unix "
+                                    "seconds, a date (2026-11-30) or a date and time (UTC unless it says).")
+    until: Timestamp | None = Field(None, description="Only episodes closed before this time (as --since).")
     task: str | None = Field(None, description="Only this task.")
     agent: str | None = Field(None, description="Only the calls of this agent (X-Agent-Name).")
     min_reward: float | None = Field(None, description="Only episodes whose final return is at least this.")
@@ -132,24 +267,71 @@ class ExportCommand(BaseSettings):
         from episodes import EpisodeStore
         from episodes.export import ExportFilter, export
 
-        async def run() -> int:
-            store = EpisodeStore.from_url(self.redis_url, prefix=self.key_prefix)
+        flt = ExportFilter(tuple(self.status), self.since, self.until, self.task, self.agent, self.min_reward)
+
+        async def run() -> tuple[int, str | None]:
+            store = EpisodeStore.from_url(self.redis_url, prefix=self.key_prefix, timeout_s=self.redis_timeout_s)
             try:
-                flt = ExportFilter(tuple(self.status), self.since, self.until, self.task, self.agent, self.min_reward)
-                return await export(store, self.out, self.format, flt)
+                await store.ping()
+                rows = await export(store, self.out, self.format, flt)
+                return rows, (await self._why_empty(store) if rows == 0 else None)
             finally:
                 await store.aclose()
 
-        rows = asyncio.run(run())
+        rows, hint = asyncio.run(run())
         print(json.dumps({"rows": rows, "path": str(self.out), "format": self.format}))
+        if hint is not None:
+            print(f"rlgate export: {hint}", file=sys.stderr)
+
+    async def _why_empty(self, store: Any, most: int = 100_000) -> str:
+        """One line on why nothing was exported: what is in the store (the statuses of its first `most`
+        rollouts), and what the export looked for."""
+        from collections import Counter
+
+        from episodes.export import rollout_ids
+
+        statuses: Counter[str] = Counter()
+        batch: list[str] = []
+
+        async def count() -> None:
+            async with store.guard():
+                pipe = store.redis.pipeline(transaction=False)
+                for rid in batch:
+                    pipe.hget(store.keys.rollout(rid), "status")
+                for value in await pipe.execute():
+                    statuses[value.decode() if value else "gone"] += 1
+            batch.clear()
+
+        async for rid in rollout_ids(store):
+            batch.append(rid)
+            if len(batch) == 1000:
+                await count()
+            if sum(statuses.values()) + len(batch) >= most:
+                break
+        if batch:
+            await count()
+        where = f"key prefix {self.key_prefix!r} in {_redact(self.redis_url)}"
+        if not statuses:
+            return (f"no rollouts under {where}: is this the Redis and key prefix the gateway records to? "
+                    "(--redis-url/RLGATE_REDIS_URL, --key-prefix/RLGATE_KEY_PREFIX)")
+        wanted = [f"status {' or '.join(self.status)}"]
+        for name, value in (("task", self.task), ("agent", self.agent), ("since", self.since),
+                            ("until", self.until), ("min reward", self.min_reward)):
+            if value is not None:
+                wanted.append(f"{name} {value}")
+        found = ", ".join(f"{n} {status}" for status, n in statuses.most_common())
+        closed = statuses["closed"] + statuses["consumed"]
+        why = "" if closed else " (an episode is exported once a reward closes it)"
+        return f"nothing matched {', '.join(wanted)}; {where} holds {found}{why}"
 
 
-class ServeCommand(BaseSettings):
+class ServeCommand(SharedSettings):
     """Serve a local Hugging Face causal LM on the CPU through an OpenAI-compatible API in vLLM's wire format
     (token ids, log-probs, hermes tool calls): the embedded inference backend, for small models. Prints
     READY <port> once listening. Needs `pip install rlgate[serve]`."""
 
     model_config = SettingsConfigDict(env_prefix="RLGATE_SERVE_", cli_kebab_case=True, extra="ignore")
+    shared_env: ClassVar[dict[str, str]] = {"api_key": "RLGATE_INFERENCE_API_KEY"}
 
     model: Path = Field(description="A local Hugging Face causal LM folder (rlgate make-tiny-model builds one).")
     host: str = Field("127.0.0.1", description="Interface to listen on.")
@@ -168,8 +350,8 @@ class ServeCommand(BaseSettings):
         "/update_weight_version, /weight_info (else 404). Default: vLLM's VLLM_SERVER_DEV_MODE (1), else off.")
     api_key: str | None = Field(
         None, description="Require this key (Authorization: Bearer KEY) on /v1/..., as vLLM's --api-key (not on "
-        "/health, /tokenize or the dev-mode routes); prefer RLGATE_SERVE_API_KEY or VLLM_API_KEY to a flag "
-        "that ps shows. Default: vLLM's VLLM_API_KEY, else none.")
+        "/health, /tokenize or the dev-mode routes); prefer the variable to a flag that ps shows. Default: "
+        "vLLM's VLLM_API_KEY, else none.")
     weights_root: Path | None = Field(
         None, description="Adapters (lora_path) and weight files (update_info.path) are read only from under this "
         "folder; any other path is answered as missing. Default: the parent folder of --model.")
@@ -185,7 +367,7 @@ class ServeCommand(BaseSettings):
             vllm_env = VllmEnvironment()  # vLLM's variables for the same gates; the flags win
             root = WeightsRoot(self.weights_root or Path(self.model).resolve().parent).root
         except ValueError as exc:
-            sys.exit(f"rlgate serve: error: {str(exc).splitlines()[0]}")
+            raise UsageError(str(exc).splitlines()[0]) from exc
         lora = self.allow_runtime_lora_updating
         dev = self.dev_mode
         try:
@@ -198,7 +380,18 @@ class ServeCommand(BaseSettings):
             pass
 
 
-class MakeTinyModelCommand(BaseSettings):
+class _FlagsOnly(BaseSettings):
+    """A command read from its flags alone: no environment variable reaches it."""
+
+    reads_env: ClassVar[bool] = False
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+                                   *args: Any, **kwargs: Any) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings,)
+
+
+class MakeTinyModelCommand(_FlagsOnly):
     """Build, deterministically from a seed, a tiny causal LM (Qwen2 architecture) with a byte-level
     tokenizer and a ChatML chat template with hermes-style tool calls, as a normal Hugging Face folder."""
 
@@ -217,8 +410,7 @@ class MakeTinyModelCommand(BaseSettings):
             path = build_tiny_model(self.directory, seed=self.seed, hidden_size=self.hidden_size,
                                     num_layers=self.num_layers, num_heads=self.num_heads)
         except FileExistsError as exc:
-            print(f"rlgate make-tiny-model: {exc}", file=sys.stderr)
-            raise SystemExit(1) from exc
+            raise UsageError(f"{exc}: choose a new folder") from exc
         print(json.dumps({"path": str(path)}))
 
 
@@ -233,18 +425,23 @@ class LearnerCommand(LearnerSettings):
     log_format: Literal["auto", "json", "console"] = Field("auto", description="auto, json or console.")
 
     def cli_cmd(self) -> None:
-        from learner.loop import LogprobMismatch, run
+        import asyncio
 
         configure_logging(self.log_level, self.log_format)
+        settings = LearnerSettings.model_validate(self.model_dump(exclude={"log_level", "log_format"}))
+        asyncio.run(_check_redis(settings.redis_url, settings.key_prefix, 10.0))  # before torch loads
+
+        from learner.loop import LogprobMismatch, run
+
         try:
-            run(LearnerSettings.model_validate(self.model_dump(exclude={"log_level", "log_format"})))
+            run(settings)
         except KeyboardInterrupt:
             pass
         except LogprobMismatch as exc:
-            sys.exit(f"rlgate learner: error: {exc}")
+            raise UsageError(str(exc)) from exc
 
 
-class DemoCommand(BaseSettings):
+class DemoCommand(SharedSettings):
     """Run the whole loop on this machine: the tiny model served on the CPU, the gateway, the reward worker,
     the learner and parallel OpenAI-SDK agents learning to use a calculator (Calc-X in miniature). Shows
     live progress; writes summary.json and reward_curve.png into --workdir."""
@@ -255,8 +452,9 @@ class DemoCommand(BaseSettings):
     workdir: Path = Field(Path("runs/demo"), description="Model, logs, adapters, summary and curve.")
     minutes: float = Field(10.0, description="Stop after this long at the latest.")
     target: float = Field(0.9, description="Stop once the success rate of the last 3 steps reaches this.")
-    quick: CliImplicitFlag[bool] = Field(False, description="CI mode: stop after at most 3 minutes.")
-    json_path: Path | None = Field(None, alias="json", description="Also write the JSON summary here.")
+    quick: bool = Field(False, description="CI mode: stop after at most 3 minutes.")
+    json_path: Path | None = Field(None, alias="json", description="Also write the JSON summary here (a flag "
+                                   "only: no variable).")
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis to use (a redis-server is started "
                            "for the demo if none answers there).")
     concurrency: int = Field(16, description="Agent episodes in flight.")
@@ -281,27 +479,327 @@ class DemoCommand(BaseSettings):
             raise SystemExit(1)
 
 
-class Rlgate(BaseSettings):
-    """rlgate: any agent gets better through reinforcement learning by pointing OPENAI_BASE_URL at it."""
+
+
+class _GatewayClient(SharedSettings):
+    """What `rlgate rollouts` needs to reach the gateway's operator surface."""
+
+    model_config = SettingsConfigDict(env_prefix="RLGATE_", cli_kebab_case=True, extra="ignore",
+                                      hide_input_in_errors=True)
+
+    gateway_url: str = Field("http://127.0.0.1:8100", description="The gateway's operator surface: its base "
+                             "URL, or its control port's when it has one.")
+    operator_token: SecretStr | None = Field(None, description="The gateway's operator token, when it has one; "
+                                             "prefer the variable to a flag that ps shows.")
+
+    def get(self, path: str, params: dict[str, Any] | None = None) -> Any:
+        """GET a JSON document from the gateway; its mistakes as one line (`UsageError`)."""
+        import urllib.error
+        import urllib.request
+        from urllib.parse import quote, urlencode
+
+        query = urlencode({k: v for k, v in (params or {}).items() if v is not None})
+        url = f"{self.gateway_url.rstrip('/')}{quote(path)}" + (f"?{query}" if query else "")
+        headers = {"Accept": "application/json"}
+        if self.operator_token is not None:
+            headers["Authorization"] = f"Bearer {self.operator_token.get_secret_value()}"
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=30) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            message = _error_message(exc.read().decode("utf-8", "replace"))
+            if exc.code == 405:
+                message += ": this gateway has no GET /rollouts (an older rlgate; upgrade it)"
+            raise UsageError(f"the gateway answered HTTP {exc.code}: {message}"
+                             f"{_auth_hint(exc.code, 'RLGATE_OPERATOR_TOKEN')}") from exc
+        except OSError as exc:
+            raise _unreachable(self.gateway_url, exc) from exc
+
+
+class RolloutsListCommand(_GatewayClient):
+    """List rollouts, newest first: id, task, status, mode, creation time, calls, reward. Reads the
+    gateway's GET /rollouts page by page until --limit rollouts matched or the listing is over."""
+
+    task: str | None = Field(None, description="Only the rollouts of this task.")
+    status: Literal["open", "closed", "consumed", "expired", "failed"] | None = Field(
+        None, description="Only rollouts in this state.")
+    since: Timestamp | None = Field(None, description="Only rollouts created at or after this time: unix "
+                                    "seconds, a date (2026-11-30) or a date and time (UTC unless it says).")
+    until: Timestamp | None = Field(None, description="Only rollouts created at or before this time.")
+    limit: int = Field(20, ge=1, le=100_000, description="Show at most this many.")
+    cursor: str | None = Field(None, description="Go on from where a listing stopped (the cursor it printed).")
+    output: Literal["table", "jsonl"] = Field("table", description="table, or jsonl: one JSON object per "
+                                              "rollout.")
+
+    def cli_cmd(self) -> None:
+        rows: list[dict[str, Any]] = []
+        cursor = self.cursor
+        while len(rows) < self.limit:
+            page = self.get("/rollouts", {"task_id": self.task, "status": self.status, "since": self.since,
+                                          "until": self.until, "cursor": cursor,
+                                          "limit": min(1000, self.limit - len(rows))})
+            rows += page["rollouts"]
+            cursor = page["next_cursor"]
+            if cursor is None:
+                break
+        if self.output == "jsonl":
+            for row in rows:
+                print(json.dumps(row))
+        else:
+            print(_table(rows))
+        if cursor is not None:
+            print(f"more: rlgate rollouts list --cursor {cursor} (with the same filters)", file=sys.stderr)
+        elif not rows:
+            print("no rollouts matched (rollouts are listed from their creation on; the gateway keeps the "
+                  "newest RLGATE_ROLLOUT_INDEX_MAX)", file=sys.stderr)
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    header = ("ROLLOUT", "TASK", "STATUS", "MODE", "CREATED (UTC)", "CALLS", "REWARD")
+    lines = [header]
+    for r in rows:
+        created = datetime.fromtimestamp(r["created_at"], UTC).strftime("%Y-%m-%d %H:%M:%S")
+        reward = "" if r.get("reward") is None else f"{r['reward']:g}"
+        lines.append((r["rollout_id"], r.get("task_id") or "", r["status"], r["mode"], created,
+                      str(r["calls"]), reward))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
+                     for line in lines)
+
+
+class RolloutsShowCommand(_GatewayClient):
+    """Print one rollout as JSON: its state, metadata, reward and (unless --no-calls) every call, read
+    page by page from GET /rollouts/{id}."""
+
+    rollout_id: CliPositionalArg[str] = Field(description="The rollout to show.")
+    calls: bool = Field(True, description="Include its calls (requests, answers, token ids, log-probs).")
+
+    def cli_cmd(self) -> None:
+        view = self.get(f"/rollouts/{self.rollout_id}", {"limit": 1000 if self.calls else 1})
+        calls = view["calls"]
+        while self.calls and view.get("next_offset") is not None:
+            view = self.get(f"/rollouts/{self.rollout_id}", {"offset": view["next_offset"], "limit": 1000})
+            calls += view["calls"]
+        view.pop("next_offset", None)
+        view["calls"] = calls if self.calls else []
+        print(json.dumps(view, indent=2))
+
+
+class RolloutsCommand(_FlagsOnly):
+    """List and inspect the rollouts a gateway recorded (its operator surface: GET /rollouts)."""
+
+    model_config = SettingsConfigDict(cli_kebab_case=True)
+
+    list: CliSubCommand[RolloutsListCommand] = Field(description="List rollouts (by task, status, time).")
+    show: CliSubCommand[RolloutsShowCommand] = Field(description="Print one rollout and its calls as JSON.")
+
+    def cli_cmd(self) -> None:
+        CliApp.run_subcommand(self)
+
+
+class Rlgate(_FlagsOnly):
+    """rlgate: any agent gets better through reinforcement learning by pointing OPENAI_BASE_URL at it.
+    `rlgate COMMAND --help` lists a command's options and the environment variables that set them."""
 
     model_config = SettingsConfigDict(cli_prog_name="rlgate", cli_kebab_case=True)
 
     gateway: CliSubCommand[GatewayCommand] = Field(description="Run the recording gateway (and reward webhook).")
     worker: CliSubCommand[WorkerCommand] = Field(description="Run the reward worker (rq).")
     reward: CliSubCommand[RewardCommand] = Field(description="Post an episode's reward to the gateway.")
+    rollouts: CliSubCommand[RolloutsCommand] = Field(description="List and show recorded rollouts.")
     export: CliSubCommand[ExportCommand] = Field(description="Export episodes as training data.")
     learner: CliSubCommand[LearnerCommand] = Field(description="Train the policy on closed episodes.")
     demo: CliSubCommand[DemoCommand] = Field(description="Run the whole loop on this machine (tiny model).")
     serve: CliSubCommand[ServeCommand] = Field(description="Serve a small model on the CPU, in vLLM's wire format.")
     make_tiny_model: CliSubCommand[MakeTinyModelCommand] = Field(
         description="Build a tiny model and tokenizer in code (for the CPU server and tests).")
+    version: CliToggleFlag[bool] = Field(False, description="Print rlgate's version and exit.")
+    debug: CliToggleFlag[bool] = Field(False, description="Show the traceback of an error, anywhere on the "
+                                         "command line (or RLGATE_DEBUG=1).")
 
     def cli_cmd(self) -> None:
+        if self.version:
+            print(f"rlgate {_version()}")
+            return
         CliApp.run_subcommand(self)
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("rlgate")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+# ---- the command line: help that names variables, readable placeholders, flags, one-line errors ----
+
+_PLACEHOLDERS: dict[Any, str] = {str: "TEXT", int: "INT", float: "NUMBER", Path: "PATH", SecretStr: "SECRET",
+                                 Timestamp: "TIME", bool: "bool"}
+
+
+def _subcommands(cls: type[BaseSettings]) -> dict[str, type[BaseSettings]]:
+    """A command's subcommands by their command-line names."""
+    found = {}
+    for name, field in cls.model_fields.items():
+        if _CliSubCommand in field.metadata:
+            sub = next(a for a in typing.get_args(field.annotation) or (field.annotation,) if a is not type(None))
+            found[name.replace("_", "-")] = sub
+    return found
+
+
+def _env_names(model: type[BaseSettings], name: str) -> tuple[str, ...]:
+    field = model.model_fields[name]
+    if not getattr(model, "reads_env", True) or _CliPositionalArg in field.metadata:
+        return ()
+    if issubclass(model, SharedSettings):
+        return model.env_names(name)
+    return tuple(env.upper() for _, env, _ in EnvSettingsSource(model)._extract_field_info(field, name))
+
+
+class _Parser(_CliInternalArgParser):
+    def error(self, message: str) -> typing.NoReturn:  # one line, not the usage block
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class _Cli(CliSettingsSource):
+    """pydantic-settings' command line, with each option's environment variables in its help (the ones its
+    settings class really reads, shared names included) and placeholders instead of Python types."""
+
+    def __init__(self) -> None:
+        self._models: list[type[BaseSettings]] = []
+        super().__init__(Rlgate, cli_implicit_flags=True, cli_hide_none_type=True, cli_kebab_case=True,
+                         root_parser=_Parser(prog="rlgate", description=Rlgate.__doc__, allow_abbrev=False,
+                                             add_help=False, formatter_class=RawDescriptionHelpFormatter))
+
+    def _add_parser_args(self, parser: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
+        self._models.append(model)
+        try:
+            return super()._add_parser_args(parser, model, *args, **kwargs)
+        finally:
+            self._models.pop()
+
+    def _get_field_env_var_names(self, field_name: str, field_info: Any, *args: Any) -> tuple[str, ...]:
+        model = self._models[-1] if self._models else None
+        if model is None or _CliSubCommand in field_info.metadata or field_name not in model.model_fields:
+            return ()
+        return _env_names(model, field_name)
+
+    def _help_format(self, field_name: str, field_info: Any, *args: Any, **kwargs: Any) -> str:
+        text = super()._help_format(field_name, field_info, *args, **kwargs)
+        factory = field_info.default_factory
+        if factory is not None and "(default factory:" in text and not field_info.default_factory_takes_validated_data:
+            value = str(factory()).replace("%", "%%")
+            start = text.index("(default factory:")
+            text = f"{text[:start]}(default: {value}){text[text.index(')', start) + 1:]}"
+        return text
+
+    def _metavar_format(self, obj: Any) -> str:
+        origin, args = typing.get_origin(obj), typing.get_args(obj)
+        if origin in (typing.Union, types.UnionType):
+            rest = [a for a in args if a is not type(None)]
+            if len(rest) == 1:
+                return self._metavar_format(rest[0])
+        if obj in _PLACEHOLDERS:
+            return _PLACEHOLDERS[obj]
+        if origin is list:
+            return "LIST"
+        if origin is dict:
+            return "JSON"
+        return super()._metavar_format(obj)
+
+
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+def _command_path(args: list[str]) -> list[tuple[str, type[BaseSettings]]]:
+    """The (sub)commands named on the command line, outermost first."""
+    path, cls = [], Rlgate
+    for arg in args:
+        subs = _subcommands(cls)
+        if arg in subs:
+            cls = subs[arg]
+            path.append((arg, cls))
+    return path
+
+
+def _flag_values(args: list[str]) -> list[str]:
+    """Booleans given a value, as before they became flags: `--resume true` -> `--resume`, `--fork false`
+    (or `--fork=false`) -> `--no-fork`."""
+    path = _command_path(args)
+    if not path:
+        return args
+    cls = path[-1][1]
+    flags = {name.replace("_", "-") for name, field in cls.model_fields.items()
+             if bool in (field.annotation, *typing.get_args(field.annotation))}
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        name, eq, value = arg[2:].partition("=")
+        if arg.startswith("--") and name in flags:
+            if not eq and i + 1 < len(args) and args[i + 1].lower() in _TRUE + _FALSE:
+                value, i = args[i + 1], i + 1
+            if value:
+                arg = f"--{name}" if value.lower() in _TRUE else f"--no-{name}" if value.lower() in _FALSE else arg
+        out.append(arg)
+        i += 1
+    return out
+
+
+def _option_namer(path: list[tuple[str, type[BaseSettings]]]) -> typing.Callable[[tuple[Any, ...]], str]:
+    """Names the option of a validation error's location: its flag and variables."""
+    names = [name.replace("-", "_") for name, _ in path]
+    cls = path[-1][1] if path else Rlgate
+
+    def option(loc: tuple[Any, ...]) -> str:
+        rest = [str(part) for part in loc]
+        while rest and names and rest[0] in names:
+            rest.pop(0)
+        if not rest or rest[0] not in cls.model_fields:
+            return ".".join(rest)
+        field = rest[0]
+        if _CliPositionalArg in cls.model_fields[field].metadata:
+            return field.upper()
+        env = _env_names(cls, field)
+        return f"--{field.replace('_', '-')}" + (f" ({' or '.join(env)})" if env else "")
+
+    return option
+
+
+def _settings_titles() -> set[str]:
+    """The names of every settings class: a validation error of one of them is a refused setting."""
+    seen, todo = set(), [BaseSettings]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            if sub.__name__ not in seen:
+                seen.add(sub.__name__)
+                todo.append(sub)
+    return seen
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = sys.argv[1:] if argv is None else argv
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = os.environ.get("RLGATE_DEBUG", "").lower() in _TRUE
+    if "--debug" in args:
+        args = [a for a in args if a != "--debug"]
+        debug = True
     if not args:
         args = ["--help"]
-    CliApp.run(Rlgate, cli_args=args)
+    path = _command_path(args)
+    command = " ".join(name for name, _ in path)
+    try:
+        CliApp.run(Rlgate, cli_args=_flag_values(args), cli_settings_source=_Cli())
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
+    except Exception as exc:
+        if debug:
+            raise
+        if isinstance(exc, ValidationError) and exc.title not in _settings_titles():
+            raise  # not a setting: a bug, keep the traceback
+        message = explain(exc, path[0][0] if path else "", _option_namer(path))
+        if message is None:
+            raise
+        print(f"rlgate{' ' + command if command else ''}: error: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE) from None

@@ -1,0 +1,84 @@
+"""The settings every service shares, under one environment prefix.
+
+Each service has its own `Settings` class and prefix (`RLGATE_` for the gateway and the reward worker,
+`RLGATE_LEARNER_`, `RLGATE_SERVE_`, `RLGATE_DEMO_`). The settings several services share (where Redis is,
+the key prefix, the secrets) are also read from one name for all of them, so one environment reaches every
+service:
+
+| setting              | shared variable              | also, and first, under the service's prefix     |
+|----------------------|------------------------------|-------------------------------------------------|
+| `redis_url`          | `RLGATE_REDIS_URL`           | e.g. `RLGATE_LEARNER_REDIS_URL`                 |
+| `key_prefix`         | `RLGATE_KEY_PREFIX`          | e.g. `RLGATE_LEARNER_KEY_PREFIX`                |
+| `redis_timeout_s`    | `RLGATE_REDIS_TIMEOUT_S`     |                                                 |
+| `operator_token`     | `RLGATE_OPERATOR_TOKEN`      |                                                 |
+| `webhook_secret`     | `RLGATE_WEBHOOK_SECRET`      |                                                 |
+| `rollout_key_secret` | `RLGATE_ROLLOUT_KEY_SECRET`  |                                                 |
+| the inference key    | `RLGATE_INFERENCE_API_KEY`   | `RLGATE_UPSTREAM_API_KEY` (gateway), `RLGATE_LEARNER_INFERENCE_API_KEY`, `RLGATE_SERVE_API_KEY` |
+
+Order, first wins: a command-line flag, the service-prefixed variable (so deployments that set
+`RLGATE_LEARNER_REDIS_URL` keep working), the shared variable, the default.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from pydantic.fields import FieldInfo
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    PydanticBaseSettingsSource,
+)
+
+SHARED_PREFIX = "RLGATE_"
+
+# field name -> the shared variable it is also read from
+SHARED_ENV: dict[str, str] = {
+    name: f"{SHARED_PREFIX}{name.upper()}"
+    for name in ("redis_url", "key_prefix", "redis_timeout_s", "operator_token", "webhook_secret",
+                 "rollout_key_secret", "inference_api_key")
+}
+
+
+class SharedEnvSource(EnvSettingsSource):
+    """Reads the shared fields of a settings class (`SharedSettings.shared_env`) from their shared
+    variables, whatever the class's own prefix."""
+
+    def __init__(self, settings_cls: type[BaseSettings]) -> None:
+        super().__init__(settings_cls, case_sensitive=False, env_prefix="")
+        self.names = getattr(settings_cls, "shared_env", SHARED_ENV)
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        name = self.names.get(field_name)
+        if name is None:
+            return None, field_name, False
+        return self.env_vars.get(name.lower()), field_name, False
+
+
+class SharedSettings(BaseSettings):
+    """Base of the services' settings: a field named in `shared_env` is read, after the service-prefixed
+    variable, from its shared variable (module docstring)."""
+
+    shared_env: ClassVar[dict[str, str]] = SHARED_ENV
+
+    @classmethod
+    def env_names(cls, field_name: str) -> tuple[str, ...]:
+        """The environment variables a field is read from, first wins (for `--help`)."""
+        field = cls.model_fields[field_name]
+        source = EnvSettingsSource(cls)
+        names = [env.upper() for _, env, _ in source._extract_field_info(field, field_name)]
+        shared = cls.shared_env.get(field_name)
+        if shared is not None and shared not in names:
+            names.append(shared)
+        return tuple(names)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return init_settings, env_settings, SharedEnvSource(settings_cls), dotenv_settings, file_secret_settings
