@@ -1,28 +1,52 @@
 # rlgate's service images. Two targets:
 #   cpu      the gateway (with the reward webhook) and the rq reward worker: light, no torch
-#   learner  the learner on a GPU: torch (PyPI's CUDA wheels bring their CUDA runtime), transformers,
-#            peft, DeepSpeed and OpenRLHF (installed without its own requirements: vLLM and flash-attn
-#            are not needed by the learner; see learner/_openrlhf.py)
-# Built and used by docker-compose.yml. Not built on the machine this was written on (no Docker engine).
+#   learner  the learner (and, in the CPU profile, `rlgate serve`): torch, transformers, peft, DeepSpeed and
+#            OpenRLHF (installed without its own requirements: vLLM and flash-attn are not needed by the
+#            learner; see learner/_openrlhf.py)
+# Build arguments (the defaults build what docker-compose.yml runs on GPUs):
+#   BASE_IMAGE       the Python 3.11 image to start from. scripts/compose-up-cpu makes a stand-in from
+#                    Debian's packages (debootstrap) where no image registry answers.
+#   TORCH_INDEX_URL  an extra index torch is taken from. Empty: PyPI's torch, whose Linux wheels bring their
+#                    CUDA runtime (the GPU learner). docker-compose.cpu.yml sets PyTorch's CPU index.
+#   PIP_FIND_LINKS   pip's own variable: more wheels to choose from (scripts/compose-up-cpu serves a local
+#                    CPU wheel of torch here when PyTorch's index does not answer).
+# Built and run by scripts/compose-up-cpu (docker-compose.yml + docker-compose.cpu.yml); the GPU file's
+# images are not built on the machine this was written on (no GPU).
 
-FROM python:3.11-slim AS base
-ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
+ARG BASE_IMAGE=python:3.11-slim
+
+# rlgate's code, copied into each target after its dependencies are installed: a change of code rebuilds
+# only the last layer, not the dependencies' (torch and DeepSpeed take minutes)
+FROM scratch AS source
+COPY pyproject.toml README.md /app/
+COPY episodes /app/episodes
+COPY gateway /app/gateway
+COPY reward_hooks /app/reward_hooks
+COPY learner /app/learner
+COPY inference /app/inference
+COPY demo /app/demo
+COPY rlgate /app/rlgate
+
+FROM ${BASE_IMAGE} AS base
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /app
-COPY pyproject.toml README.md ./
-COPY episodes ./episodes
-COPY gateway ./gateway
-COPY reward_hooks ./reward_hooks
-COPY learner ./learner
-COPY inference ./inference
-COPY demo ./demo
-COPY rlgate ./rlgate
+# the dependencies are read from pyproject.toml alone (an rlgate without its packages, replaced below)
+COPY pyproject.toml ./
+RUN touch README.md
 
 FROM base AS cpu
 RUN pip install . && useradd --create-home rlgate
+COPY --from=source /app /app
+RUN pip install --no-deps .
 USER rlgate
 EXPOSE 8100
 CMD ["rlgate", "gateway", "--host", "0.0.0.0"]
 
 FROM base AS learner
-RUN pip install '.[learner]' && pip install --no-deps openrlhf==0.11.2
+ARG TORCH_INDEX_URL=""
+ARG PIP_FIND_LINKS=""
+RUN pip install ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} torch==2.13.0 \
+    && pip install '.[learner]' && pip install --no-deps openrlhf==0.11.2
+COPY --from=source /app /app
+RUN pip install --no-deps .
 CMD ["rlgate", "learner"]

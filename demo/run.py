@@ -265,9 +265,9 @@ def watch(cfg: DemoConfig, where: dict[str, Any], started: float) -> list[dict[s
     last_line = time.monotonic()
     where.setdefault("peak_backlog", {"rewards_queued": 0, "closed_untrained": 0, "total": 0})
     while time.monotonic() - started < cfg.minutes * 60:
-        for name in ("serve", "gateway", "worker", "learner", "agent"):
-            if cfg.processes[name].poll() is not None:
-                raise RuntimeError(f"{name} exited (code {cfg.processes[name].returncode}); see "
+        for name, process in cfg.processes.items():  # what this demo started (only the agent: demo.external)
+            if process.poll() is not None:
+                raise RuntimeError(f"{name} exited (code {process.returncode}); see "
                                    f"{cfg.workdir / 'logs' / (name + '.log')}")
         steps = read_steps(where["steps"])
         now = time.monotonic()
@@ -374,7 +374,11 @@ def run(cfg: DemoConfig) -> dict[str, Any]:
             with contextlib.suppress(redis.RedisError):
                 where["keys_removed"] = cleanup(where)
         stop(cfg)
-    summary = summarize(cfg, steps, wall_s, where)
+    return report(cfg, summarize(cfg, steps, wall_s, where))
+
+
+def report(cfg: DemoConfig, summary: dict[str, Any]) -> dict[str, Any]:
+    """Write the summary (and the reward curve) and print what it says."""
     summary_path = cfg.workdir / "summary.json"
     summary_path.write_text(json.dumps(summary, indent=2) + "\n")
     if cfg.json_path is not None:

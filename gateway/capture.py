@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from episodes import CallResponse, Endpoint
 
 
@@ -130,13 +132,21 @@ def _strip_item(item: Any) -> None:
                 part["logprobs"] = None
 
 
-def responses_transition(payload: dict[str, Any]) -> Transition:
+def responses_transition(payload: dict[str, Any], injected: Injected) -> Transition:
     """A Responses API answer as one transition: token ids from its input and output messages (vLLM's
     `enable_response_messages`: one of each for a plain turn), log-probs from its output text, which covers
     every generated token, tool-call markup included. A response with several turns inside (the server
     ran tools itself), or without text to carry the log-probs (tool calls only), keeps what it can: it
-    is recorded, and the learner trains only calls with both."""
-    response = CallResponse(id=payload.get("id"), output=payload.get("output"), finish_reason=payload.get("status"),
+    is recorded, and the learner takes its own log-probs for it (`CallRecord.trainable`). In a stream vLLM
+    reports log-probs only for tokens that produced text (not tool-call markup, not EOS), so a streamed
+    response's never cover every token. The recorded output is what the agent saw: log-probs the gateway
+    asked for are kept in `completion_logprobs` alone."""
+    output = payload.get("output")
+    if injected.logprobs and isinstance(output, list):
+        output = orjson.loads(orjson.dumps(output))  # a copy: the answer itself is stripped by its sender
+        for item in output:
+            _strip_item(item)
+    response = CallResponse(id=payload.get("id"), output=output, finish_reason=payload.get("status"),
                             usage=payload.get("usage"))
     inputs, outputs = payload.get("input_messages"), payload.get("output_messages")
     prompt_ids = completion_ids = logprobs = None
@@ -183,10 +193,10 @@ def strip_response(endpoint: Endpoint, payload: dict[str, Any], injected: Inject
             choice["logprobs"] = None
 
 
-def transitions(endpoint: Endpoint, payload: dict[str, Any]) -> list[Transition]:
+def transitions(endpoint: Endpoint, payload: dict[str, Any], injected: Injected | None = None) -> list[Transition]:
     """The transitions of a non-streaming answer: one per choice (one for `responses`)."""
     if endpoint == "responses":
-        return [responses_transition(payload)]
+        return [responses_transition(payload, injected or Injected())]
     usage = payload.get("usage")
     response_id = payload.get("id")
     prompt_token_ids = payload.get("prompt_token_ids")

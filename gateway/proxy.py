@@ -296,7 +296,8 @@ class Proxy:
             payload = orjson.loads(raw)
             if not isinstance(payload, dict):
                 raise ValueError("not a JSON object")
-            records = self._records(call, capture.transitions(call.endpoint, payload), None, latency_ms, None)
+            records = self._records(call, capture.transitions(call.endpoint, payload, injected), None, latency_ms,
+                                   None)
         except ValueError as exc:  # includes JSON and record validation errors
             error = CallError(status=502, type="upstream_error",
                               message=f"unreadable answer from the inference server: {str(exc)[:300]}")

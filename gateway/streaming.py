@@ -73,7 +73,7 @@ class StreamRelay:
     def __init__(self, endpoint: Endpoint, injected: Injected) -> None:
         self.endpoint = endpoint
         self.injected = injected
-        self.assembler = StreamAssembler(endpoint)
+        self.assembler = StreamAssembler(endpoint, injected)
         self.held: bytes | None = None
         self._pending = b""
 
@@ -155,8 +155,9 @@ class _Choice:
 class StreamAssembler:
     """Rebuilds the complete call from a chat or completions stream's chunks, choice by choice."""
 
-    def __init__(self, endpoint: Endpoint) -> None:
+    def __init__(self, endpoint: Endpoint, injected: Injected | None = None) -> None:
         self.endpoint = endpoint
+        self.injected = injected or Injected()
         self.chat = endpoint == "chat.completions"
         self.id: str | None = None
         self.prompt_token_ids: list[int] | None = None
@@ -267,7 +268,7 @@ class StreamAssembler:
     def transitions(self) -> list[Transition]:
         """The complete calls, one per choice in index order (one for `responses`)."""
         if self.endpoint == "responses":
-            return [responses_transition(self.final or {})]
+            return [responses_transition(self.final or {}, self.injected)]
         out = []
         for index in sorted(self._choices):
             state = self._choices[index]

@@ -21,6 +21,7 @@ from inference.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from inference.responses_protocol import ResponsesRequest
 from inference.model import Model, Output
 from inference.tools import HermesStream, chat_fields, keeps_tool_calls
 
@@ -66,15 +67,21 @@ class Server:
         self.model = model
 
     # ------------------------------------------------------------ chat
-    def chat_logprobs(self, out: Output, lo: int, hi: int, k: int) -> dict[str, Any]:
-        detok, content = self.model.detok, []
+    def token_logprobs(self, out: Output, lo: int, hi: int, k: int) -> list[dict[str, Any]]:
+        """Tokens lo..hi-1 as vLLM's chat and Responses log-prob entries show them: `{"token", "logprob",
+        "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}` with the first k candidates (sampled
+        first), clamped at -9999.0. (Responses reorders the keys: `inference.responses`.)"""
+        detok, entries = self.model.detok, []
         for pos in range(lo, hi):
             tops = [{"token": detok.token_str(t), "logprob": _lp(v), "bytes": detok.token_bytes(t)}
                     for t, v in out.top_logprobs[pos][:k]]
             token = out.token_ids[pos]
-            content.append({"token": detok.token_str(token), "logprob": _lp(out.logprobs[pos]),
+            entries.append({"token": detok.token_str(token), "logprob": _lp(out.logprobs[pos]),
                             "bytes": detok.token_bytes(token), "top_logprobs": tops})
-        return {"content": content}
+        return entries
+
+    def chat_logprobs(self, out: Output, lo: int, hi: int, k: int) -> dict[str, Any]:
+        return {"content": self.token_logprobs(out, lo, hi, k)}
 
     async def chat(self, request: ChatCompletionRequest) -> Response:
         m = self.model
@@ -123,7 +130,7 @@ class Server:
         inc_usage = bool(opts and opts.include_usage)
         cont = inc_usage and bool(opts and opts.continuous_usage_stats)
         P = len(prompt)
-        deltas, finish = zip(*(self._chat_deltas(request, out, stops) for out in outputs), strict=True)
+        deltas, finish = zip(*(self.stream_deltas(request, out, stops) for out in outputs), strict=True)
         for i in range(n):
             frame: dict[str, Any] = {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                                          "logprobs": None, "finish_reason": None}]}
@@ -166,11 +173,12 @@ class Server:
                         "system_fingerprint": self.model.fingerprint})
         yield DONE
 
-    def _chat_deltas(self, request: ChatCompletionRequest, out: Output, stops: list[str]
-                     ) -> tuple[list[dict[str, Any] | None], str]:
-        """Per token, the delta to stream (None: nothing), and the choice's finish reason. Unless
+    def stream_deltas(self, request: ChatCompletionRequest | ResponsesRequest, out: Output, stops: list[str]
+                      ) -> tuple[list[dict[str, Any] | None], str]:
+        """Per token, the delta to stream (None: nothing), and the chat choice's finish reason. Unless
         `tool_choice` is "none", the text goes through the streaming hermes parser (`inference.tools`),
-        as vLLM's does: the finish reason is "tool_calls" once a call streamed (a named tool: "stop")."""
+        as vLLM's does (its Responses stream too): the finish reason is "tool_calls" once a call streamed
+        (a named tool: "stop")."""
         pieces = self.model.detok.stream_pieces(out.token_ids, out.text, stops)
         if request.tool_choice == "none":
             return [{"content": p} if p else None for p in pieces], out.finish_reason

@@ -79,13 +79,17 @@ class Model:
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                     add_generation_prompt: bool = True) -> list[int]:
+        return self.tokenizer.encode(self.chat_prompt(messages, tools, add_generation_prompt), add_special_tokens=False)
+
+    def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                    add_generation_prompt: bool = True, param: str = "messages") -> str:
+        """The chat template's text for these messages (what `render_chat` tokenizes)."""
         messages = [_flatten_content(m) for m in messages]
         try:
-            text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+            return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
                                                       tokenize=False)
         except Exception as exc:  # a template error is the request's fault (missing keys, bad roles)
-            raise BadRequest(f"the chat template failed on these messages: {exc}", param="messages") from exc
-        return self.tokenizer.encode(text, add_special_tokens=False)
+            raise BadRequest(f"the chat template failed on these messages: {exc}", param=param) from exc
 
     def budget(self, requested: int | None, param: str, prompt_len: int) -> int:
         """vLLM 0.33: max_tokens > max_model_len and prompts >= max_model_len are 400s; otherwise max_tokens is
@@ -198,9 +202,11 @@ def _sampling_defaults(generation: GenerationConfig | None) -> dict[str, Any]:
 
 
 def _flatten_content(message: dict[str, Any]) -> dict[str, Any]:
-    """A list of content parts becomes its text, as vLLM does for string-content chat templates."""
+    """A list of content parts becomes its text, as vLLM does for string-content chat templates (the
+    Responses API's parts are `input_text` / `output_text`)."""
     content = message.get("content")
     if isinstance(content, list):
-        text = "\n".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+        text = "\n".join(p.get("text", "") for p in content
+                         if isinstance(p, dict) and p.get("type") in ("text", "input_text", "output_text"))
         return {**message, "content": text}
     return message

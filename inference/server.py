@@ -1,7 +1,8 @@
 """`rlgate serve`: an OpenAI-compatible HTTP server on the CPU engine that answers in vLLM 0.33's wire format.
 
 Endpoints (docs/vllm-wire-format.md has the field-by-field contract): `POST /v1/chat/completions`,
-`POST /v1/completions` (both with `stream`), `GET /v1/models`, `GET /health`, `POST /tokenize`,
+`POST /v1/completions`, `POST /v1/responses` (all with `stream`; `inference.responses`; as vLLM without
+its response store, `GET /v1/responses/{id}` and its cancel route answer 404), `GET /v1/models`, `GET /health`, `POST /tokenize`,
 `POST /detokenize`, runtime LoRA (`/v1/load_lora_adapter`, `/v1/unload_lora_adapter`), and vLLM's RL
 routes for pause/resume and full-weight updates (`inference.weights`: `/pause`, `/resume`, `/is_paused`,
 `/init_weight_transfer_engine`, `/start_weight_update`, `/update_weights`, `/finish_weight_update`,
@@ -36,6 +37,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
 
+from inference import responses
 from inference.access import ApiKeyMiddleware
 from inference.endpoints import Server
 from inference.engine import LogprobsMode
@@ -51,6 +53,7 @@ from inference.protocol import (
     UnloadLoraAdapterRequest,
     request_validation_error,
 )
+from inference.responses_protocol import ResponsesRequest
 
 log = structlog.get_logger("rlgate.serve")
 
@@ -244,6 +247,18 @@ def build_app(model_dir: Path | str, *, served_model_name: str | None = None,
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         return await server.chat(await _parse(request, ChatCompletionRequest))
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        return await responses.create(server, await _parse(request, ResponsesRequest))
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> Response:
+        raise responses.ResponseNotFound(response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> Response:
+        raise responses.ResponseNotFound(response_id)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -167,6 +167,18 @@ def chat_logprobs(c: Choice, lo: int, hi: int, k: int) -> dict:
     return {"content": out}
 
 
+def response_logprob(c: Choice, pos: int, k: int) -> dict:
+    """One token's entry in a Responses output text's `logprobs` (openai's key order: bytes before logprob)."""
+    tops = [{"token": _STR[t], "bytes": _BYTES[t], "logprob": v} for t, v in c.top(pos, k)]
+    return {**tops[0], "top_logprobs": tops[:k]}
+
+
+def stream_logprob(entry: dict) -> dict:
+    """A Responses `output_text.delta` entry: no bytes (vLLM's _to_stream_logprobs)."""
+    return {"token": entry["token"], "logprob": entry["logprob"],
+            "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]} for t in entry["top_logprobs"]]}
+
+
 def completion_logprobs(c: Choice, lo: int, hi: int, k: int, offset: int) -> tuple[dict, int]:
     """Completions layout; text_offset continues from `offset` (carried across stream chunks)."""
     lp = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
@@ -509,7 +521,8 @@ class FakeVLLM:
         return await self.stream(request, frames(), body)
 
     async def responses(self, request: web.Request, body: dict) -> web.StreamResponse:
-        """Text output only; no token ids unless enable_response_messages (vLLM's only way)."""
+        """Text output only; token ids only with enable_response_messages (vLLM's only way: input_messages /
+        output_messages), log-probs only with include ["message.output_text.logprobs"] (+ top_logprobs)."""
         inp = body.get("input")
         msgs = [{"role": "user", "content": inp}] if isinstance(inp, str) else [
             {"role": m.get("role", "user"), "content": m.get("content")} for m in inp or []]
@@ -519,7 +532,13 @@ class FakeVLLM:
         max_tokens, stops, seed, _ = self.limits(body, prompt_ids, "max_output_tokens")
         c = Choice(prompt_ids, seed, 0, max_tokens, stops, None)
         msg_id, status = f"msg_{rid()}", "incomplete" if c.finish == "length" else "completed"
-        part = {"annotations": [], "text": c.text, "type": "output_text", "logprobs": None}
+        include = body.get("include")
+        # log-probs only through `include` (vLLM's is_include_output_logprobs); top_logprobs alone gives none
+        want_lp = isinstance(include, list) and "message.output_text.logprobs" in include
+        k = (body.get("top_logprobs") or 0) if want_lp else None
+        lps = [response_logprob(c, pos, k) for pos in range(len(c.ids))] if want_lp else None
+        # non-streamed: every generated token's log-prob (EOS included) on the text part
+        part = {"annotations": [], "text": c.text, "type": "output_text", "logprobs": lps}
         item = {"id": msg_id, "content": [part] if c.text else [], "role": "assistant",
                 "status": status, "type": "message", "phase": None}
 
@@ -541,7 +560,7 @@ class FakeVLLM:
                     "prompt_cache_options": None, "prompt_cache_key": g("prompt_cache_key", None),
                     "prompt_cache_retention": None, "reasoning": g("reasoning", None), "safety_identifier": None,
                     "service_tier": g("service_tier", "auto"), "status": status, "text": g("text", None),
-                    "top_logprobs": None, "truncation": g("truncation", "disabled"), "usage": use,
+                    "top_logprobs": k, "truncation": g("truncation", "disabled"), "usage": use,
                     "user": g("user", None), "presence_penalty": 0.0, "frequency_penalty": 0.0,
                     "kv_transfer_params": None, "ec_transfer_params": None,
                     "input_messages": None, "output_messages": None}
@@ -560,12 +579,19 @@ class FakeVLLM:
         ev = [("response.created", {"response": start}), ("response.in_progress", {"response": start})]
         if c.text:
             ids = {"item_id": msg_id, "output_index": 0}
+            # streamed: a delta carries the log-probs of the token that produced it (no bytes); tokens that
+            # add no text (EOS) report none, and the final part holds only the streamed ones
+            streamed = [(d, lps[pos] if want_lp else None) for pos, d in enumerate(c.pieces) if d]
+            part = {**part, "logprobs": [lp for _, lp in streamed] if want_lp else None}
+            item = {**item, "content": [part]}
+            final["output"] = [item]
             ev += [("response.output_item.added", {"item": {**item, "content": [], "status": "in_progress"},
                                                    "output_index": 0}),
                    ("response.content_part.added", {"content_index": 0, **ids,
                                                     "part": {**part, "text": "", "logprobs": []}})]
             ev += [("response.output_text.delta", {"content_index": 0, "delta": d, "item_id": msg_id,
-                                                   "logprobs": [], "output_index": 0}) for d in c.pieces if d]
+                                                   "logprobs": [] if lp is None else [stream_logprob(lp)],
+                                                   "output_index": 0}) for d, lp in streamed]
             ev += [("response.output_text.done", {"content_index": 0, "item_id": msg_id, "logprobs": [],
                                                   "output_index": 0, "sequence_number": 0, "text": c.text}),
                    ("response.content_part.done", {"content_index": 0, **ids, "part": part}),

@@ -504,3 +504,137 @@ def test_processed_logits_match_vllms_sampler(oracle: Oracle):
             got = processed_log_probs(logits, collate(sample, 0))[0][0, 0]
             want = torch.log_softmax(theirs, dim=-1)[token]
             assert abs(float(got) - float(want)) < 1e-4, (case["temperature"], top_k, top_p, token)
+
+
+# ------------------------------------------------------------------------------------------- /v1/responses
+
+RESPONSES_TOOLS = [{"type": "function", "name": "calculator", "description": "Evaluate an arithmetic expression.",
+                    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
+                                   "required": ["expression"]}, "strict": False}]
+RESPONSES_CASES = [
+    {"input": "What is 17 + 25?", "max_output_tokens": 6, "seed": 1},
+    {"input": "What is 17 + 25?", "max_output_tokens": 5, "seed": 2, "include": ["message.output_text.logprobs"],
+     "top_logprobs": 2, "enable_response_messages": True, "instructions": "You are terse."},
+    {"input": [{"role": "user", "content": "Hi"},
+               {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hello."}]},
+               {"role": "user", "content": [{"type": "input_text", "text": "Again"}]}],
+     "max_output_tokens": 4, "seed": 3, "temperature": 0.5, "top_p": 0.9, "include": [],
+     "metadata": {"k": "v"}, "user": "u1"},
+    {"input": [{"role": "user", "content": "Weather?"},
+               {"type": "function_call", "call_id": "call_1", "name": "calculator",
+                "arguments": "{\"expression\": \"1\"}", "id": "fc_1", "status": "completed"},
+               {"type": "function_call_output", "call_id": "call_1", "output": "1"}],
+     "tools": RESPONSES_TOOLS, "max_output_tokens": 4, "seed": 4, "enable_response_messages": True},
+    # a hermes call that never parses (the random model writes only `<tool_call>`): its text stays content
+    {"input": "Use the tool.", "tools": RESPONSES_TOOLS, "tool_choice": "required", "max_output_tokens": 3,
+     "seed": 5, "logit_bias": {str(TOOL_CALL_TOKEN): 100}, "include": ["message.output_text.logprobs"]},
+    {"input": "Name a tool.", "tools": RESPONSES_TOOLS, "tool_choice": {"type": "function", "name": "calculator"},
+     "max_output_tokens": 4, "seed": 6, "temperature": 0, "parallel_tool_calls": False,
+     "reasoning": {"effort": "low"}, "text": {"format": {"type": "text"}}, "prompt_cache_key": "k"},
+]
+
+
+def responses_events(proc: Proc, body: dict) -> list[dict]:
+    """A Responses stream as vLLM frames it: `event: TYPE` then `data: JSON` then a blank line, no [DONE]."""
+    with httpx.stream("POST", f"{proc.url}/responses", json=body, timeout=120) as response:
+        assert response.status_code == 200, response.read()
+        raw = response.read().decode()
+    blocks = raw.split("\n\n")
+    assert blocks[-1] == "", raw[-200:]
+    events = []
+    for block in blocks[:-1]:
+        event_line, data_line = block.split("\n")
+        assert event_line.startswith("event: ") and data_line.startswith("data: "), block
+        event = json.loads(data_line[len("data: "):])
+        assert event["type"] == event_line[len("event: "):]
+        events.append(event)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    return events
+
+
+def judge_events(oracle: Oracle, events: list[dict]) -> None:
+    """Each event validates as openai's `ResponseStreamEvent` (those carrying a response also as vLLM's
+    wrappers) and is what vLLM's serialization gives; the only key vLLM's types lack is the `name` vLLM
+    itself adds to `function_call_arguments.done`."""
+    answers = oracle.ask([{"op": "validate", "model": "ResponseStreamEvent", "body": e} for e in events])
+    for event, answer in zip(events, answers, strict=True):
+        assert answer["ok"], f"ResponseStreamEvent rejects {event}: {answer['error']}"
+        allowed = [".name"] if event["type"] == "response.function_call_arguments.done" else []
+        assert [k for k in answer["extra"] if k not in allowed] == [], f"unknown keys {answer['extra']} in {event}"
+        assert exact(answer["dump"]) == exact(event), f"vLLM serializes\n{answer['dump']}\nwe sent\n{event}"
+
+
+@pytest.mark.parametrize("upstream_name", ["rlgate_serve", "fake_vllm"])
+def test_responses_bodies_and_events_are_vllms(upstream_name: str, oracle: Oracle, request: pytest.FixtureRequest):
+    proc = request.getfixturevalue(upstream_name)
+    bodies, events = [], []
+    # the fake vLLM answers text only and echoes tools as sent: it gets the cases without tools
+    cases = RESPONSES_CASES if upstream_name == "rlgate_serve" else [c for c in RESPONSES_CASES if "tools" not in c]
+    for case in cases:
+        body = {"model": "fake-model", **case}
+        response = post(proc, "/responses", body)
+        assert response.status_code == 200, response.text
+        bodies.append(response.json())
+        events += responses_events(proc, {**body, "stream": True})
+    judge_bodies(oracle, "ResponsesResponse", bodies)
+    judge_events(oracle, events)
+    types = {e["type"] for e in events}
+    assert {"response.created", "response.in_progress", "response.output_text.delta",
+            "response.content_part.done", "response.output_item.done"} <= types
+    assert types & {"response.completed", "response.incomplete"}
+    with_lps = [b for b in bodies if b["top_logprobs"] is not None]
+    assert with_lps and all(p["logprobs"] for b in with_lps for i in b["output"] for p in i["content"])
+    assert any(b["input_messages"] for b in bodies) and bodies[0]["input_messages"] is None
+
+
+def test_responses_function_call_events_are_vllms(oracle: Oracle):
+    """vLLM's own streaming-event emitters (streaming_events.py) give the reference shapes for a streamed
+    function call; ours (inference.responses) are judged the same way as every other event."""
+    from inference.responses import _function_call
+
+    item = _function_call("fc_1", "chatcmpl-tool-1", "calculator", "", "in_progress")
+    events = [
+        {"item": item, "output_index": 1, "sequence_number": 8, "type": "response.output_item.added"},
+        {"delta": "{\"expression\": \"1\"}", "item_id": "fc_1", "output_index": 1, "sequence_number": 9,
+         "type": "response.function_call_arguments.delta"},
+        {"arguments": "{\"expression\": \"1\"}", "item_id": "fc_1", "output_index": 1, "sequence_number": 10,
+         "type": "response.function_call_arguments.done", "name": "calculator"},
+        {"item": {**item, "arguments": "{\"expression\": \"1\"}", "status": "completed"}, "output_index": 1,
+         "sequence_number": 11, "type": "response.output_item.done"},
+    ]
+    judge_events(oracle, events)
+
+
+BAD_RESPONSES = [
+    {"model": "fake-model", "input": "x", "prompt": {"id": "p1"}},
+    {"model": "fake-model", "input": "x", "background": True, "store": False},
+    {"model": "fake-model", "input": "x", "tool_choice": "required"},
+    {"model": "fake-model", "input": "x", "tool_choice": {"type": "function", "name": "calculator"}},
+    {"model": "fake-model", "input": "x", "tools": RESPONSES_TOOLS, "tool_choice": {"type": "function", "name": "f"}},
+    {"model": "fake-model", "input": "x", "include": ["message.output_text.everything"]},
+    {"model": "fake-model"},
+    {"model": "fake-model", "input": "x", "max_output_tokens": "many"},
+    {"model": "fake-model", "input": "x", "top_k": -2},
+    {"model": "fake-model", "input": "x", "presence_penalty": 3},
+]
+MISSING_RESPONSES = [  # accepted by vLLM's request model, refused by its serving code (store off)
+    ({"model": "fake-model", "input": "x", "background": True}, 400),
+    ({"model": "fake-model", "input": "x", "previous_response_id": "resp_0123"}, 404),
+]
+
+
+def test_responses_errors_are_vllms(rlgate_serve: Proc, oracle: Oracle):
+    base = rlgate_serve.url.removesuffix("/v1")
+    cases = [(b, 400) for b in BAD_RESPONSES] + MISSING_RESPONSES
+    [vllm] = oracle.ask([{"op": "http", "requests": [{"path": "/v1/responses", "json": b} for b, _ in cases]
+                          + [{"path": "/v1/responses", "content": '{"input": ', "headers":
+                              {"content-type": "application/json"}}]}])
+    ours = [httpx.post(f"{base}/v1/responses", json=b, timeout=60) for b, _ in cases]
+    ours.append(httpx.post(f"{base}/v1/responses", content=b'{"input": ', headers={"content-type": "application/json"},
+                           timeout=60))
+    differences = []
+    for (body, status), mine, theirs in zip([*cases, ("bad JSON", 400)], ours, vllm, strict=True):
+        assert theirs["status"] == status, f"vLLM answers {theirs} to {body}"
+        if mine.status_code != status or exact(mine.json()) != exact(theirs["body"]):
+            differences.append(f"{body}\n  ours  {mine.status_code} {mine.text}\n  vLLM  {status} {exact(theirs['body'])}")
+    assert not differences, "\n".join(differences)

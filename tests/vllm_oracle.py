@@ -9,15 +9,18 @@ re-implements vLLM; every answer comes from vLLM's own models, parsers, routers 
 
 - `{"op": "validate", "model": M, "body": obj}`: `obj` validated with vLLM's pydantic model M
   (ChatCompletionResponse, ChatCompletionStreamResponse, CompletionResponse, CompletionStreamResponse,
-  ErrorResponse) and serialized back the way vLLM serializes M (`model_dump()` for answers and errors,
-  `model_dump_json(exclude_unset=True, ...)` for stream chunks): `{"ok", "error", "extra", "dump"}`.
+  ErrorResponse, ResponsesResponse, and ResponseStreamEvent: openai's union of Responses stream events,
+  with vLLM's wrappers for the events carrying a whole response) and serialized back the way vLLM serializes
+  M (`model_dump()` for answers and errors, `model_dump_json(exclude_unset=True, ...)` for stream chunks,
+  `model_dump(mode="json", by_alias=True)` / `model_dump_json(by_alias=True)` for Responses bodies and
+  events): `{"ok", "error", "extra", "dump"}`.
   `extra` lists the keys vLLM's models do not know (they accept them silently: `extra="allow"`).
 - `{"op": "parse", "model_dir", "request", "text", "finish_reason", "pieces"?}`: what
   `vllm serve --enable-auto-tool-choice --tool-call-parser hermes` makes of a model's output text: its
   Parser (`ParserManager.get_parser`), `assemble_chat_message_fields` and `resolve_finish_reason` for the
   whole text; with `pieces` (the text of each streamed token), the deltas of `ChatStreamProcessor`.
 - `{"op": "http", "requests": [{"method", "path", "json" | "content", "headers"?}]}`: the status and body
-  of vLLM's own routers (chat, completions, the RL routes) and exception handlers, on an app whose engine
+  of vLLM's own routers (chat, completions, responses, the RL routes) and exception handlers, on an app whose engine
   is a stub that builds the request's `SamplingParams` as vLLM's serving code does (`to_sampling_params`,
   whose checks answer 400) and accepts the rest: 200 means vLLM's request validation let it through.
 - `{"op": "process", "logits", "temperature", "top_k", "top_p", "logit_bias"}`: the logits vLLM's v1 sampler
@@ -46,10 +49,27 @@ def _models() -> dict[str, Any]:
         ChatCompletionStreamResponse,
     )
     from vllm.entrypoints.openai.completion.protocol import CompletionResponse, CompletionStreamResponse
+    from vllm.entrypoints.openai.responses.protocol import ResponsesResponse
     from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
     return {m.__name__: m for m in (ChatCompletionResponse, ChatCompletionStreamResponse, CompletionResponse,
-                                    CompletionStreamResponse, ErrorResponse)}
+                                    CompletionStreamResponse, ErrorResponse, ResponsesResponse)}
+
+
+def _validate_event(body: Any) -> Any:
+    """A Responses stream event as vLLM's stream builds it: the events carrying a whole response with vLLM's
+    own wrappers (their `response` is vLLM's ResponsesResponse), the others with openai's discriminated union
+    `ResponseStreamEvent`, which must accept every event anyway (what the OpenAI SDK parses them with)."""
+    from openai.types.responses import ResponseStreamEvent
+    from pydantic import TypeAdapter
+    from vllm.entrypoints.openai.responses import protocol
+
+    event = TypeAdapter(ResponseStreamEvent).validate_python(body)
+    wrappers = {"response.created": protocol.ResponseCreatedEvent, "response.in_progress":
+                protocol.ResponseInProgressEvent, "response.completed": protocol.ResponseCompletedEvent,
+                "response.incomplete": protocol.ResponseIncompleteEvent}
+    wrapper = wrappers.get(body.get("type"))
+    return event if wrapper is None else wrapper.model_validate(body)
 
 
 def _extra_keys(obj: Any, path: str = "") -> list[str]:
@@ -73,12 +93,17 @@ def _extra_keys(obj: Any, path: str = "") -> list[str]:
 def validate(case: dict[str, Any]) -> dict[str, Any]:
     from pydantic import ValidationError
 
-    model = _models()[case["model"]]
     try:
-        obj = model.model_validate(case["body"])
+        if case["model"] == "ResponseStreamEvent":
+            obj = _validate_event(case["body"])
+        else:
+            obj = _models()[case["model"]].model_validate(case["body"])
     except ValidationError as exc:
         return {"ok": False, "error": str(exc), "extra": [], "dump": None}
-    if case["model"] == "ChatCompletionStreamResponse":  # chat_completion_stream_generator
+    if case["model"] in ("ResponsesResponse", "ResponseStreamEvent"):
+        # responses/api_router.py: model_dump(mode="json", by_alias=True); events model_dump_json(by_alias=True)
+        dump = json.loads(obj.model_dump_json(indent=None, by_alias=True))
+    elif case["model"] == "ChatCompletionStreamResponse":  # chat_completion_stream_generator
         dump = json.loads(obj.model_dump_json(exclude_unset=True, exclude_none=not obj.choices))
     elif case["model"] == "CompletionStreamResponse":  # completion_stream_generator (usage chunk: no nulls)
         dump = json.loads(obj.model_dump_json(exclude_unset=bool(obj.choices), exclude_none=not obj.choices))
@@ -143,6 +168,7 @@ def _app() -> Any:
     from fastapi import FastAPI
     from vllm.entrypoints.openai.chat_completion.api_router import router as chat_router
     from vllm.entrypoints.openai.completion.api_router import router as completion_router
+    from vllm.entrypoints.openai.responses.api_router import router as responses_router
     from vllm.entrypoints.rl.online.api_router import router as rl_router
     from vllm.entrypoints.serve.exception_handling.register import init_exception_handler
 
@@ -166,13 +192,36 @@ def _app() -> Any:
                 return "stub"
             return call
 
+    class StubResponses:
+        """vLLM's OpenAIServingResponses up to the engine (serving.py `_create_responses`), store off as
+        without VLLM_ENABLE_RESPONSES_API_STORE, for a non-harmony model."""
+
+        use_harmony, enable_store = False, False
+
+        async def create_responses(self, request: Any, raw_request: Any) -> Any:
+            from vllm.entrypoints.openai.responses.serving import OpenAIServingResponses
+            from vllm.entrypoints.serve.engine.serving import create_error_response
+
+            self.create_error_response = create_error_response
+            error = OpenAIServingResponses._validate_create_responses_input(self, request)
+            if error is not None:
+                return error
+            if request.previous_response_id is not None:
+                return OpenAIServingResponses._make_not_found_error(self, request.previous_response_id)
+            request.to_sampling_params(request.max_output_tokens or 16, {})
+
+            async def events():
+                yield SimpleNamespace(type="accepted", model_dump_json=lambda **kwargs: "{}")
+            return events()
+
     app = FastAPI()
-    for router in (chat_router, completion_router, rl_router):
+    for router in (chat_router, completion_router, rl_router, responses_router):
         app.include_router(router)
     init_exception_handler(app)
     app.state.args = SimpleNamespace(log_error_stack=False, sse_keep_alive_interval=0)
     app.state.openai_serving_chat = StubServing()
     app.state.openai_serving_completion = StubServing()
+    app.state.openai_serving_responses = StubResponses()
     app.state.engine_client = StubEngine()
     return app
 
