@@ -1,11 +1,12 @@
-"""The calculator agent with the OpenAI Agents SDK, on a chat-completions model with a custom client."""
+"""The calculator agent with the OpenAI Agents SDK on its default model, the Responses API (`/v1/responses`),
+through the client built from the environment (OPENAI_BASE_URL, OPENAI_API_KEY)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 
-from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+from agents import Agent, ModelSettings, Runner, function_tool, set_default_openai_client, set_tracing_disabled
 from openai import AsyncOpenAI
 
 import calculator as calc
@@ -19,9 +20,10 @@ def calculator(expression: str) -> str:
 
 async def main() -> None:
     set_tracing_disabled(True)  # no trace upload to OpenAI; the gateway records the calls
-    model = OpenAIChatCompletionsModel(model=calc.model_name(), openai_client=AsyncOpenAI())  # env config
+    set_default_openai_client(AsyncOpenAI(), use_for_tracing=False)  # env config
     agent = Agent(name="calculator", instructions="Answer arithmetic questions with the calculator tool.",
-                  tools=[calculator], model=model, model_settings=ModelSettings(temperature=0, max_tokens=128))
+                  tools=[calculator], model=calc.model_name(),
+                  model_settings=ModelSettings(temperature=0, max_tokens=128))
     result = await Runner.run(agent, calc.QUESTION, max_turns=3)
     answer = str(result.final_output or "")
     print(json.dumps({"answer": answer, "reward": calc.post_reward(answer)}))

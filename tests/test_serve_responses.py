@@ -42,10 +42,10 @@ CALCULATOR = {"type": "function", "name": "calculator", "description": "Evaluate
 @pytest.fixture(scope="module")
 def tool_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
     """`rlgate serve` on the tiny model taught to call the calculator for one question."""
-    from tool_model import build_tool_calling_model
+    from tool_model import cached_tool_calling_model
 
     tmp = tmp_path_factory.mktemp("responses_tools")
-    proc = start_rlgate_serve(build_tool_calling_model(tmp / "tool-model"), tmp, MODEL)
+    proc = start_rlgate_serve(cached_tool_calling_model(), tmp, MODEL)
     yield proc
     proc.kill(signal.SIGTERM)
 

@@ -99,3 +99,31 @@ def build_tool_calling_model(path: Path, steps: int = 400, seed: int = 0) -> Pat
     model.eval()
     model.save_pretrained(path)
     return path
+
+
+def cached_tool_calling_model(steps: int = 400, seed: int = 0) -> Path:
+    """The taught model, built once and kept between test runs (a few minutes on a busy 2-core machine):
+    under `$RLGATE_TEST_CACHE` (default `~/.cache/rlgate/tests`), in a folder named by a hash of the code
+    that builds it, the arguments and torch's version, so a change to any of them builds it again."""
+    import hashlib
+    import os
+    import shutil
+
+    import inference.tiny_model as tiny
+
+    digest = hashlib.sha256()
+    for source in (Path(__file__), Path(tiny.__file__)):
+        digest.update(source.read_bytes())
+    digest.update(f"{steps}|{seed}|{torch.__version__}".encode())
+    root = Path(os.environ.get("RLGATE_TEST_CACHE") or Path.home() / ".cache" / "rlgate" / "tests")
+    target = root / f"tool-model-{digest.hexdigest()[:16]}"
+    if (target / "model.safetensors").exists():
+        return target
+    building = root / f"{target.name}.building-{os.getpid()}"
+    shutil.rmtree(building, ignore_errors=True)
+    build_tool_calling_model(building, steps, seed)
+    try:
+        building.rename(target)  # atomic: a concurrent builder's copy wins, this one is dropped
+    except OSError:
+        shutil.rmtree(building, ignore_errors=True)
+    return target
