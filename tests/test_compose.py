@@ -22,16 +22,18 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 from pydantic_settings import BaseSettings
 
-from conftest import ROOT
-from rlgate.cli import GatewayCommand, LearnerCommand, ServeCommand, WorkerCommand
+from conftest import ROOT, free_port, start_gateway
+from rlgate.cli import GatewayCommand, LearnerCommand, Rlgate, ServeCommand, WorkerCommand, _Cli, _flag_values
 
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SERVICES = COMPOSE["services"]
@@ -156,7 +158,9 @@ def parse_command(cls: type[BaseSettings], command: list[str], environment: dict
             assert key.startswith(prefix) and key[len(prefix):] in fields, f"{cls.__name__}: unknown setting {key}"
     for key, value in environment.items():
         monkeypatch.setenv(key, value)
-    return cls(_cli_parse_args=command)
+    # exactly as `rlgate` parses a command line (rlgate.cli.main, without running the command)
+    argv = [command[1], *command[2:]] if command[:1] == ["rlgate"] else command
+    return getattr(Rlgate(_cli_settings_source=_Cli()(args=_flag_values(argv))), argv[0].replace("-", "_"))
 
 
 # --- the GPU file ------------------------------------------------------------------------------------------
@@ -178,7 +182,7 @@ def test_each_command_is_an_rlgate_subcommand_whose_flags_and_env_parse(gpu: Dep
     command = gpu.command(service)
     assert command[:2] == ["rlgate", service]
     prefix = {"learner": "RLGATE_LEARNER_"}.get(service, "RLGATE_")
-    settings = parse_command(COMMANDS[service], command[2:], gpu.environment(service), monkeypatch, prefix)
+    settings = parse_command(COMMANDS[service], command, gpu.environment(service), monkeypatch, prefix)
     if service == "gateway":
         assert settings.upstream_url == "http://vllm:8000/v1" and settings.host == "0.0.0.0"
         assert settings.redis_url == "redis://redis:6379/0"
@@ -262,7 +266,7 @@ def test_the_cpu_profile_runs_every_service_on_its_own_loopback_port(rendered_cp
         for host, port in listens(cpu, name):
             assert host == "127.0.0.1", (name, host)
             ports.append(port)
-    assert len(ports) == len(set(ports)) == 5
+    assert len(ports) == len(set(ports)) == 4  # Redis, serve, the gateway's two
     # the defaults stay clear of the tests' Redis (6379) and of common development ports
     assert all(18100 <= port <= 18199 for port in ports), ports
     # Redis persists the episodes (AOF on a volume)
@@ -285,7 +289,8 @@ def test_the_cpu_profile_commands_parse_and_are_wired_together(rendered_cpu: Dep
     if service == "serve":  # the tiny model is built on first start, then served: `exec rlgate serve`
         assert command[:2] == ["sh", "-c"] and command[2].endswith("exec rlgate serve")
         assert "rlgate make-tiny-model /models/tiny" in command[2]
-        settings = parse_command(ServeCommand, [], cpu.environment(service), monkeypatch, "RLGATE_SERVE_")
+        settings = parse_command(ServeCommand, ["rlgate", "serve"], cpu.environment(service), monkeypatch,
+                                 "RLGATE_SERVE_")
         assert str(settings.model) == "/models/tiny" and settings.logprobs_mode == "processed_logprobs"
         assert settings.allow_runtime_lora_updating
         learner = cpu.environment("learner")
@@ -300,7 +305,7 @@ def test_the_cpu_profile_commands_parse_and_are_wired_together(rendered_cpu: Dep
         return
     assert command[:2] == ["rlgate", service]
     prefix = {"learner": "RLGATE_LEARNER_"}.get(service, "RLGATE_")
-    settings = parse_command(COMMANDS[service], command[2:], cpu.environment(service), monkeypatch, prefix)
+    settings = parse_command(COMMANDS[service], command, cpu.environment(service), monkeypatch, prefix)
     assert settings.redis_url == redis_url
     if service == "gateway":
         assert settings.upstream_url == f"{serve_url}/v1" and settings.require_rollout_keys
@@ -328,6 +333,47 @@ def test_the_cpu_profile_builds_the_same_dockerfile_with_a_cpu_torch(rendered_cp
     assert cpu.services["gateway"]["image"] == cpu.services["worker"]["image"]
     assert cpu.services["learner"]["image"] == cpu.services["serve"]["image"]
     assert cpu.services["redis"]["image"] == "redis:7"
+
+
+# --- the demo's agents against a gateway with credentials, as in compose ------------------------------------
+
+def test_the_demo_agents_drive_a_gateway_with_rollout_keys_through_its_control_port(tmp_path: Path, fake_vllm,
+                                                                                      redis_client):
+    """`demo.agent --control`: each episode created on the control port with the operator token, its calls
+    made with the rollout's own key (the only credential this gateway takes from agents), its reward job
+    asked for on the control port."""
+    control_port = free_port()
+    gateway = start_gateway(tmp_path, fake_vllm.url, control_port=str(control_port),
+                            control_host="127.0.0.1", require_rollout_keys="true", **{
+                                k.removeprefix("RLGATE_").lower(): v for k, v in SECRETS.items()})
+    control = f"http://127.0.0.1:{control_port}"
+    agent = subprocess.Popen([sys.executable, "-m", "demo.agent", "--gateway", gateway.url, "--control", control,
+                              "--model", "fake-model", "--concurrency", "4", "--rollouts-per-task", "2"],
+                             cwd=ROOT, env={**os.environ, "RLGATE_OPERATOR_TOKEN": SECRETS["RLGATE_OPERATOR_TOKEN"]},
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        time.sleep(3)
+        agent.send_signal(signal.SIGTERM)
+        output = agent.communicate(timeout=30)[0]
+        headers = {"Authorization": f"Bearer {SECRETS['RLGATE_OPERATOR_TOKEN']}"}
+        listing = httpx.get(f"{control}/rollouts", params={"limit": 1000}, headers=headers, timeout=10)
+        assert listing.status_code == 200, listing.text
+        rollouts = listing.json()["rollouts"]
+        # the agent port takes no operator token and no unknown key: only rollout keys made those calls
+        refused = httpx.post(f"{gateway.url}/v1/completions", json={"model": "tiny", "prompt": "1"},
+                             headers=headers, timeout=10)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+        gateway.kill(signal.SIGTERM)
+    assert agent.returncode == 0 and "failed" not in output, output
+    assert refused.status_code in (401, 403), refused.text
+    assert len(rollouts) >= 8, rollouts  # tasks of 2 episodes, 4 in flight, for 3 s
+    assert {r["task_id"][:1] for r in rollouts} == {"q"}  # named by the agent's tasks (q1, q2, ...)
+    done = [r for r in rollouts if r["calls"] >= 1]
+    assert len(done) >= len(rollouts) - 4  # all but those in flight when the agent stopped
+    # each finished episode asked for its reward job (no worker here: the jobs wait in the queue)
+    assert redis_client.llen("rq:queue:rlgate-rewards") >= len(done) - 4
 
 
 # --- for real ------------------------------------------------------------------------------------------------
