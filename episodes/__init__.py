@@ -19,8 +19,9 @@ from episodes.errors import (
     StoreError,
     StoreUnavailable,
     TaskMismatch,
+    TooManyAttempts,
 )
-from episodes.keys import Keys, validate_id
+from episodes.keys import Keys, attempt_episode, validate_episode_id, validate_id
 from episodes.lifecycle import CloseResult, EpisodeLifecycle, canonical_reward
 from episodes.records import (
     SCHEMA_VERSION,
@@ -77,5 +78,8 @@ __all__ = [
     "StoreError",
     "StoreUnavailable",
     "TaskMismatch",
+    "TooManyAttempts",
+    "attempt_episode",
+    "validate_episode_id",
     "validate_id",
 ]

@@ -15,35 +15,61 @@ return 1
 """
 
 # Appends call records to an open rollout, creating the rollout on its first call.
-# KEYS[1] rollout hash, KEYS[2] calls list
+# KEYS[1] rollout hash, KEYS[2] calls list, KEYS[3] (an attempt only) the hash of the rollout it is an
+# attempt of (same hash tag)
 # ARGV[1] rollout_id, ARGV[2] task_id ('' for none), ARGV[3] now, ARGV[4] schema_version,
 # ARGV[5] expires_at (for a rollout created here), ARGV[6] '1' when the rollout must already exist (a call
 # with a rollout key: POST /rollouts made it, so a missing hash means Redis lost it), ARGV[7] the most
 # records a rollout may hold ('0': no limit), ARGV[8] the mode the call asks for ('' any; a rollout created
-# here gets 'train' then), ARGV[9..] call records (JSON)
+# here gets 'train' then), ARGV[9] the most attempts a rollout may have, ARGV[10..] call records (JSON)
+# An attempt is created only while its rollout exists and is open or failed, with the rollout's task and
+# mode, and counted in the rollout's `attempts`.
 # Returns {0, first_index, created (0/1)} on success, {1, status} when the rollout is not open,
-# {2, task_id} when the call names another task than the rollout's, {3} when it must exist and does not,
-# {4, records held} when these records would take it above its limit, {5, mode} when the rollout is of
-# another mode than the call asks for.
+# {2, task_id} when the call names another task than the rollout's, {3} when it (an attempt: its
+# rollout) must exist and does not, {4, records held} when these records would take it above its limit,
+# {5, mode} when the rollout is of another mode than the call asks for, {6, status} when an attempt's
+# rollout is closed, {7, limit} when the rollout has had its most attempts.
 RECORD_CALLS = """
+local n_records = #ARGV - 9
 local status = redis.call('HGET', KEYS[1], 'status')
 local limit = tonumber(ARGV[7])
 if limit > 0 and (status == false or status == 'open') then
   local held = redis.call('LLEN', KEYS[2])
-  if held + (#ARGV - 8) > limit then
+  if held + n_records > limit then
     return {4, held}
   end
 end
 local created = 0
 if not status then
-  if ARGV[6] == '1' then
+  local task, mode = ARGV[2], ARGV[8]
+  if KEYS[3] then
+    local parent = redis.call('HMGET', KEYS[3], 'status', 'task_id', 'mode')
+    if not parent[1] then
+      return {3}
+    end
+    if parent[1] ~= 'open' and parent[1] ~= 'failed' then
+      return {6, parent[1]}
+    end
+    local parent_mode = parent[3] or 'train'
+    if mode ~= '' and mode ~= parent_mode then
+      return {5, parent_mode}
+    end
+    local parent_task = parent[2] or ''
+    if task ~= '' and task ~= parent_task then
+      return {2, parent_task}
+    end
+    if tonumber(redis.call('HGET', KEYS[3], 'attempts') or '0') >= tonumber(ARGV[9]) then
+      return {7, ARGV[9]}
+    end
+    redis.call('HINCRBY', KEYS[3], 'attempts', 1)
+    task, mode = parent_task, parent_mode
+  elseif ARGV[6] == '1' then
     return {3}
   end
-  local mode = ARGV[8]
   if mode == '' then
     mode = 'train'
   end
-  redis.call('HSET', KEYS[1], 'schema_version', ARGV[4], 'rollout_id', ARGV[1], 'task_id', ARGV[2],
+  redis.call('HSET', KEYS[1], 'schema_version', ARGV[4], 'rollout_id', ARGV[1], 'task_id', task,
              'status', 'open', 'created_at', ARGV[3], 'metadata', '{}', 'expires_at', ARGV[5], 'mode', mode)
   created = 1
 elseif status ~= 'open' then
@@ -63,8 +89,8 @@ if created == 0 and ARGV[2] ~= '' then
     return {2, task}
   end
 end
-local n = redis.call('RPUSH', KEYS[2], unpack(ARGV, 9))
-return {0, n - (#ARGV - 8), created}
+local n = redis.call('RPUSH', KEYS[2], unpack(ARGV, 10))
+return {0, n - n_records, created}
 """
 
 # Closes an open rollout with its final return, exactly once.

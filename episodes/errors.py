@@ -52,6 +52,15 @@ class RolloutFull(StoreError):
         self.limit = limit
 
 
+class TooManyAttempts(StoreError):
+    """A rollout has had the most attempts it may (`max_attempts_per_rollout`); nothing written."""
+
+    def __init__(self, rollout_id: str, limit: int) -> None:
+        super().__init__(f"rollout {rollout_id!r} has had {limit} attempts, the most it may "
+                         "(max_attempts_per_rollout): start a new rollout")
+        self.rollout_id = rollout_id
+
+
 class ModeMismatch(StoreError):
     """A call into a training rollout through a validation URL, or the other way round."""
 

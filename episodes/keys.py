@@ -38,7 +38,10 @@
 - The epoch marker tells a gateway that Redis lost its data: it is written once (SET NX) and only
   disappears with the rest (`gateway.watch`).
 - Keys of one rollout carry the Redis Cluster hash tag `{<rid>}`, so every Lua script (they only ever
-  touch one rollout's keys) hits one slot and runs unchanged on a cluster. The global keys (`policy`,
+  touch one rollout's keys) hits one slot and runs unchanged on a cluster. An attempt of a rollout (Agent
+  Lightning's retries: the episode `<rid>~<attempt>`) keeps its rollout's tag, `{prefix}:rollout:{<rid>}~<attempt>`
+  and so on, so the record script that creates it can read its rollout (task, mode, status) and count its
+  attempts (`attempts` in the rollout hash) atomically. The global keys (`policy`,
   `expiry`, `rollouts`, `outbox`, `episodes`) are only touched by single-key commands.
 
 Episode lifecycle (every transition is one script on the rollout hash, so it happens exactly once however
@@ -69,6 +72,10 @@ from episodes.errors import InvalidId
 # Characters allowed in rollout and task ids: they appear in URL paths and inside a hash tag, so no
 # slashes and no braces.
 _ID_RE = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+# An attempt of a rollout (Agent Lightning's retries) is an episode of its own, `{rollout_id}~{attempt_id}`:
+# `~` is in no rollout id, so no rollout can be named like another's attempt.
+ATTEMPT_SEPARATOR = "~"
+_ATTEMPT_RE = re.compile(r"[A-Za-z0-9_\-]{1,32}")
 
 
 def validate_id(value: str, what: str = "id") -> str:
@@ -76,6 +83,39 @@ def validate_id(value: str, what: str = "id") -> str:
     if not _ID_RE.fullmatch(value):
         raise InvalidId(f"invalid {what} {value!r}: use 1-128 characters from A-Z a-z 0-9 . _ : -")
     return value
+
+
+def attempt_episode(rollout_id: str, attempt_id: str) -> str:
+    """The episode an attempt of a rollout records into: the rollout itself for attempt "0", else
+    `{rollout_id}~{attempt_id}` (a retry never collides with the attempt that failed)."""
+    validate_id(rollout_id, "rollout id")
+    if attempt_id == "0":
+        return rollout_id
+    if not _ATTEMPT_RE.fullmatch(attempt_id):
+        raise InvalidId(f"invalid attempt id {attempt_id!r}: use 1-32 characters from A-Z a-z 0-9 _ -")
+    return f"{rollout_id}{ATTEMPT_SEPARATOR}{attempt_id}"
+
+
+def validate_episode_id(value: str, what: str = "rollout id") -> str:
+    """Return `value` if it names a rollout or an attempt of one (`{rollout_id}~{attempt_id}`)."""
+    base, sep, attempt = value.partition(ATTEMPT_SEPARATOR)
+    if not _ID_RE.fullmatch(base) or (sep and not _ATTEMPT_RE.fullmatch(attempt)):
+        raise InvalidId(f"invalid {what} {value!r}: use 1-128 characters from A-Z a-z 0-9 . _ : -, and for "
+                        f"an attempt of a rollout, ROLLOUT~ATTEMPT")
+    return value
+
+
+def parent_of(episode_id: str) -> str | None:
+    """The rollout an attempt episode belongs to; None for a rollout itself."""
+    base, sep, _ = episode_id.partition(ATTEMPT_SEPARATOR)
+    return base if sep else None
+
+
+def _tag(episode_id: str) -> str:
+    """The key part of an episode: its hash tag is its rollout's, so an attempt's keys share the slot of
+    its rollout's (the record script reads the rollout when it creates the attempt)."""
+    base, sep, attempt = episode_id.partition(ATTEMPT_SEPARATOR)
+    return f"{{{base}}}{sep}{attempt}"
 
 
 class Keys:
@@ -96,20 +136,20 @@ class Keys:
         self.health = f"{prefix}:health"
 
     def rollout(self, rollout_id: str) -> str:
-        return f"{self.prefix}:rollout:{{{rollout_id}}}"
+        return f"{self.prefix}:rollout:{_tag(rollout_id)}"
 
     def calls(self, rollout_id: str) -> str:
-        return f"{self.prefix}:rollout:{{{rollout_id}}}:calls"
+        return f"{self.prefix}:rollout:{_tag(rollout_id)}:calls"
 
     def rewards(self, rollout_id: str) -> str:
-        return f"{self.prefix}:rollout:{{{rollout_id}}}:rewards"
+        return f"{self.prefix}:rollout:{_tag(rollout_id)}:rewards"
 
     def air(self, rollout_id: str) -> str:
-        return f"{self.prefix}:rollout:{{{rollout_id}}}:air"
+        return f"{self.prefix}:rollout:{_tag(rollout_id)}:air"
 
     def events(self, rollout_id: str) -> str:
         """The events the rollout's agent posted (Agent Lightning's event route), JSON, in order."""
-        return f"{self.prefix}:rollout:{{{rollout_id}}}:events"
+        return f"{self.prefix}:rollout:{_tag(rollout_id)}:events"
 
     def webhook(self, msg_id: str) -> str:
         """A signed request's webhook-id (`reward_hooks.signing` allows A-Z a-z 0-9 _ - only)."""

@@ -29,8 +29,9 @@ from episodes.errors import (
     RolloutNotOpen,
     StoreUnavailable,
     TaskMismatch,
+    TooManyAttempts,
 )
-from episodes.keys import Keys, validate_id
+from episodes.keys import Keys, parent_of, validate_id
 from episodes.records import (
     SCHEMA_VERSION,
     CallRecord,
@@ -160,7 +161,7 @@ class EpisodeStore:
 
     async def record_calls(self, rollout_id: str, task_id: str | None, records: Sequence[CallRecord], *,
                            must_exist: bool = False, max_bytes: int | None = None, max_calls: int = 0,
-                           mode: Mode | None = None) -> int:
+                           mode: Mode | None = None, max_attempts: int = 16) -> int:
         """Append `records` to the rollout atomically, creating it if new. Returns the first index.
 
         Concurrent calls are group-committed: one pipelined round trip per batch (`_batch`).
@@ -170,31 +171,42 @@ class EpisodeStore:
         `max_bytes`; `RolloutFull` when the rollout would hold more than `max_calls` records (0: no limit);
         `ModeMismatch` when `mode` is given and the rollout is of the other one (a rollout created here gets
         `mode`, default train).
+
+        An attempt (`{rollout_id}~{attempt_id}`, `keys.attempt_episode`) is created only while its rollout
+        exists (`RolloutMissing` otherwise) and is open or failed (`RolloutNotOpen` naming the rollout),
+        with at most `max_attempts` per rollout (`TooManyAttempts`); it takes the rollout's task and mode.
         """
         if not records:
             raise ValueError("record_calls needs at least one record")
         now = time.time()
         expires_at = now + self.rollout_ttl_s
-        encoded = [record.model_dump_json() for record in records]
+        encoded = [record.model_dump_json().encode() for record in records]
         if max_bytes is not None:
             size = sum(map(len, encoded))
             if size > max_bytes:
                 raise RecordTooLarge(size, max_bytes)
         args: list[Any] = [rollout_id, task_id or "", repr(now), SCHEMA_VERSION, repr(expires_at),
-                           "1" if must_exist else "0", str(max_calls), mode or "", *encoded]
+                           "1" if must_exist else "0", str(max_calls), mode or "", str(max_attempts), *encoded]
+        keys = [self.keys.rollout(rollout_id), self.keys.calls(rollout_id)]
+        parent = parent_of(rollout_id)
+        if parent is not None:
+            keys.append(self.keys.rollout(parent))
         # Bounded in time by the record connection's own watchdog (`_batch`), not by a timer per call.
         try:
-            code, *rest = await self._record(
-                [self.keys.rollout(rollout_id), self.keys.calls(rollout_id)], args)
+            code, *rest = await self._record(keys, args)
         except (redis_exc.RedisError, OSError) as exc:
             raise _unavailable(exc) from exc
         if code == 3:
-            raise RolloutMissing(rollout_id)
+            raise RolloutMissing(parent or rollout_id)
         value, *created = rest
         if code == 4:
             raise RolloutFull(rollout_id, int(value), max_calls)
         if code == 5:
-            raise ModeMismatch(rollout_id, _text(value), mode or "")
+            raise ModeMismatch(parent or rollout_id, _text(value), mode or "")
+        if code == 6:
+            raise RolloutNotOpen(parent or rollout_id, _text(value))
+        if code == 7:
+            raise TooManyAttempts(parent or rollout_id, int(value))
         if code == 0 and created[0]:  # a rollout born with its first call: schedule its expiry
             try:
                 async with _guard(self.timeout_s):
@@ -350,14 +362,6 @@ class EpisodeStore:
         events = [RolloutEvent.model_validate_json(item) for item in raw_events]
         return RolloutView(**rollout.model_dump(), calls=calls, events=events)
 
-    async def task_and_mode(self, rollout_id: str) -> tuple[str | None, Mode] | None:
-        """The rollout's task id and mode; None when there is no such rollout."""
-        async with _guard(self.timeout_s):
-            status, task, mode = await self.redis.hmget(self.keys.rollout(rollout_id), "status", "task_id", "mode")
-        if status is None:
-            return None
-        return (task.decode() or None) if task else None, "val" if mode == b"val" else "train"
-
     async def append_event(self, rollout_id: str, event: RolloutEvent) -> int:
         """Keep an event the agent posted with its open rollout; returns its index. Raises
         `RolloutNotFound`, `RolloutNotOpen`, or `RolloutFull` when it holds `EVENTS_MAX` already."""
@@ -444,7 +448,7 @@ class EpisodeStore:
 
 
 _JSON_FIELDS = ("metadata", "reward_metadata", "finish")
-_INTERNAL_FIELDS = ("published", "claimed_by", "claimed_until_ms")
+_INTERNAL_FIELDS = ("published", "claimed_by", "claimed_until_ms", "attempts")
 
 
 def _parse_cursor(cursor: str) -> tuple[float, int]:

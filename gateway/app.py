@@ -136,6 +136,7 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.store = EpisodeStore.from_url(settings.redis_url, prefix=settings.key_prefix,
                                            timeout_s=settings.redis_timeout_s, rollout_ttl_s=settings.rollout_ttl_s)
+        self.store.index_max = settings.rollout_index_max
         self.upstream = Upstream(settings)
         self.metrics.watch(self.upstream.connections, self.store.record_stats)
         self.credentials = Credentials(settings)
@@ -224,6 +225,11 @@ class Gateway:
             api_key = next((v for k, v in headers if k == b"x-api-key"), None)
             authorization = b"Bearer " + api_key if api_key else b""
         credential = "operator"
+        if self.control is not None and self.credentials.is_operator(authorization):
+            # a split layout keeps the operator's credential off the agent port: use the control port
+            await _send_error(send, errors.Forbidden("the operator token is not taken on the agent port; send "
+                                                     "this request to the control port", code="wrong_credential"))
+            return
         if not self.credentials.is_operator(authorization):
             credential = "agent"
             try:

@@ -85,7 +85,6 @@ class Proxy:
         self.air = (AutomaticRewards(store, settings.air_reward, settings.air_error_patterns)
                     if settings.air else None)
         self.aliases = settings.model_aliases
-        self._attempt_tasks: dict[str, str | None] = {}  # attempt episode -> its rollout's task (bounded)
         self._background: set[asyncio.Task[Any]] = set()
 
     @property
@@ -148,8 +147,12 @@ class Proxy:
         except episodes.InvalidId as exc:
             raise errors.BadRequest(str(exc), code="invalid_id") from exc
         mode = None
-        if attempt is not None:  # Agent Lightning: each attempt of a rollout is an episode of its own
-            rollout_id, task_id, keyed, mode = await self._attempt(rollout_id, attempt, keyed)
+        if attempt is not None:  # Agent Lightning: a later attempt of a rollout is an episode of its own
+            attempt_id, mode = attempt
+            try:
+                rollout_id = episodes.attempt_episode(rollout_id, attempt_id)
+            except episodes.InvalidId as exc:
+                raise errors.BadRequest(str(exc), code="invalid_id") from exc
         watch = self.watch
         if watch.lost and rollout_id in watch.lost:
             self.metrics.calls.labels(endpoint, "rollout_data_lost").inc()
@@ -205,41 +208,6 @@ class Proxy:
             raise
         finally:
             disconnect.cancel()
-
-    async def _attempt(self, rollout_id: str, attempt: tuple[str, str], keyed: bool
-                       ) -> tuple[str, str | None, bool, episodes.Mode]:
-        """(episode id, task id, must exist, mode) of a call through Agent Lightning's proxy URL. Attempt 0
-        is the rollout itself; a later attempt (a retry) is the episode `{rollout_id}.{attempt_id}`, of the
-        rollout's task and mode, so a retry never collides with the attempt that failed."""
-        attempt_id, mode = attempt
-        if attempt_id == "0":
-            return rollout_id, None, keyed, mode  # type: ignore[return-value]
-        episode = f"{rollout_id}.{attempt_id}"
-        try:
-            episodes.validate_id(attempt_id, "attempt id")
-            episodes.validate_id(episode, "rollout and attempt id")
-        except episodes.InvalidId as exc:
-            raise errors.BadRequest(str(exc), code="invalid_id") from exc
-        if episode in self._attempt_tasks:
-            return episode, self._attempt_tasks[episode], False, mode  # type: ignore[return-value]
-        try:
-            parent = await self.store.task_and_mode(rollout_id)
-        except episodes.StoreUnavailable as exc:
-            raise errors.StoreUnavailable("the gateway cannot reach Redis; retry later",
-                                          headers={"retry-after": "1"}) from exc
-        if parent is None:
-            if keyed:  # its key came from POST /rollouts: the rollout existed
-                raise errors.Conflict(str(episodes.RolloutMissing(rollout_id)), code="rollout_data_lost")
-            task_id = None
-        else:
-            task_id, parent_mode = parent
-            if parent_mode != mode:
-                raise errors.Conflict(f"rollout {rollout_id!r} is a {parent_mode} rollout, not {mode}",
-                                      code="mode_mismatch")
-        if len(self._attempt_tasks) >= 10_000:
-            self._attempt_tasks.pop(next(iter(self._attempt_tasks)))
-        self._attempt_tasks[episode] = task_id
-        return episode, task_id, False, mode  # type: ignore[return-value]
 
     async def _rollout_exists(self, rollout_id: str) -> bool:
         try:
@@ -428,7 +396,8 @@ class Proxy:
         try:
             index = await self.store.record_calls(call.rollout_id, call.task_id, records, must_exist=call.keyed,
                                                   max_bytes=self.settings.max_record_bytes if limit else None,
-                                                  max_calls=self.settings.max_calls_per_rollout, mode=call.mode)
+                                                  max_calls=self.settings.max_calls_per_rollout, mode=call.mode,
+                                                  max_attempts=self.settings.max_attempts_per_rollout)
             self.watch.recorded(call.rollout_id)
         except episodes.RecordTooLarge as exc:
             # The answer is dropped, the call kept as failed (its request fits: checked before the upstream).
@@ -443,9 +412,16 @@ class Proxy:
             self.metrics.calls.labels(call.endpoint, "rollout_full").inc()
             raise errors.Conflict(str(exc), code="rollout_full") from exc
         except episodes.RolloutMissing as exc:
+            if not call.keyed:  # an attempt of a rollout nobody created
+                self.metrics.calls.labels(call.endpoint, "rollout_not_found").inc()
+                raise errors.NotFound(f"no rollout {exc.rollout_id!r} to make an attempt of: create it first "
+                                      "(POST /rollouts) or call attempt 0", code="rollout_not_found") from exc
             self.metrics.calls.labels(call.endpoint, "rollout_data_lost").inc()
             self.metrics.errors.labels("rollout_data_lost").inc()
             raise errors.Conflict(str(exc), code="rollout_data_lost") from exc
+        except episodes.TooManyAttempts as exc:
+            self.metrics.calls.labels(call.endpoint, "too_many_attempts").inc()
+            raise errors.Conflict(str(exc), code="too_many_attempts") from exc
         except episodes.StoreUnavailable as exc:
             self.metrics.errors.labels("store").inc()
             if self.settings.on_store_error == "pass":

@@ -166,7 +166,7 @@ def build_api(gateway: Gateway) -> FastAPI:
                           limit: int = Query(PAGE_DEFAULT, ge=1, le=PAGE_MAX, description="Calls per page.")
                           ) -> Response:
         try:
-            episodes.validate_id(rollout_id, "rollout id")
+            episodes.validate_episode_id(rollout_id)
         except episodes.InvalidId as exc:
             raise errors.BadRequest(str(exc), code="invalid_id") from exc
         view = await store.get_rollout_view(rollout_id, offset, limit + 1)  # one more: is there a next page?

@@ -103,6 +103,9 @@ class GatewaySettings(SharedSettings):
     max_calls_per_rollout: int = Field(
         10_000, ge=0, description="Most call records (one per choice) one rollout may hold; a call above it is "
         "409 rollout_full, recorded nowhere (its answer dropped). 0: no limit.")
+    max_attempts_per_rollout: int = Field(
+        16, ge=1, description="Most later attempts one rollout may have through Agent Lightning's proxy URLs "
+        "(/attempt/N/, each an episode of its own, ROLLOUT~N); one more is 409 too_many_attempts.")
     max_record_bytes: int = Field(
         32 * 1024 * 1024, ge=1024, description="Largest record of one call kept in Redis: its request, stored "
         "once, plus every choice's answer, token ids and log-probs. A request already above it is 413 before "

@@ -39,9 +39,25 @@ class Group:
     first_seen: float = field(default_factory=time.monotonic)
 
 
+@dataclass
+class Validation:
+    """Validation episodes' rewards, summed as they are scored (never trained on: `Collector`)."""
+
+    success_threshold: float = 1.0
+    episodes: int = 0
+    reward_sum: float = 0.0
+    successes: int = 0
+
+    def add(self, reward: float) -> None:
+        self.episodes += 1
+        self.reward_sum += reward
+        self.successes += reward >= self.success_threshold
+
+
 class Collector:
     def __init__(self, stream: ClosedEpisodes, consumer: str, *, tasks_per_step: int, rollouts_per_task: int,
-                 max_group_wait_s: float, singleton_groups: str, reclaim_idle_s: float = 300.0) -> None:
+                 max_group_wait_s: float, singleton_groups: str, reclaim_idle_s: float = 300.0,
+                 success_threshold: float = 1.0) -> None:
         self.stream = stream
         self.consumer = consumer
         self.tasks_per_step = tasks_per_step
@@ -52,7 +68,7 @@ class Collector:
         self.waiting: dict[str, Group] = {}
         self.seen: set[str] = set()  # entry ids waiting here, so a redelivery is not counted twice
         self.dropped_singletons = 0
-        self.validation: list[float] = []  # rewards of validation episodes scored since the last step
+        self.validation = Validation(success_threshold)  # validation episodes scored since the last step
         self._last_reclaim = 0.0
 
     async def start(self) -> None:
@@ -85,7 +101,7 @@ class Collector:
                 continue
             if entry.mode == "val":  # scored apart, never trained on: acknowledged (consumed) at once
                 if await self.stream.ack(entry) and math.isfinite(entry.reward):
-                    self.validation.append(entry.reward)
+                    self.validation.add(entry.reward)
                 continue
             self.seen.add(entry.entry_id)
             key = entry.task_id if entry.task_id is not None else f"\0{entry.rollout_id}"

@@ -61,7 +61,8 @@ class Learner:
         self.collector = Collector(self.stream, settings.consumer, tasks_per_step=settings.tasks_per_step,
                                    rollouts_per_task=settings.rollouts_per_task,
                                    max_group_wait_s=settings.max_group_wait_s,
-                                   singleton_groups=settings.singleton_groups)
+                                   singleton_groups=settings.singleton_groups,
+                                   success_threshold=settings.success_threshold)
         self.policy = Policy(settings)
         base_model = self.base_model = settings.served_model_name or str(settings.model)
         self.logprobs_checked = settings.logprob_check_tolerance <= 0
@@ -159,7 +160,8 @@ class Learner:
         self.episodes_trained += len(entries)
 
         rewards = [v.reward for g in views for v in g]
-        val, self.collector.validation = self.collector.validation, []
+        val = self.collector.validation
+        self.collector.validation = dataclasses.replace(val, episodes=0, reward_sum=0.0, successes=0)
         metrics = {
             "step": self.step,
             "time": time.time(),
@@ -168,9 +170,9 @@ class Learner:
             "groups": len(views),
             "reward_mean": statistics.fmean(rewards) if rewards else math.nan,
             "success_rate": sum(r >= s.success_threshold for r in rewards) / len(rewards) if rewards else math.nan,
-            "val_episodes": len(val),
-            "val_reward_mean": statistics.fmean(val) if val else math.nan,
-            "val_success_rate": sum(r >= s.success_threshold for r in val) / len(val) if val else math.nan,
+            "val_episodes": val.episodes,
+            "val_reward_mean": val.reward_sum / val.episodes if val.episodes else math.nan,
+            "val_success_rate": val.successes / val.episodes if val.episodes else math.nan,
             "group_reward_std": statistics.fmean(
                 statistics.stdev([v.reward for v in g]) if len(g) > 1 else 0.0 for g in views),
             "samples": stats.samples,
@@ -271,7 +273,9 @@ class Learner:
             ours = self.policy.log_probs(batch).cpu()
             gap += float((ours - batch.rollout_logprobs).abs()[mask].sum())
             tokens += int(mask.sum())
-        mean_gap = gap / max(tokens, 1)
+        if tokens == 0:  # only calls the server gave no log-probs for: nothing to compare yet
+            return False
+        mean_gap = gap / tokens
         log.info("logprob_check", policy_version=self.version, tokens=int(tokens), mean_abs_gap=round(mean_gap, 6),
                  tolerance=s.logprob_check_tolerance, logprobs_mode=s.logprobs_mode)
         if mean_gap > s.logprob_check_tolerance:

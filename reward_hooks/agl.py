@@ -15,8 +15,8 @@ An Agent Lightning 1.x agent reads `AGL_EVENT_URL` and `AGL_KEY` and posts its r
   `episodes.EVENT_MAX_BYTES` of JSON) and shown by `GET /rollouts/{id}`.
 
 The answer is Agent Lightning's: 200 with the event (`event_type`, `rollout_id`, `attempt_id`, `timestamp`,
-`data`). Attempt 0 is the rollout itself; attempt N the episode `{rollout_id}.{N}` (as the gateway records
-its calls).
+`data`). Attempt 0 is the rollout itself; attempt N the episode `{rollout_id}~{N}` (as the gateway records
+its calls: `episodes.attempt_episode`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from reward_hooks.limits import RewardOutOfRange, check_reward
 from reward_hooks.routes import _store_errors
 from reward_hooks.settings import RewardSettings
 
-__all__ = ["attempt_episode", "build_agl_router"]
+__all__ = ["build_agl_router"]
 
 
 class EventPost(BaseModel):
@@ -48,12 +48,6 @@ class EventPost(BaseModel):
     data: dict[str, Any] = Field(default_factory=dict)
 
 
-def attempt_episode(rollout_id: str, attempt_id: str) -> str:
-    """The episode an Agent Lightning attempt records into: the rollout itself for attempt 0, else
-    `{rollout_id}.{attempt_id}` (a retry is an episode of its own, of the same task)."""
-    return rollout_id if attempt_id == "0" else f"{rollout_id}.{attempt_id}"
-
-
 def build_agl_router(store: EpisodeStore, settings: RewardSettings) -> APIRouter:
     router = APIRouter()
     lifecycle = EpisodeLifecycle(store)
@@ -62,7 +56,7 @@ def build_agl_router(store: EpisodeStore, settings: RewardSettings) -> APIRouter
     async def post_event(rollout_id: str, attempt_id: str, request: Request) -> Response:
         raw = await request.body()
         try:
-            episode = episodes.validate_id(attempt_episode(rollout_id, attempt_id), "rollout and attempt id")
+            episode = episodes.attempt_episode(rollout_id, attempt_id)
         except episodes.InvalidId as exc:
             raise errors.NotFound(str(exc), code="rollout_not_found") from exc
         try:
@@ -76,8 +70,9 @@ def build_agl_router(store: EpisodeStore, settings: RewardSettings) -> APIRouter
         except orjson.JSONEncodeError as exc:  # lone surrogates, integers past 64 bits, too deep
             raise errors.Unprocessable(f"data cannot be stored as JSON: {exc}", param="data") from exc
         now = time.time()
+        credential = getattr(request.state, "credential", "operator")  # the control port: operator only
         if body.event_type == "reward":
-            if getattr(request.state, "credential", "operator") != "operator" and not settings.agent_rewards:
+            if credential != "operator" and not settings.agent_rewards:
                 raise errors.Forbidden("this gateway takes rewards from the operator only: an agent that grades "
                                        "itself can post any reward (turn on RLGATE_AGENT_REWARDS to accept "
                                        "Agent Lightning's self-reported rewards)", code="agent_rewards_off")
@@ -90,8 +85,9 @@ def build_agl_router(store: EpisodeStore, settings: RewardSettings) -> APIRouter
             with _store_errors():
                 if index is None:
                     details = {k: v for k, v in body.data.items() if k != "value"}
+                    source = "agent_event" if credential == "agent" else "operator_event"  # never the agent's say
                     try:
-                        await lifecycle.close(episode, reward, {"source": "agent_event", **details})
+                        await lifecycle.close(episode, reward, {**details, "source": source})
                     except ValueError as exc:  # details that cannot be stored as JSON
                         raise errors.Unprocessable(str(exc), param="data") from exc
                 elif isinstance(index, int) and not isinstance(index, bool) and index >= 0:

@@ -109,7 +109,7 @@ def build_router(store: EpisodeStore, settings: RewardSettings, queue: RewardQue
 
     def parse(raw: bytes, model: type[BaseModel], rollout_id: str) -> Any:
         try:
-            episodes.validate_id(rollout_id, "rollout id")
+            episodes.validate_episode_id(rollout_id)
         except episodes.InvalidId as exc:
             raise errors.NotFound(str(exc), code="rollout_not_found") from exc
         try:

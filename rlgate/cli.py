@@ -130,7 +130,6 @@ class GatewayCommand(GatewaySettings, RewardSettings):
             auth = WebhookAuth(reward_settings, is_operator=operator)
         except ValueError as exc:
             raise UsageError(str(exc)) from exc
-        app.store.index_max = gateway_settings.rollout_index_max
         try:  # the gateway runs without Redis (503 to agents, or unrecorded with on_store_error=pass): say so
             asyncio.run(_check_redis(self.redis_url, self.key_prefix, self.redis_timeout_s))
         except StoreUnavailable as exc:

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from conftest import ROOT, Proc, start_gateway
+from conftest import ROOT, Proc, free_port, start_gateway
 from test_gateway_errors import assert_openai_error
 
 OPERATOR = "op-" + "a1" * 16
@@ -95,8 +95,9 @@ def test_a_failed_attempt_is_failed_and_its_retry_is_an_episode_of_its_own(agl_g
     result = run_agent(retry)
     assert result.returncode == 0, result.stderr[-3000:]
     assert read(agl_gateway, rid)["status"] == "failed"
-    episode = read(agl_gateway, f"{rid}.1")
+    episode = read(agl_gateway, f"{rid}~1")
     assert episode["status"] == "closed" and episode["task_id"] == "hello-2" and len(episode["calls"]) == 1
+    assert episode["reward_metadata"] == {"source": "agent_event"}
     # the rollout's key opens its attempts, and no other rollout's
     other = create(agl_gateway, task_id="hello-3")
     response = httpx.post(f"{agl_gateway.url}/proxy/rollout/{other['rollout_id']}/attempt/0/mode/train/openai/v1"
@@ -193,5 +194,62 @@ def test_model_aliases_and_kept_token_ids_on_the_plain_routes(fake_vllm: Proc, t
         assert [(c["request"]["model"], c["model"]) for c in calls] == [("auto", MODEL), ("gpt-4o", MODEL),
                                                                           ("other", "other")]
         assert calls[1]["completion_token_ids"] == kept["choices"][0]["token_ids"]
+    finally:
+        gateway.kill()
+
+
+def test_attempts_reach_their_own_rollout_alone_and_are_bounded(fake_vllm: Proc, tmp_path, redis_client):
+    """Attempt N of rollout R is the episode `R~N` (`~` is in no rollout id, so a rollout named `R.1` is
+    not R's attempt); it is created only while R exists and is open or failed, with R's task and mode, at
+    most `max_attempts_per_rollout` times; its reward's source is never the agent's to say."""
+    from test_gateway_proxy import MODEL
+
+    control = str(free_port())
+    gateway = start_gateway(tmp_path, fake_vllm.url, operator_token=OPERATOR, rollout_key_secret=ROLLOUT_SECRET,
+                            require_rollout_keys="true", agent_rewards="true", max_attempts_per_rollout="2",
+                            model_aliases=json.dumps({"auto": MODEL}), control_port=control)
+    ops = Proc(gateway.process, f"http://127.0.0.1:{control}", gateway.log_path)  # the control port
+    chat = {"model": "auto", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+    def call(rid: str, attempt: str, key: str, mode: str = "train") -> httpx.Response:
+        return httpx.post(f"{gateway.url}/proxy/rollout/{rid}/attempt/{attempt}/mode/{mode}/openai/v1/chat/completions",
+                          json=chat, headers={"Authorization": f"Bearer {key}"})
+
+    def event(rid: str, attempt: str, key: str, data: dict) -> httpx.Response:
+        return httpx.post(f"{gateway.url}/api/rollouts/{rid}/attempt/{attempt}/events",
+                          json={"event_type": "reward", "data": data}, headers={"Authorization": f"Bearer {key}"})
+
+    try:
+        key = create(ops, rollout_id="job7", task_id="t7")["api_key"]
+        create(ops, rollout_id="job7.1", task_id="other")
+        assert call("job7", "1", key).status_code == 200
+        assert read(ops, "job7.1")["calls"] == []  # another rollout, untouched
+        attempt = read(ops, "job7~1")
+        assert attempt["task_id"] == "t7" and attempt["mode"] == "train" and len(attempt["calls"]) == 1
+        # the agent cannot pass its own reward off as the operator's
+        assert event("job7", "1", key, {"value": 1.0, "source": "operator_grader"}).status_code == 200
+        assert read(ops, "job7~1")["reward_metadata"] == {"source": "agent_event"}
+        assert read(ops, "job7.1")["status"] == "open"
+        # bounded: two attempts, then 409; none once the rollout is closed
+        assert call("job7", "2", key).status_code == 200
+        assert assert_openai_error(call("job7", "3", key), 409)["code"] == "too_many_attempts"
+        assert not redis_client.exists("rlgate:rollout:{job7}~3")
+        key8 = create(ops, rollout_id="job8", task_id="t8")["api_key"]
+        assert event("job8", "0", key8, {"value": 0.0}).status_code == 200  # closed
+        assert assert_openai_error(call("job8", "1", key8), 409)["code"] == "rollout_not_open"
+        # a validation rollout's attempts are validation episodes, whatever URL they come through
+        key9 = create(ops, rollout_id="job9", task_id="t9", mode="val")["api_key"]
+        assert assert_openai_error(call("job9", "1", key9), 409)["code"] == "mode_mismatch"
+        assert not redis_client.exists("rlgate:rollout:{job9}~1")
+        assert call("job9", "1", key9, mode="val").status_code == 200
+        assert read(ops, "job9~1")["mode"] == "val"
+        # the plain routes never name an attempt; the operator token is not taken on the agent port
+        response = httpx.post(f"{gateway.url}/rollouts/job7~1/v1/chat/completions", json=chat,
+                              headers={"Authorization": f"Bearer {key}"})
+        assert response.status_code in (400, 403)
+        refused = httpx.post(f"{gateway.url}/api/rollouts/job7/attempt/0/events", headers=OP,
+                             json={"event_type": "reward", "data": {"value": 1.0}})
+        assert assert_openai_error(refused, 403)["code"] == "wrong_credential"
+        assert read(ops, "job7")["status"] == "open"
     finally:
         gateway.kill()

@@ -423,11 +423,11 @@ def test_compose_up_cpu_runs_the_loop_in_containers(tmp_path: Path):
            "RLGATE_CPU_GATEWAY_PORT": str(gateway_port), "RLGATE_CPU_CONTROL_PORT": str(control_port),
            "RLGATE_CPU_SERVE_PORT": str(serve_port), "RLGATE_CPU_REDIS_PORT": str(redis_port)}
     process = subprocess.Popen([str(ROOT / "scripts" / "compose-up-cpu"), "--minutes", "6"], cwd=ROOT, env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         stdout, stderr = process.communicate(timeout=1380)
     except subprocess.TimeoutExpired:
-        process.send_signal(signal.SIGINT)  # the script tears down on Ctrl-C
+        os.killpg(process.pid, signal.SIGINT)  # as Ctrl-C would: the script tears everything down
         stdout, stderr = process.communicate(timeout=90)
         pytest.fail("scripts/compose-up-cpu ran out of time:\n" + stderr[-4000:])
     if process.returncode == 3:

@@ -127,5 +127,5 @@ def test_validation_episodes_are_scored_apart_and_never_trained(redis_client: re
     groups, validation, statuses = with_store(body)
     assert [[e.rollout_id for e in g.episodes] for g in groups] == [["r1", "r2", "r3"]]
     assert all(e.mode == "train" for g in groups for e in g.episodes)
-    assert validation == [0.0, 4.0]
+    assert (validation.episodes, validation.reward_sum, validation.successes) == (2, 4.0, 1)
     assert statuses[0] == statuses[4] == "consumed" and statuses[1] == "closed"  # trained ones: acked after training

@@ -313,3 +313,24 @@ def test_records_are_batched_per_loop_turn_and_survive_a_killed_connection(redis
     assert [w.count(b"EVALSHA") for w in writes] == [1, 9]
     assert reconnected
     assert all(redis_client.llen(Keys("t").calls(f"k{i}")) == 1 for i in range(12))
+
+
+def test_the_record_size_limit_counts_utf8_bytes(redis_client):
+    """`max_bytes` bounds what Redis stores: bytes, not characters (an answer in another script takes 2-4
+    bytes a character)."""
+    from episodes import RecordTooLarge
+
+    async def go():
+        store = EpisodeStore.from_url(REDIS_URL)
+        try:
+            record = _record("utf8", request={"messages": [{"role": "user", "content": "é" * 3000}]})
+            chars, size = len(record.model_dump_json()), len(record.model_dump_json().encode())
+            assert chars < 4000 < size
+            with pytest.raises(RecordTooLarge):
+                await store.record_calls("utf8", None, [record], max_bytes=4000)
+            assert not await store.rollout_exists("utf8")
+            return await store.record_calls("utf8", None, [record], max_bytes=size)
+        finally:
+            await store.aclose()
+
+    assert run(go()) == 0
