@@ -126,7 +126,10 @@ class Policy:
         self.device = torch.device(device)
         torch.manual_seed(settings.seed)
         dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
-        base = AutoModelForCausalLM.from_pretrained(settings.model, local_files_only=True, dtype=dtype,
+        # a local folder, or a Hugging Face Hub id: taken from the Hugging Face cache (where vLLM downloads it
+        # in compose), downloaded into it when missing (unless HF_HUB_OFFLINE=1)
+        local = Path(settings.model).is_dir()
+        base = AutoModelForCausalLM.from_pretrained(str(settings.model), local_files_only=local, dtype=dtype,
                                                     attn_implementation="sdpa")
         base.config.use_cache = False
         self.pad_token_id = base.config.pad_token_id if base.config.pad_token_id is not None else 0

@@ -21,7 +21,9 @@ class LearnerSettings(SharedSettings):
     consumer: str = Field("learner-0", description="This learner's name in the consumer group; keep it "
                           "stable across restarts, so a restarted learner takes back its own pending episodes.")
     group: str = Field("learners", description="The consumer group of the closed-episode stream.")
-    model: Path = Field(Path("model"), description="The base policy: a local Hugging Face folder.")
+    model: Path = Field(Path("model"), description="The base policy: a local Hugging Face folder, or a Hub id (e.g. "
+                       "Qwen/Qwen2.5-1.5B-Instruct) taken from the Hugging Face cache and downloaded there when "
+                       "missing.")
     served_model_name: str | None = Field(
         None, description="The name the inference servers serve the base model under (what agents ask "
         "for); default: the model path, as vLLM names it.")
