@@ -97,7 +97,8 @@ def compose_v2() -> list[str]:
     this venv when missing, as scripts/compose-up-cpu does)."""
     def is_v2(command: list[str]) -> bool:
         try:
-            return b" v2." in subprocess.run([*command, "version"], capture_output=True, timeout=30).stdout
+            result = subprocess.run([*command, "version"], check=False, capture_output=True, timeout=30)
+            return b" v2." in result.stdout
         except OSError:
             return False
 
@@ -115,8 +116,8 @@ def render(*files: str) -> dict[str, Any]:
     nothing else of this process's environment), profiles applied."""
     env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/root"), **SECRETS}
     args = [a for f in files for a in ("-f", f)]
-    result = subprocess.run([*COMPOSE_V2, *args, "config", "--format", "json"], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run([*COMPOSE_V2, *args, "config", "--format", "json"], check=False, cwd=ROOT,
+                            env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
@@ -224,18 +225,18 @@ def test_the_learner_writes_adapters_where_vllm_reads_them(gpu: Deployment):
 
 def test_the_images_are_targets_of_the_dockerfile(gpu: Deployment):
     dockerfile = (ROOT / "Dockerfile").read_text()
-    targets = set(re.findall(r"^FROM \S+ AS (\S+)$", dockerfile, re.M))
+    targets = set(re.findall(r"^FROM \S+ AS (\S+)$", dockerfile, re.MULTILINE))
     for name in ("gateway", "worker", "learner"):
         assert gpu.services[name]["build"]["target"] in targets
         assert not gpu.services[name]["build"].get("args")  # the defaults: the official Python image, CUDA torch
     # the learner's image installs OpenRLHF the way the learner expects (without vLLM and flash-attn)
     assert "pip install --no-deps openrlhf==0.11.2" in dockerfile
-    copied = set(re.findall(r"^COPY (\w+) ", dockerfile, re.M))
+    copied = set(re.findall(r"^COPY (\w+) ", dockerfile, re.MULTILINE))
     packages = {p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file()}
     assert packages <= copied | {"tests"}, packages - copied
     # the base image is a build argument, by default the official Python image
-    assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim$", dockerfile, re.M)
-    assert re.search(r"^FROM \$\{BASE_IMAGE\} AS base$", dockerfile, re.M)
+    assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim$", dockerfile, re.MULTILINE)
+    assert re.search(r"^FROM \$\{BASE_IMAGE\} AS base$", dockerfile, re.MULTILINE)
 
 
 # --- the CPU profile ---------------------------------------------------------------------------------------
@@ -311,8 +312,8 @@ def test_the_cpu_profile_commands_parse_and_are_wired_together(rendered_cpu: Dep
         assert settings.upstream_url == f"{serve_url}/v1" and settings.require_rollout_keys
         assert settings.control_port != settings.port
         assert f"127.0.0.1:{settings.control_port}/healthz" in " ".join(cpu.healthcheck("gateway"))
-        for name in SECRETS:  # the same secrets as on GPUs: the CPU profile is no open gateway
-            assert cpu.environment("gateway")[name] == SECRETS[name]
+        for name, secret in SECRETS.items():  # the same secrets as on GPUs: the CPU profile is no open gateway
+            assert cpu.environment("gateway")[name] == secret
     if service == "worker":
         assert not settings.fork  # light reward jobs, as `rlgate demo` runs them
     if service == "learner":
@@ -400,14 +401,14 @@ def compose_project_leftovers() -> str:
     label = "label=com.docker.compose.project=rlgate-cpu"
     out = []
     for what in (["ps", "-a", "-q"], ["volume", "ls", "-q"]):
-        result = subprocess.run(["docker", *what, "--filter", label], capture_output=True, text=True, timeout=30)
+        result = subprocess.run(["docker", *what, "--filter", label], check=False, capture_output=True, text=True, timeout=30)
         out.append(result.stdout.strip() if result.returncode == 0 else "")
     return " ".join(o for o in out if o)
 
 
 def engine_answers() -> bool:
     return shutil.which("docker") is not None and subprocess.run(
-        ["docker", "info"], capture_output=True, timeout=30).returncode == 0
+        ["docker", "info"], check=False, capture_output=True, timeout=30).returncode == 0
 
 
 @pytest.mark.slow
@@ -464,6 +465,6 @@ def test_compose_up_cpu_runs_the_loop_in_containers(tmp_path: Path):
     if engine_before:
         assert compose_project_leftovers() == ""
     else:
-        assert subprocess.run(["pgrep", "-x", "dockerd"], capture_output=True).returncode == 1, "dockerd left running"
+        assert subprocess.run(["pgrep", "-x", "dockerd"], check=False, capture_output=True).returncode == 1, "dockerd left running"
     for pattern in (str(run), f"demo.agent --gateway http://127.0.0.1:{gateway_port}"):
-        assert subprocess.run(["pgrep", "-f", pattern], capture_output=True).returncode == 1, f"left running: {pattern}"
+        assert subprocess.run(["pgrep", "-f", pattern], check=False, capture_output=True).returncode == 1, f"left running: {pattern}"
