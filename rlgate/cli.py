@@ -25,62 +25,38 @@ from __future__ import annotations
 import json
 import os
 import sys
-import types
-import typing
-from argparse import RawDescriptionHelpFormatter
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import Field, SecretStr, ValidationError
-from pydantic_core import core_schema
 from pydantic_settings import (
     BaseSettings,
     CliApp,
     CliToggleFlag,
     CliPositionalArg,
-    CliSettingsSource,
     CliSubCommand,
-    EnvSettingsSource,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
 )
-from pydantic_settings.sources.providers.cli import _CliInternalArgParser, _CliPositionalArg, _CliSubCommand
 
 from episodes import StoreUnavailable
 from episodes.settings import SharedSettings
 from gateway import GatewaySettings
 from learner.settings import LearnerSettings
 from reward_hooks.settings import RewardSettings
+from rlgate._cli_parse import (
+    TRUE,
+    Cli,
+    Timestamp,
+    command_path,
+    flag_values,
+    option_namer,
+    settings_titles,
+)
 from rlgate._errors import EXIT_USAGE, UsageError, explain
 from rlgate._logging import configure_logging
-
-
-def parse_time(value: Any) -> Any:
-    """Unix seconds, an ISO date (2026-11-30: midnight UTC) or date and time (UTC unless it names its
-    offset), as unix seconds."""
-    if value is None or isinstance(value, int | float):
-        return value
-    text = str(value).strip()
-    try:
-        return float(text)
-    except ValueError:
-        pass
-    try:
-        moment = datetime.fromisoformat(text)
-    except ValueError:
-        raise ValueError("use unix seconds, a date (2026-11-30) or a date and time (2026-11-30T12:00, UTC "
-                         "unless it names its offset, e.g. +02:00)") from None
-    return (moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)).timestamp()
-
-
-class Timestamp(float):
-    """A point in time: unix seconds, or an ISO 8601 date or date and time (`parse_time`)."""
-
-    @classmethod
-    def __get_pydantic_core_schema__(cls, source: Any, handler: Any) -> core_schema.CoreSchema:
-        return core_schema.no_info_before_validator_function(parse_time, core_schema.float_schema())
 
 
 def _redact(url: str) -> str:
@@ -632,161 +608,23 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
-# ---- the command line: help that names variables, readable placeholders, flags, one-line errors ----
-
-_PLACEHOLDERS: dict[Any, str] = {str: "TEXT", int: "INT", float: "NUMBER", Path: "PATH", SecretStr: "SECRET",
-                                 Timestamp: "TIME", bool: "bool"}
-
-
-def _subcommands(cls: type[BaseSettings]) -> dict[str, type[BaseSettings]]:
-    """A command's subcommands by their command-line names."""
-    found = {}
-    for name, field in cls.model_fields.items():
-        if _CliSubCommand in field.metadata:
-            sub = next(a for a in typing.get_args(field.annotation) or (field.annotation,) if a is not type(None))
-            found[name.replace("_", "-")] = sub
-    return found
-
-
-def _env_names(model: type[BaseSettings], name: str) -> tuple[str, ...]:
-    field = model.model_fields[name]
-    if not getattr(model, "reads_env", True) or _CliPositionalArg in field.metadata:
-        return ()
-    if issubclass(model, SharedSettings):
-        return model.env_names(name)
-    return tuple(env.upper() for _, env, _ in EnvSettingsSource(model)._extract_field_info(field, name))
-
-
-class _Parser(_CliInternalArgParser):
-    def error(self, message: str) -> typing.NoReturn:  # one line, not the usage block
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-class _Cli(CliSettingsSource):
-    """pydantic-settings' command line, with each option's environment variables in its help (the ones its
-    settings class really reads, shared names included) and placeholders instead of Python types."""
-
-    def __init__(self) -> None:
-        self._models: list[type[BaseSettings]] = []
-        super().__init__(Rlgate, cli_implicit_flags=True, cli_hide_none_type=True, cli_kebab_case=True,
-                         root_parser=_Parser(prog="rlgate", description=Rlgate.__doc__, allow_abbrev=False,
-                                             add_help=False, formatter_class=RawDescriptionHelpFormatter))
-
-    def _add_parser_args(self, parser: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
-        self._models.append(model)
-        try:
-            return super()._add_parser_args(parser, model, *args, **kwargs)
-        finally:
-            self._models.pop()
-
-    def _get_field_env_var_names(self, field_name: str, field_info: Any, *args: Any) -> tuple[str, ...]:
-        model = self._models[-1] if self._models else None
-        if model is None or _CliSubCommand in field_info.metadata or field_name not in model.model_fields:
-            return ()
-        return _env_names(model, field_name)
-
-    def _help_format(self, field_name: str, field_info: Any, *args: Any, **kwargs: Any) -> str:
-        text = super()._help_format(field_name, field_info, *args, **kwargs)
-        factory = field_info.default_factory
-        if factory is not None and "(default factory:" in text and not field_info.default_factory_takes_validated_data:
-            value = str(factory()).replace("%", "%%")
-            start = text.index("(default factory:")
-            text = f"{text[:start]}(default: {value}){text[text.index(')', start) + 1:]}"
-        return text
-
-    def _metavar_format(self, obj: Any) -> str:
-        origin, args = typing.get_origin(obj), typing.get_args(obj)
-        if origin in (typing.Union, types.UnionType):
-            rest = [a for a in args if a is not type(None)]
-            if len(rest) == 1:
-                return self._metavar_format(rest[0])
-        if obj in _PLACEHOLDERS:
-            return _PLACEHOLDERS[obj]
-        if origin is list:
-            return "LIST"
-        if origin is dict:
-            return "JSON"
-        return super()._metavar_format(obj)
-
-
-_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
-
-
-def _command_path(args: list[str]) -> list[tuple[str, type[BaseSettings]]]:
-    """The (sub)commands named on the command line, outermost first."""
-    path, cls = [], Rlgate
-    for arg in args:
-        subs = _subcommands(cls)
-        if arg in subs:
-            cls = subs[arg]
-            path.append((arg, cls))
-    return path
+def _Cli() -> Cli:  # noqa: N802 (how tests parse a command line exactly as `main` does)
+    return Cli(Rlgate)
 
 
 def _flag_values(args: list[str]) -> list[str]:
-    """Booleans given a value, as before they became flags: `--resume true` -> `--resume`, `--fork false`
-    (or `--fork=false`) -> `--no-fork`."""
-    path = _command_path(args)
-    if not path:
-        return args
-    cls = path[-1][1]
-    flags = {name.replace("_", "-") for name, field in cls.model_fields.items()
-             if bool in (field.annotation, *typing.get_args(field.annotation))}
-    out: list[str] = []
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        name, eq, value = arg[2:].partition("=")
-        if arg.startswith("--") and name in flags:
-            if not eq and i + 1 < len(args) and args[i + 1].lower() in _TRUE + _FALSE:
-                value, i = args[i + 1], i + 1
-            if value:
-                arg = f"--{name}" if value.lower() in _TRUE else f"--no-{name}" if value.lower() in _FALSE else arg
-        out.append(arg)
-        i += 1
-    return out
-
-
-def _option_namer(path: list[tuple[str, type[BaseSettings]]]) -> typing.Callable[[tuple[Any, ...]], str]:
-    """Names the option of a validation error's location: its flag and variables."""
-    names = [name.replace("-", "_") for name, _ in path]
-    cls = path[-1][1] if path else Rlgate
-
-    def option(loc: tuple[Any, ...]) -> str:
-        rest = [str(part) for part in loc]
-        while rest and names and rest[0] in names:
-            rest.pop(0)
-        if not rest or rest[0] not in cls.model_fields:
-            return ".".join(rest)
-        field = rest[0]
-        if _CliPositionalArg in cls.model_fields[field].metadata:
-            return field.upper()
-        env = _env_names(cls, field)
-        return f"--{field.replace('_', '-')}" + (f" ({' or '.join(env)})" if env else "")
-
-    return option
-
-
-def _settings_titles() -> set[str]:
-    """The names of every settings class: a validation error of one of them is a refused setting."""
-    seen, todo = set(), [BaseSettings]
-    while todo:
-        for sub in todo.pop().__subclasses__():
-            if sub.__name__ not in seen:
-                seen.add(sub.__name__)
-                todo.append(sub)
-    return seen
+    return flag_values(Rlgate, args)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
-    debug = os.environ.get("RLGATE_DEBUG", "").lower() in _TRUE
+    debug = os.environ.get("RLGATE_DEBUG", "").lower() in TRUE
     if "--debug" in args:
         args = [a for a in args if a != "--debug"]
         debug = True
     if not args:
         args = ["--help"]
-    path = _command_path(args)
+    path = command_path(Rlgate, args)
     command = " ".join(name for name, _ in path)
     try:
         CliApp.run(Rlgate, cli_args=_flag_values(args), cli_settings_source=_Cli())
@@ -795,9 +633,9 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as exc:
         if debug:
             raise
-        if isinstance(exc, ValidationError) and exc.title not in _settings_titles():
+        if isinstance(exc, ValidationError) and exc.title not in settings_titles():
             raise  # not a setting: a bug, keep the traceback
-        message = explain(exc, path[0][0] if path else "", _option_namer(path))
+        message = explain(exc, path[0][0] if path else "", option_namer(Rlgate, path))
         if message is None:
             raise
         print(f"rlgate{' ' + command if command else ''}: error: {message}", file=sys.stderr)

@@ -18,7 +18,8 @@ from pydantic_core import PydanticUndefined
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rlgate.cli import Rlgate, _env_names, _subcommands  # noqa: E402
+from rlgate._cli_parse import env_names, subcommands  # noqa: E402
+from rlgate.cli import Rlgate  # noqa: E402
 
 
 def _default(field: Any) -> str:
@@ -47,9 +48,9 @@ def _cell(text: str) -> str:
 
 def _commands(cls: Any, prefix: str) -> list[tuple[str, Any]]:
     out = []
-    for name, sub in _subcommands(cls).items():
+    for name, sub in subcommands(cls).items():
         path = f"{prefix} {name}"
-        children = _subcommands(sub)
+        children = subcommands(sub)
         if any(f for f in sub.model_fields if f.replace("_", "-") not in children):
             out.append((path, sub))
         out.extend(_commands(sub, path))
@@ -69,11 +70,11 @@ def render() -> str:
     for path, cls in _commands(Rlgate, "rlgate"):
         lines += [f"## `{path}`", "", _cell((cls.__doc__ or "").strip().split("\n\n")[0]), "",
                   "| option | environment | default | meaning |", "|---|---|---|---|"]
-        children = _subcommands(cls)
+        children = subcommands(cls)
         for name, field in cls.model_fields.items():
             if name.replace("_", "-") in children:
                 continue
-            env = ", ".join(f"`{e}`" for e in _env_names(cls, name)) or "-"
+            env = ", ".join(f"`{e}`" for e in env_names(cls, name)) or "-"
             lines.append(f"| `--{name.replace('_', '-')}` | {env} | {_cell(_default(field))} | "
                          f"{_cell(field.description or '')} |")
         lines.append("")
