@@ -167,7 +167,12 @@ def parse_command(cls: type[BaseSettings], command: list[str], environment: dict
 # --- the GPU file ------------------------------------------------------------------------------------------
 
 def test_the_services_and_their_start_order(gpu: Deployment):
-    assert set(gpu.services) == {"redis", "vllm", "gateway", "worker", "learner"}
+    # `export` is a tool run on demand (profile tools): compose leaves it out of `up` and of `config`
+    assert set(gpu.services) == {"redis", "vllm", "gateway", "worker", "learner"} | (
+        set() if gpu.rendered else {"export"})
+    if not gpu.rendered:
+        assert gpu.services["export"]["profiles"] == ["tools"]
+        assert gpu.services["export"]["command"][:2] == ["rlgate", "export"]
     for name in ("gateway", "learner"):
         assert gpu.depends_on(name) == {"redis": "service_healthy", "vllm": "service_healthy"}
     assert gpu.depends_on("worker") == {"redis": "service_healthy"}
@@ -209,9 +214,19 @@ def test_vllm_serves_runtime_lora_and_hermes_tools_on_a_gpu(gpu: Deployment):
     assert command[command.index("--model") + 1] == ENV_FILE["POLICY_MODEL"]
     assert int(command[command.index("--max-lora-rank") + 1]) >= int(learner["RLGATE_LEARNER_LORA_RANK"])
     assert gpu.environment("vllm")["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    devices = []
     for name in ("vllm", "learner"):
         [device] = gpu.gpus(name)
         assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+        # a device of its own: `count: 1` makes Docker give both services device 0
+        assert "count" not in device and len(device["device_ids"]) == 1
+        [device_id] = device["device_ids"]
+        devices.append(device_id if gpu.rendered else expand(device_id))
+    assert devices == [ENV_FILE["VLLM_GPU"], ENV_FILE["LEARNER_GPU"]] and len(set(devices)) == 2
+    utilization = command[command.index("--gpu-memory-utilization") + 1]
+    assert 0 < float(utilization if gpu.rendered else expand(utilization)) < 1
+    # health checks use what the images have (vLLM's: python3, not curl)
+    assert "curl" not in gpu.healthcheck("vllm") and gpu.healthcheck("vllm")[1] == "python3"
 
 
 def test_the_learner_writes_adapters_where_vllm_reads_them(gpu: Deployment):
