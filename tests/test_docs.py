@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -16,3 +17,18 @@ def test_the_configuration_reference_is_current():
     assert "## `rlgate gateway`" in generated and "`RLGATE_REDIS_URL`" in generated
     assert (ROOT / "docs" / "configuration.md").read_text() == generated, (
         "docs/configuration.md is out of date: .venv/bin/python scripts/config_reference.py > docs/configuration.md")
+
+
+def test_links_resolve():
+    """Every relative link (and image) in README.md and docs/*.md points to a file or folder that exists."""
+    link = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+    broken = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.DOTALL)  # code blocks hold no links
+        for target in link.findall(text):
+            if re.match(r"[a-zA-Z][a-zA-Z0-9+.-]*:", target):  # http:, https:, mailto:
+                continue
+            path = target.split("#", 1)[0]
+            if path and not (page.parent / path).exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert not broken, "broken relative links:\n" + "\n".join(broken)
