@@ -1,4 +1,4 @@
-"""The embedded CPU inference backend of `rlgate serve` (issue 4).
+"""The embedded CPU inference backend of `rlgate serve`.
 
 `tiny_model` builds a tiny Qwen2 causal LM with a byte-level tokenizer and a Hermes-style ChatML chat
 template in code; `engine` samples batches on the CPU with the log-probs of the distribution sampled from;

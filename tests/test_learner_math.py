@@ -198,7 +198,7 @@ def test_micro_batches_respect_the_token_budget_and_pad_right():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# issue 12: properties against OpenRLHF's own estimator code
+# properties against OpenRLHF's own estimator code
 
 
 @pytest.mark.parametrize("over", ["episodes", "transitions"])

@@ -1,4 +1,4 @@
-"""The tiny model built in code (issue 4): a real Hugging Face folder, loaded back with transformers (and
+"""The tiny model built in code: a real Hugging Face folder, loaded back with transformers (and
 peft when installed), its byte-level tokenizer and its Hermes-style chat template."""
 
 from __future__ import annotations
