@@ -23,7 +23,7 @@ import episodes
 from episodes import RolloutView
 from episodes.api_error import ApiError, error_body
 from episodes.records import RolloutListing
-from gateway import errors
+from gateway import errors, openapi
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
@@ -92,6 +92,7 @@ def _agent_base(request: Request, gateway: Gateway) -> str:
 
 def build_api(gateway: Gateway) -> FastAPI:
     api = FastAPI(title="rlgate gateway", docs_url=None, redoc_url=None)
+    openapi.install(api)  # the proxy routes, error shapes and links too (gateway.openapi)
     store = gateway.store
 
     @api.exception_handler(ApiError)

@@ -37,7 +37,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
 
-from inference import responses
+from inference import openapi, responses
 from inference.access import ApiKeyMiddleware
 from inference.endpoints import Server
 from inference.engine import LogprobsMode
@@ -66,6 +66,13 @@ async def _parse(request: Request, model_cls: type[BaseModel]) -> Any:
     raw = await request.body()
     try:
         body = json.loads(raw)
+        orjson.dumps(body)  # what cannot be written back (echoed, logged) is refused here, not answered with 500
+    except orjson.JSONEncodeError as exc:  # lone UTF-16 surrogates, integers past 64 bits, nesting past 254
+        raise BadRequest(f"1 validation error:\n  the body cannot be encoded as JSON: {exc}", param="body",
+                         type="Bad Request") from exc
+    except RecursionError as exc:
+        raise BadRequest("1 validation error:\n  the body is nested too deeply", param="body",
+                         type="Bad Request") from exc
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         pos = getattr(exc, "pos", 0)
         raise BadRequest(f"1 validation error:\n  {{'type': 'json_invalid', 'loc': 'body.{pos}', 'msg': 'JSON decode "
@@ -220,8 +227,9 @@ def build_app(model_dir: Path | str, *, served_model_name: str | None = None,
             await model.adapters.aclose()
             await model.scheduler.aclose()
 
-    app = FastAPI(title="rlgate serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="rlgate serve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = server
+    openapi.install(app)  # request bodies as _parse validates them (inference.openapi)
     if allow_runtime_lora_updating:
         log.warning("runtime LoRA loading and unloading is enabled", weights_root=str(model.weights_root.root))
         app.include_router(lora_router)

@@ -48,11 +48,27 @@ class EventPost(BaseModel):
     data: dict[str, Any] = Field(default_factory=dict)
 
 
+class EventAccepted(BaseModel):
+    """Agent Lightning's answer: the event as kept."""
+
+    event_type: str
+    rollout_id: str
+    attempt_id: str
+    timestamp: float
+    data: dict[str, Any]
+
+
 def build_agl_router(store: EpisodeStore, settings: RewardSettings) -> APIRouter:
     router = APIRouter()
     lifecycle = EpisodeLifecycle(store)
 
-    @router.post("/api/rollouts/{rollout_id}/attempt/{attempt_id}/events")
+    body_schema = EventPost.model_json_schema()
+    extra = {"requestBody": {"required": False, "content": {"application/json": {"schema": body_schema}}},
+             "parameters": [{"name": "x-api-key", "in": "header", "required": False, "schema": {"type": "string"},
+                             "description": "An agent credential (instead of Authorization: Bearer)."}]}
+
+    @router.post("/api/rollouts/{rollout_id}/attempt/{attempt_id}/events", openapi_extra=extra,
+                 response_model=EventAccepted)
     async def post_event(rollout_id: str, attempt_id: str, request: Request) -> Response:
         raw = await request.body()
         try:

@@ -29,7 +29,7 @@ from starlette.concurrency import run_in_threadpool
 
 import episodes
 from episodes import EpisodeLifecycle, EpisodeStore, FinishRequest
-from reward_hooks import errors
+from reward_hooks import errors, signing
 from reward_hooks.auth import WebhookAuth
 from reward_hooks.limits import RewardOutOfRange, check_reward
 from reward_hooks.queue import RewardQueue
@@ -80,7 +80,42 @@ class RolloutFailed(BaseModel):
     error: str
 
 
+class CallRewardAccepted(BaseModel):
+    rollout_id: str
+    index: int
+    reward: float
+
+
+class FinishAccepted(BaseModel):
+    rollout_id: str
+    job_id: str = Field(description="The reward job's rq id.")
+
+
 Auth = Callable[[Request], Awaitable[bytes]]
+
+# The signature headers (`reward_hooks.signing`), as the OpenAPI document lists them on every webhook route.
+SIGNATURE_PARAMETERS = [
+    {"name": signing.ID_HEADER, "in": "header", "required": False,
+     "schema": {"type": "string", "pattern": r"^[A-Za-z0-9_\-]{1,128}$"},
+     "description": "Unique per request; required with a webhook secret unless the operator token is sent."},
+    {"name": signing.TIMESTAMP_HEADER, "in": "header", "required": False,
+     "schema": {"type": "string", "pattern": r"^[0-9]{1,12}$"}, "description": "Unix seconds when signed."},
+    {"name": signing.SIGNATURE_HEADER, "in": "header", "required": False, "schema": {"type": "string"},
+     "description": "v1,<base64 HMAC-SHA256> of {id}.{timestamp}.{METHOD}.{path}.{body} under the webhook "
+                    "secret (docs/security.md, 'Webhook signatures')."},
+]
+
+
+def openapi_extra(model: type[BaseModel], max_abs_reward: float, required: bool = True) -> dict[str, Any]:
+    """A webhook route's request body and signature headers for the OpenAPI document (the routes read the
+    raw body themselves, to check its signature): `model`'s schema, its `reward` bounded by
+    `max_abs_reward`."""
+    schema = model.model_json_schema()
+    assert "$defs" not in schema, f"{model.__name__}: an inline body schema cannot hold $defs"
+    if "reward" in schema.get("properties", {}):
+        schema["properties"]["reward"].update(minimum=-max_abs_reward, maximum=max_abs_reward)
+    return {"requestBody": {"required": required, "content": {"application/json": {"schema": schema}}},
+            "parameters": SIGNATURE_PARAMETERS}
 
 
 def build_router(store: EpisodeStore, settings: RewardSettings, queue: RewardQueue | None,
@@ -113,11 +148,16 @@ def build_router(store: EpisodeStore, settings: RewardSettings, queue: RewardQue
         except episodes.InvalidId as exc:
             raise errors.NotFound(str(exc), code="rollout_not_found") from exc
         try:
-            return model.model_validate_json(raw)
+            body = model.model_validate_json(raw)
         except ValidationError as exc:
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first["loc"]) or None
             raise errors.Unprocessable(f"{where or 'body'}: {first['msg']}", param=where) from exc
+        try:  # what is stored must be written back as JSON: integers past 64 bits, nesting past 254 levels
+            orjson.dumps(body.model_dump())
+        except orjson.JSONEncodeError as exc:
+            raise errors.Unprocessable(f"the body cannot be stored as JSON: {exc}", code="unstorable_json") from exc
+        return body
 
     def bounded(reward: float) -> float:
         try:
@@ -125,7 +165,10 @@ def build_router(store: EpisodeStore, settings: RewardSettings, queue: RewardQue
         except RewardOutOfRange as exc:
             raise errors.Unprocessable(str(exc), param="reward", code="reward_out_of_range") from exc
 
-    @router.post("/rollouts/{rollout_id}/reward", response_model=RewardAccepted)
+    def described(model: type[BaseModel], required: bool = True) -> dict[str, Any]:
+        return openapi_extra(model, settings.max_abs_reward, required)
+
+    @router.post("/rollouts/{rollout_id}/reward", response_model=RewardAccepted, openapi_extra=described(RewardPost))
     async def post_reward(rollout_id: str, raw: bytes = authorized) -> Response:
         body: RewardPost = parse(raw, RewardPost, rollout_id)
         reward = bounded(body.reward)
@@ -137,7 +180,8 @@ def build_router(store: EpisodeStore, settings: RewardSettings, queue: RewardQue
         answer = RewardAccepted(rollout_id=rollout_id, status="closed", reward=result.reward, outcome=result.outcome)
         return Response(answer.model_dump_json(), media_type="application/json")
 
-    @router.post("/rollouts/{rollout_id}/calls/{index}/reward")
+    @router.post("/rollouts/{rollout_id}/calls/{index}/reward", response_model=CallRewardAccepted,
+                 openapi_extra=described(CallRewardPost))
     async def post_call_reward(rollout_id: str, index: int, raw: bytes = authorized) -> Response:
         body: CallRewardPost = parse(raw, CallRewardPost, rollout_id)
         reward = bounded(body.reward)
@@ -148,7 +192,8 @@ def build_router(store: EpisodeStore, settings: RewardSettings, queue: RewardQue
         return Response(orjson.dumps({"rollout_id": rollout_id, "index": index, "reward": reward}),
                         media_type="application/json")
 
-    @router.post("/rollouts/{rollout_id}/finish", status_code=202)
+    @router.post("/rollouts/{rollout_id}/finish", status_code=202, response_model=FinishAccepted,
+                 openapi_extra=described(FinishPost))
     async def post_finish(rollout_id: str, raw: bytes = authorized) -> Response:
         body: FinishPost = parse(raw, FinishPost, rollout_id)
         try:
@@ -166,7 +211,8 @@ def build_router(store: EpisodeStore, settings: RewardSettings, queue: RewardQue
         return Response(orjson.dumps({"rollout_id": rollout_id, "job_id": job_id}), status_code=202,
                         media_type="application/json")
 
-    @router.post("/rollouts/{rollout_id}/fail", response_model=RolloutFailed)
+    @router.post("/rollouts/{rollout_id}/fail", response_model=RolloutFailed,
+                 openapi_extra=described(FailPost, required=False))
     async def post_fail(rollout_id: str, raw: bytes = authorized) -> Response:
         """Close an open rollout as failed, exactly once: it is never published, so no learner trains on it
         (a second call, or one on a rollout that is closed, consumed or failed, is 409)."""

@@ -51,6 +51,7 @@ from aiohttp import web
 
 VERSION = "0.33.0"  # the vLLM release whose wire format this copies
 MAX_MODEL_LEN = 4096
+MAX_N = 64  # choices per request: more is refused (vLLM takes any n; the fake stays fast)
 OFFSET, EOS = 5, 2
 TOOL_START, TOOL_END = "<tool_call>", "</tool_call>"
 SPECIAL = ("<pad>", "<bos>", "<eos>", TOOL_START, TOOL_END)  # ids 0-4; byte b is id b + OFFSET
@@ -284,8 +285,9 @@ def steps(choices: list[Choice]):
 
 
 class FakeVLLM:
-    def __init__(self, model: str, delay_ms: float = 0, chunk_delay_ms: float = 0):
+    def __init__(self, model: str, delay_ms: float = 0, chunk_delay_ms: float = 0, validate: bool = False):
         self.model, self.delay, self.chunk_delay = model, delay_ms / 1000, chunk_delay_ms / 1000
+        self.validate = _schema_validator() if validate else None
         self.fingerprint = f"vllm-{VERSION}-{hashlib.sha256(model.encode()).hexdigest()[:8]}"
 
     async def handle(self, request: web.Request, kind: str) -> web.StreamResponse:
@@ -316,9 +318,17 @@ class FakeVLLM:
             if body.get("model") not in (None, "", self.model):
                 raise ApiError(404, f"The model `{body['model']}` does not exist. "
                                f"Valid aliases: {self.model}.", param="model")
+            if self.validate is not None:
+                self.validate(kind, body)
+            if not isinstance(body.get("n") or 1, int) or not 1 <= (body.get("n") or 1) <= MAX_N:
+                raise ApiError(400, f"n must be an integer in [1, {MAX_N}] (the fake's limit)", param="n")
             return await getattr(self, kind)(request, body)
         except ApiError as e:
             return jresp(e.body, e.status)
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError, OverflowError) as e:
+            # A field of the wrong type or range that vLLM's request models refuse (400) and the fake does
+            # not check one by one (the schemathesis run of tests/test_fuzz.py sends them)
+            return jresp(ApiError(400, f"invalid request field: {type(e).__name__}: {e}"[:500]).body, 400)
 
     def limits(self, body: dict, prompt_ids: list[int], param: str) -> tuple[int, list[str], int, int]:
         """vLLM 0.33.0 refuses max_tokens > max_model_len and prompts > max_model_len, and
@@ -611,8 +621,32 @@ class FakeVLLM:
                       "permission": [perm]}]})
 
 
-def build_app(model: str = "fake-model", delay_ms: float = 0, chunk_delay_ms: float = 0) -> web.Application:
-    fake = FakeVLLM(model, delay_ms, chunk_delay_ms)
+def _schema_validator():
+    """--validate: refuse (400, as vLLM's request models do) a body that does not match vLLM 0.33's request
+    schema (gateway/vllm_requests.json, generated from vLLM), so fuzzed bodies reach the fake's generation
+    only when vLLM would take them."""
+    from pathlib import Path
+
+    import jsonschema
+
+    document = json.loads((Path(__file__).resolve().parent.parent / "gateway" / "vllm_requests.json").read_text())
+    root = {"components": {"schemas": document["schemas"]}}
+    validators = {kind: jsonschema.Draft202012Validator({**root, "$ref": f"#/components/schemas/{name}"})
+                  for kind, name in (("chat", document["requests"]["chat.completions"]),
+                                     ("completions", document["requests"]["completions"]),
+                                     ("responses", document["requests"]["responses"]))}
+
+    def validate(kind: str, body: dict) -> None:
+        error = jsonschema.exceptions.best_match(validators[kind].iter_errors(body))
+        if error is not None:
+            where = ".".join(str(p) for p in error.absolute_path) or "body"
+            raise ApiError(400, f"1 validation error: {where}: {error.message[:300]}", param=where)
+    return validate
+
+
+def build_app(model: str = "fake-model", delay_ms: float = 0, chunk_delay_ms: float = 0,
+              validate: bool = False) -> web.Application:
+    fake = FakeVLLM(model, delay_ms, chunk_delay_ms, validate)
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app["fake"] = fake
     for path, kind in (("chat/completions", "chat"), ("completions", "completions"), ("responses", "responses")):
@@ -623,7 +657,7 @@ def build_app(model: str = "fake-model", delay_ms: float = 0, chunk_delay_ms: fl
 
 
 async def _serve(args: argparse.Namespace) -> None:
-    runner = web.AppRunner(build_app(args.model, args.delay_ms, args.chunk_delay_ms), access_log=None)
+    runner = web.AppRunner(build_app(args.model, args.delay_ms, args.chunk_delay_ms, args.validate), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()
@@ -638,6 +672,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default="fake-model")
     ap.add_argument("--delay-ms", type=float, default=0, help="sleep before answering / first chunk")
     ap.add_argument("--chunk-delay-ms", type=float, default=0, help="sleep between stream chunks")
+    ap.add_argument("--validate", action="store_true", help="400 for bodies vLLM's request schema refuses")
     try:
         asyncio.run(_serve(ap.parse_args(argv)))
     except KeyboardInterrupt:
