@@ -29,8 +29,15 @@ import openai
 from demo.task import ANSWER_BIAS, FIRST_CALL_BIAS, TEMPERATURE, TOOL_TOKEN, Question, random_question
 
 
-async def episode(client: openai.AsyncOpenAI, http: httpx.AsyncClient, gateway: str, model: str, task_id: str,
-                  question: Question, control: str | None = None) -> None:
+async def episode(
+    client: openai.AsyncOpenAI,
+    http: httpx.AsyncClient,
+    gateway: str,
+    model: str,
+    task_id: str,
+    question: Question,
+    control: str | None = None,
+) -> None:
     if control is None:  # an open gateway: the agent names its rollout in its base URL
         rollout_id = uuid.uuid4().hex
         llm = client.with_options(base_url=f"{gateway}/tasks/{task_id}/rollouts/{rollout_id}/v1")
@@ -44,25 +51,38 @@ async def episode(client: openai.AsyncOpenAI, http: httpx.AsyncClient, gateway: 
         rollout = created.json()
         rollout_id, gateway = rollout["rollout_id"], control
         llm = client.with_options(base_url=rollout["base_url"], api_key=rollout["api_key"] or "unused")
-    first = await llm.completions.create(model=model, prompt=question.prompt, max_tokens=1,
-                                         temperature=TEMPERATURE, logit_bias=FIRST_CALL_BIAS)
+    first = await llm.completions.create(
+        model=model, prompt=question.prompt, max_tokens=1, temperature=TEMPERATURE, logit_bias=FIRST_CALL_BIAS
+    )
     answer = first.choices[0].text
     if answer == TOOL_TOKEN:  # the model asked for the calculator: run it, show the model its result
         prompt = question.prompt + answer + question.calculator()
-        second = await llm.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=TEMPERATURE,
-                                              logit_bias=ANSWER_BIAS)
+        second = await llm.completions.create(
+            model=model, prompt=prompt, max_tokens=1, temperature=TEMPERATURE, logit_bias=ANSWER_BIAS
+        )
         answer = second.choices[0].text
-    response = await http.post(f"{gateway}/rollouts/{rollout_id}/finish",
-                               json={"reward_fn": "math_answer", "ground_truth": question.answer})
+    response = await http.post(
+        f"{gateway}/rollouts/{rollout_id}/finish",
+        json={"reward_fn": "math_answer", "ground_truth": question.answer},
+    )
     response.raise_for_status()
 
 
-async def task(client: openai.AsyncOpenAI, http: httpx.AsyncClient, args: argparse.Namespace, number: int,
-               rng: random.Random) -> None:
+async def task(
+    client: openai.AsyncOpenAI,
+    http: httpx.AsyncClient,
+    args: argparse.Namespace,
+    number: int,
+    rng: random.Random,
+) -> None:
     question = random_question(rng)
-    results = await asyncio.gather(*(episode(client, http, args.gateway, args.model, f"{args.prefix}{number}",
-                                             question, args.control) for _ in range(args.rollouts_per_task)),
-                                   return_exceptions=True)
+    results = await asyncio.gather(
+        *(
+            episode(client, http, args.gateway, args.model, f"{args.prefix}{number}", question, args.control)
+            for _ in range(args.rollouts_per_task)
+        ),
+        return_exceptions=True,
+    )
     errors = [r for r in results if isinstance(r, BaseException)]
     if errors:
         print(f"agent: {len(errors)} episode(s) of task {number} failed: {errors[0]!r}", flush=True)
@@ -96,8 +116,12 @@ async def main(args: argparse.Namespace) -> None:
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gateway", default="http://127.0.0.1:8100", help="The gateway's base URL.")
-    parser.add_argument("--control", default=None, help="The gateway's control port (its base URL): create "
-                        "each rollout there and ask for its reward there, with RLGATE_OPERATOR_TOKEN.")
+    parser.add_argument(
+        "--control",
+        default=None,
+        help="The gateway's control port (its base URL): create "
+        "each rollout there and ask for its reward there, with RLGATE_OPERATOR_TOKEN.",
+    )
     parser.add_argument("--model", default="tiny", help="The model name to ask for.")
     parser.add_argument("--concurrency", type=int, default=32, help="Episodes in flight.")
     parser.add_argument("--rollouts-per-task", type=int, default=8, help="Episodes per task (a GRPO group).")

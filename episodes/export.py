@@ -34,11 +34,13 @@ class ExportFilter:
 
     def keeps(self, view: RolloutView) -> bool:
         closed_at = view.closed_at if view.closed_at is not None else view.created_at
-        return (view.status in self.statuses
-                and (self.since is None or closed_at >= self.since)
-                and (self.until is None or closed_at < self.until)
-                and (self.task_id is None or view.task_id == self.task_id)
-                and (self.min_reward is None or (view.reward is not None and view.reward >= self.min_reward)))
+        return (
+            view.status in self.statuses
+            and (self.since is None or closed_at >= self.since)
+            and (self.until is None or closed_at < self.until)
+            and (self.task_id is None or view.task_id == self.task_id)
+            and (self.min_reward is None or (view.reward is not None and view.reward >= self.min_reward))
+        )
 
 
 async def rollout_ids(store: EpisodeStore) -> AsyncIterator[str]:
@@ -48,7 +50,7 @@ async def rollout_ids(store: EpisodeStore) -> AsyncIterator[str]:
         async for key in store.redis.scan_iter(match=f"{prefix}*", count=1000):
             key = key.decode()
             if key.endswith("}"):
-                yield key[len(prefix):-1]
+                yield key[len(prefix) : -1]
 
 
 def transition_rows(view: RolloutView, agent_name: str | None = None) -> Iterable[dict[str, Any]]:
@@ -57,18 +59,28 @@ def transition_rows(view: RolloutView, agent_name: str | None = None) -> Iterabl
             continue
         response = call.response
         yield {
-            "rollout_id": view.rollout_id, "task_id": view.task_id, "index": call.index,
-            "agent_name": call.agent_name, "policy_version": call.policy_version, "endpoint": call.endpoint,
-            "model": call.model, "status": view.status.value,
-            "messages": call.request.get("messages"), "prompt": _prompt(call.request),
+            "rollout_id": view.rollout_id,
+            "task_id": view.task_id,
+            "index": call.index,
+            "agent_name": call.agent_name,
+            "policy_version": call.policy_version,
+            "endpoint": call.endpoint,
+            "model": call.model,
+            "status": view.status.value,
+            "messages": call.request.get("messages"),
+            "prompt": _prompt(call.request),
             "tools": call.request.get("tools"),
             "response_message": response.message if response else None,
             "response_text": response.text if response else None,
             "finish_reason": response.finish_reason if response else None,
-            "prompt_token_ids": call.prompt_token_ids, "completion_token_ids": call.completion_token_ids,
+            "prompt_token_ids": call.prompt_token_ids,
+            "completion_token_ids": call.completion_token_ids,
             "completion_logprobs": call.completion_logprobs,
-            "reward": view.reward, "call_reward": call.reward, "air_reward": call.air_reward,
-            "created_at": view.created_at, "closed_at": view.closed_at,
+            "reward": view.reward,
+            "call_reward": call.reward,
+            "air_reward": call.air_reward,
+            "created_at": view.created_at,
+            "closed_at": view.closed_at,
         }
 
 
@@ -78,7 +90,9 @@ def sft_rows(view: RolloutView, agent_name: str | None = None) -> Iterable[dict[
     for row in transition_rows(view, agent_name):
         meta = {"rollout_id": row["rollout_id"], "task_id": row["task_id"], "reward": row["reward"]}
         if row["messages"] is not None and row["response_message"] is not None:
-            assistant = {k: v for k, v in row["response_message"].items() if v is not None and k != "reasoning"}
+            assistant = {
+                k: v for k, v in row["response_message"].items() if v is not None and k != "reasoning"
+            }
             yield {"messages": [*row["messages"], assistant], "tools": row["tools"], **meta}
         elif row["prompt"] is not None and row["response_text"] is not None:
             yield {"prompt": row["prompt"], "completion": row["response_text"], **meta}
@@ -89,7 +103,9 @@ def _prompt(request: dict[str, Any]) -> str | None:
     return prompt if isinstance(prompt, str) else None
 
 
-async def export(store: EpisodeStore, path: Path, fmt: Format = "jsonl", flt: ExportFilter | None = None) -> int:
+async def export(
+    store: EpisodeStore, path: Path, fmt: Format = "jsonl", flt: ExportFilter | None = None
+) -> int:
     """Write the filtered episodes' rows to `path`; returns the number of rows."""
     flt = flt or ExportFilter()
     rows: list[dict[str, Any]] = []
@@ -105,8 +121,13 @@ async def export(store: EpisodeStore, path: Path, fmt: Format = "jsonl", flt: Ex
         import pyarrow.parquet as pq
 
         # nested JSON values (messages, tools) as JSON strings: their shapes vary from call to call
-        flat = [{k: orjson.dumps(v).decode() if isinstance(v, (dict, list)) and k in _JSON_COLUMNS else v
-                 for k, v in row.items()} for row in rows]
+        flat = [
+            {
+                k: orjson.dumps(v).decode() if isinstance(v, (dict, list)) and k in _JSON_COLUMNS else v
+                for k, v in row.items()
+            }
+            for row in rows
+        ]
         pq.write_table(pa.Table.from_pylist(flat), path)
     else:
         with path.open("wb") as out:

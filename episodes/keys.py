@@ -100,8 +100,10 @@ def validate_episode_id(value: str, what: str = "rollout id") -> str:
     """Return `value` if it names a rollout or an attempt of one (`{rollout_id}~{attempt_id}`)."""
     base, sep, attempt = value.partition(ATTEMPT_SEPARATOR)
     if not _ID_RE.fullmatch(base) or (sep and not _ATTEMPT_RE.fullmatch(attempt)):
-        raise InvalidId(f"invalid {what} {value!r}: use 1-128 characters from A-Z a-z 0-9 . _ : -, and for "
-                        f"an attempt of a rollout, ROLLOUT~ATTEMPT")
+        raise InvalidId(
+            f"invalid {what} {value!r}: use 1-128 characters from A-Z a-z 0-9 . _ : -, and for "
+            f"an attempt of a rollout, ROLLOUT~ATTEMPT"
+        )
     return value
 
 

@@ -13,7 +13,11 @@ import orjson
 
 from episodes import _lua
 from episodes.errors import (
-    CallNotFound, RewardConflict, RolloutExpired, RolloutNotFound, RolloutNotOpen,
+    CallNotFound,
+    RewardConflict,
+    RolloutExpired,
+    RolloutNotFound,
+    RolloutNotOpen,
 )
 from episodes.records import FinishRequest
 from episodes.store import EpisodeStore
@@ -73,7 +77,9 @@ class EpisodeLifecycle:
     # ---------------------------------------------------------------------------------------------------
     # Final return
 
-    async def close(self, rollout_id: str, reward: float, metadata: dict[str, Any] | None = None) -> CloseResult:
+    async def close(
+        self, rollout_id: str, reward: float, metadata: dict[str, Any] | None = None
+    ) -> CloseResult:
         """Close an open rollout with its final return and publish it for the learners.
 
         The same reward again is `unchanged`; another reward raises `RewardConflict`; an unknown rollout
@@ -88,8 +94,9 @@ class EpisodeLifecycle:
         intent = _intent(rollout_id)
         async with self.store.guard():
             await self.store.redis.zadd(self.keys.outbox, {intent: time.time()})  # before the close
-            reply = await self._close(keys=[self.keys.rollout(rollout_id)],
-                                      args=[value, metadata_json, repr(time.time())])
+            reply = await self._close(
+                keys=[self.keys.rollout(rollout_id)], args=[value, metadata_json, repr(time.time())]
+            )
         outcome = _text(reply[0])
         if outcome == "closed":
             await self._publish(rollout_id, (_text(reply[1]) or None, _text(reply[2])), value, intent)
@@ -108,8 +115,9 @@ class EpisodeLifecycle:
             raise RolloutExpired(f"rollout {rollout_id!r} expired before its reward arrived")
         raise RolloutNotOpen(rollout_id, outcome)
 
-    async def _publish(self, rollout_id: str, task_and_mode: tuple[str | None, str] | None, reward: str,
-                       intent: str) -> None:
+    async def _publish(
+        self, rollout_id: str, task_and_mode: tuple[str | None, str] | None, reward: str, intent: str
+    ) -> None:
         """Put a closed episode on the stream (at least once), then clear the intent and its expiry. A
         validation episode (mode val) carries its mode: learners score it apart and never train on it."""
         async with self.store.guard():
@@ -131,14 +139,17 @@ class EpisodeLifecycle:
     # ---------------------------------------------------------------------------------------------------
     # Intermediate rewards, reward jobs, failure
 
-    async def set_call_reward(self, rollout_id: str, index: int, reward: float, *, automatic: bool = False) -> None:
+    async def set_call_reward(
+        self, rollout_id: str, index: int, reward: float, *, automatic: bool = False
+    ) -> None:
         """Attach an intermediate reward r_t to call `index` (webhook, or AIR when `automatic`) of an open
         rollout; `RolloutNotOpen` once it is closed (the learner may have read it already)."""
         target = self.keys.air(rollout_id) if automatic else self.keys.rewards(rollout_id)
         async with self.store.guard():
             reply = await self._set_call_reward(
                 keys=[self.keys.rollout(rollout_id), self.keys.calls(rollout_id), target],
-                args=[index, canonical_reward(reward)])
+                args=[index, canonical_reward(reward)],
+            )
         outcome = _text(reply[0])
         if outcome == "no_call":
             raise CallNotFound(f"rollout {rollout_id!r} has no call {index}")
@@ -147,8 +158,9 @@ class EpisodeLifecycle:
     async def set_finish(self, rollout_id: str, finish: FinishRequest) -> None:
         """Store the reward job's request on an open rollout."""
         async with self.store.guard():
-            status = _text(await self._set_finish(keys=[self.keys.rollout(rollout_id)],
-                                                  args=[finish.model_dump_json()]))
+            status = _text(
+                await self._set_finish(keys=[self.keys.rollout(rollout_id)], args=[finish.model_dump_json()])
+            )
         _require_open(rollout_id, status)
 
     async def fail(self, rollout_id: str, error: str) -> bool:
@@ -164,8 +176,9 @@ class EpisodeLifecycle:
     async def _fail_open(self, rollout_id: str, error: str) -> str:
         """The FAIL script: the status before ('open': failed now; '' when missing)."""
         async with self.store.guard():
-            before = _text(await self._fail(keys=[self.keys.rollout(rollout_id)],
-                                            args=[error[:2000], repr(time.time())]))
+            before = _text(
+                await self._fail(keys=[self.keys.rollout(rollout_id)], args=[error[:2000], repr(time.time())])
+            )
             if before == "open":
                 await self.store.redis.zrem(self.keys.expiry, rollout_id)
         return before
@@ -175,8 +188,11 @@ class EpisodeLifecycle:
         owner; the lease runs on Redis's clock). Returns `claimed`, `not_closed` (consumed, failed, gone)
         or `held` (another owner's lease runs)."""
         async with self.store.guard():
-            reply = int(await self._claim(keys=[self.keys.rollout(rollout_id)],
-                                          args=[owner, str(max(1, int(lease_s * 1000)))]))
+            reply = int(
+                await self._claim(
+                    keys=[self.keys.rollout(rollout_id)], args=[owner, str(max(1, int(lease_s * 1000)))]
+                )
+            )
         return {1: "claimed", 0: "not_closed", -1: "held"}[reply]
 
     async def consume(self, rollout_id: str) -> bool:
@@ -221,15 +237,17 @@ class EpisodeLifecycle:
         led nowhere. Only intents older than `grace_s` are looked at: younger ones belong to live closers.
         Returns the ids of the episodes published here."""
         async with self.store.guard():
-            stale = await self.store.redis.zrangebyscore(self.keys.outbox, "-inf", time.time() - grace_s,
-                                                         start=0, num=limit)
+            stale = await self.store.redis.zrangebyscore(
+                self.keys.outbox, "-inf", time.time() - grace_s, start=0, num=limit
+            )
         repaired = []
         for raw in stale:
             intent = _text(raw)
             rollout_id = intent.partition("|")[0]
             async with self.store.guard():
                 status, published, reward = await self.store.redis.hmget(
-                    self.keys.rollout(rollout_id), "status", "published", "reward")
+                    self.keys.rollout(rollout_id), "status", "published", "reward"
+                )
             if status == b"closed" and published == b"0":
                 await self._publish(rollout_id, None, _text(reward), intent)
                 repaired.append(rollout_id)

@@ -53,8 +53,11 @@ class Rollout(_Record):
     status: RolloutStatus = RolloutStatus.OPEN
     created_at: float = Field(description="Unix seconds.")
     expires_at: float | None = Field(None, description="When an open rollout expires (unix seconds).")
-    mode: Mode = Field("train", description="train: trained on once closed. val: a validation run, recorded and "
-                       "scored like any other, reported apart by the learner and never trained on.")
+    mode: Mode = Field(
+        "train",
+        description="train: trained on once closed. val: a validation run, recorded and "
+        "scored like any other, reported apart by the learner and never trained on.",
+    )
     metadata: dict[str, Any] = Field(default_factory=dict)
     reward: float | None = Field(None, description="The final return R, once closed.")
     reward_metadata: dict[str, Any] | None = None
@@ -97,8 +100,11 @@ class CallRecord(_Record):
     task_id: str | None = None
     agent_name: str | None = Field(None, description="From X-Agent-Name: which agent made the call.")
     endpoint: Endpoint
-    model: str | None = Field(None, description="The model the call was served by: the requested one, or "
-                              "the adapter the gateway sent it to (`Policy`).")
+    model: str | None = Field(
+        None,
+        description="The model the call was served by: the requested one, or "
+        "the adapter the gateway sent it to (`Policy`).",
+    )
     policy_version: int = Field(description="The policy version the gateway served this call with.")
     choice_index: int = 0
     stream: bool = False
@@ -106,8 +112,10 @@ class CallRecord(_Record):
         description="The request as the agent sent it (messages or prompt, tools, sampling parameters)."
     )
     request_shared: bool = Field(
-        False, description="n > 1: the request is stored once per call, on its choice 0 (the record "
-        "`choice_index` positions earlier); the store fills it in when it reads this choice.")
+        False,
+        description="n > 1: the request is stored once per call, on its choice 0 (the record "
+        "`choice_index` positions earlier); the store fills it in when it reads this choice.",
+    )
     response: CallResponse | None = None
     prompt_token_ids: list[int] | None = None
     completion_token_ids: list[int] | None = None
@@ -129,7 +137,10 @@ class CallRecord(_Record):
             self.error is None
             and self.prompt_token_ids is not None
             and self.completion_token_ids is not None
-            and (self.completion_logprobs is None or len(self.completion_logprobs) == len(self.completion_token_ids))
+            and (
+                self.completion_logprobs is None
+                or len(self.completion_logprobs) == len(self.completion_token_ids)
+            )
         )
 
 
@@ -155,8 +166,9 @@ class RolloutView(Rollout):
     """`GET /rollouts/{id}`: the rollout with its calls in order."""
 
     calls: list[IndexedCall] = Field(default_factory=list)
-    events: list[RolloutEvent] = Field(default_factory=list, description="Events the agent posted (at most "
-                                       "`EVENTS_MAX` per rollout).")
+    events: list[RolloutEvent] = Field(
+        default_factory=list, description="Events the agent posted (at most `EVENTS_MAX` per rollout)."
+    )
 
 
 class Policy(_Record):
@@ -170,8 +182,11 @@ class Policy(_Record):
     version: int = 0
     adapter: str | None = None
     base_model: str | None = None
-    draining: bool = Field(False, description="A full-weight push is under way: gateways hold new calls "
-                           "(or answer 429) until it is over; calls in flight finish on the old weights.")
+    draining: bool = Field(
+        False,
+        description="A full-weight push is under way: gateways hold new calls "
+        "(or answer 429) until it is over; calls in flight finish on the old weights.",
+    )
 
 
 class RolloutSummary(BaseModel):

@@ -35,8 +35,15 @@ SHARED_PREFIX = "RLGATE_"
 # field name -> the shared variable it is also read from
 SHARED_ENV: dict[str, str] = {
     name: f"{SHARED_PREFIX}{name.upper()}"
-    for name in ("redis_url", "key_prefix", "redis_timeout_s", "operator_token", "webhook_secret",
-                 "rollout_key_secret", "inference_api_key")
+    for name in (
+        "redis_url",
+        "key_prefix",
+        "redis_timeout_s",
+        "operator_token",
+        "webhook_secret",
+        "rollout_key_secret",
+        "inference_api_key",
+    )
 }
 
 
@@ -81,4 +88,10 @@ class SharedSettings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return init_settings, env_settings, SharedEnvSource(settings_cls), dotenv_settings, file_secret_settings
+        return (
+            init_settings,
+            env_settings,
+            SharedEnvSource(settings_cls),
+            dotenv_settings,
+            file_secret_settings,
+        )

@@ -92,8 +92,13 @@ async def _guard(timeout_s: float) -> AsyncIterator[None]:
 class EpisodeStore:
     """Rollouts and their calls in Redis. Safe to share between tasks and between processes."""
 
-    def __init__(self, redis: aioredis.Redis, keys: Keys | None = None, timeout_s: float = 5.0,
-                 rollout_ttl_s: float = 3600.0) -> None:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: Keys | None = None,
+        timeout_s: float = 5.0,
+        rollout_ttl_s: float = 3600.0,
+    ) -> None:
         self.redis = redis
         self.keys = keys or Keys()
         self.timeout_s = timeout_s
@@ -105,7 +110,12 @@ class EpisodeStore:
 
     @classmethod
     def from_url(
-        cls, url: str, *, prefix: str = "rlgate", timeout_s: float = 5.0, rollout_ttl_s: float = 3600.0,
+        cls,
+        url: str,
+        *,
+        prefix: str = "rlgate",
+        timeout_s: float = 5.0,
+        rollout_ttl_s: float = 3600.0,
         max_connections: int = 64,
     ) -> EpisodeStore:
         """A store on its own connection pool. `timeout_s` bounds every operation, so a hung Redis
@@ -137,7 +147,10 @@ class EpisodeStore:
             await self.redis.ping()
 
     async def create_rollout(
-        self, rollout_id: str, task_id: str | None = None, metadata: dict[str, Any] | None = None,
+        self,
+        rollout_id: str,
+        task_id: str | None = None,
+        metadata: dict[str, Any] | None = None,
         mode: Mode = "train",
     ) -> Rollout:
         """Create an open rollout; raise `RolloutExists` if the id is taken."""
@@ -145,13 +158,26 @@ class EpisodeStore:
         if task_id is not None:
             validate_id(task_id, "task id")
         now = time.time()
-        rollout = Rollout(rollout_id=rollout_id, task_id=task_id, created_at=now, metadata=metadata or {},
-                          expires_at=now + self.rollout_ttl_s, mode=mode)
+        rollout = Rollout(
+            rollout_id=rollout_id,
+            task_id=task_id,
+            created_at=now,
+            metadata=metadata or {},
+            expires_at=now + self.rollout_ttl_s,
+            mode=mode,
+        )
         async with _guard(self.timeout_s):
             created = await self._create(
                 keys=[self.keys.rollout(rollout_id)],
-                args=[rollout_id, task_id or "", repr(now), SCHEMA_VERSION, orjson.dumps(rollout.metadata),
-                      repr(rollout.expires_at), mode],
+                args=[
+                    rollout_id,
+                    task_id or "",
+                    repr(now),
+                    SCHEMA_VERSION,
+                    orjson.dumps(rollout.metadata),
+                    repr(rollout.expires_at),
+                    mode,
+                ],
             )
             if created:
                 await self._schedule(rollout_id, now, rollout.expires_at)
@@ -159,9 +185,18 @@ class EpisodeStore:
             raise RolloutExists(f"rollout {rollout_id!r} already exists")
         return rollout
 
-    async def record_calls(self, rollout_id: str, task_id: str | None, records: Sequence[CallRecord], *,
-                           must_exist: bool = False, max_bytes: int | None = None, max_calls: int = 0,
-                           mode: Mode | None = None, max_attempts: int = 16) -> int:
+    async def record_calls(
+        self,
+        rollout_id: str,
+        task_id: str | None,
+        records: Sequence[CallRecord],
+        *,
+        must_exist: bool = False,
+        max_bytes: int | None = None,
+        max_calls: int = 0,
+        mode: Mode | None = None,
+        max_attempts: int = 16,
+    ) -> int:
         """Append `records` to the rollout atomically, creating it if new. Returns the first index.
 
         Concurrent calls are group-committed: one pipelined round trip per batch (`_batch`).
@@ -185,8 +220,18 @@ class EpisodeStore:
             size = sum(map(len, encoded))
             if size > max_bytes:
                 raise RecordTooLarge(size, max_bytes)
-        args: list[Any] = [rollout_id, task_id or "", repr(now), SCHEMA_VERSION, repr(expires_at),
-                           "1" if must_exist else "0", str(max_calls), mode or "", str(max_attempts), *encoded]
+        args: list[Any] = [
+            rollout_id,
+            task_id or "",
+            repr(now),
+            SCHEMA_VERSION,
+            repr(expires_at),
+            "1" if must_exist else "0",
+            str(max_calls),
+            mode or "",
+            str(max_attempts),
+            *encoded,
+        ]
         keys = [self.keys.rollout(rollout_id), self.keys.calls(rollout_id)]
         parent = parent_of(rollout_id)
         if parent is not None:
@@ -231,9 +276,16 @@ class EpisodeStore:
         pipe.zremrangebyrank(self.keys.rollouts, 0, -self.index_max - 1)
         await pipe.execute()
 
-    async def list_rollouts(self, *, task_id: str | None = None, status: str | None = None,
-                            since: float | None = None, until: float | None = None, limit: int = 100,
-                            cursor: str | None = None) -> RolloutListing:
+    async def list_rollouts(
+        self,
+        *,
+        task_id: str | None = None,
+        status: str | None = None,
+        since: float | None = None,
+        until: float | None = None,
+        limit: int = 100,
+        cursor: str | None = None,
+    ) -> RolloutListing:
         """One page of rollouts, newest first, from the listing index (`Keys.rollouts`).
 
         Reads at most `limit` (1 .. `LIST_MAX`) index entries created in [since, until], or, with `cursor`
@@ -251,8 +303,16 @@ class EpisodeStore:
             top, skip = _parse_cursor(cursor)
         bottom: float | str = "-inf" if since is None else since
         async with _guard(self.timeout_s):
-            entries = await self.redis.zrange(self.keys.rollouts, top, bottom, desc=True, byscore=True,
-                                              offset=skip, num=limit, withscores=True)
+            entries = await self.redis.zrange(
+                self.keys.rollouts,
+                top,
+                bottom,
+                desc=True,
+                byscore=True,
+                offset=skip,
+                num=limit,
+                withscores=True,
+            )
             pipe = self.redis.pipeline(transaction=False)
             for member, _ in entries:
                 rid = _text(member)
@@ -273,10 +333,15 @@ class EpisodeStore:
                 values, calls = replies[i], replies[i + 1]
                 if values[2] is None:  # no status: the hash is gone
                     continue
-                data = {name: _text(value) for name, value in zip(_SUMMARY_FIELDS, values, strict=True)
-                        if value is not None}
+                data = {
+                    name: _text(value)
+                    for name, value in zip(_SUMMARY_FIELDS, values, strict=True)
+                    if value is not None
+                }
                 data["task_id"] = data.get("task_id") or None
-                if (task_id is None or data["task_id"] == task_id) and (status is None or data["status"] == status):
+                if (task_id is None or data["task_id"] == task_id) and (
+                    status is None or data["status"] == status
+                ):
                     rows.append(RolloutSummary.model_validate({**data, "calls": calls}))
             return rows
 
@@ -302,8 +367,9 @@ class EpisodeStore:
         async with _guard(self.timeout_s):
             return int(await self.redis.llen(self.keys.calls(rollout_id)))
 
-    async def _with_requests(self, rollout_id: str, items: list[dict[str, Any]], offset: int
-                             ) -> list[dict[str, Any]]:
+    async def _with_requests(
+        self, rollout_id: str, items: list[dict[str, Any]], offset: int
+    ) -> list[dict[str, Any]]:
         """Fill in the request of choices stored with `request_shared` (n > 1) from their call's choice 0:
         from the same page, or read (one LINDEX each) when the page starts after it."""
         missing: dict[int, dict[str, Any] | None] = {}
@@ -327,8 +393,9 @@ class EpisodeStore:
                 item["request"] = request if isinstance(request, dict) else {}
         return items
 
-    async def get_rollout_view(self, rollout_id: str, offset: int = 0, limit: int | None = None
-                               ) -> RolloutView | None:
+    async def get_rollout_view(
+        self, rollout_id: str, offset: int = 0, limit: int | None = None
+    ) -> RolloutView | None:
         """The rollout, its calls and their intermediate rewards, read in one round trip (a MULTI).
 
         `offset`/`limit`: only calls offset .. offset+limit-1 (all from `offset` without a limit). Calls
@@ -349,14 +416,20 @@ class EpisodeStore:
         air = {int(k): float(v) for k, v in air.items()}
 
         big = sum(len(item) for item in raw_calls) > 1 << 20
-        items = await asyncio.to_thread(lambda: [orjson.loads(item) for item in raw_calls]) if big \
+        items = (
+            await asyncio.to_thread(lambda: [orjson.loads(item) for item in raw_calls])
+            if big
             else [orjson.loads(item) for item in raw_calls]
+        )
         items = await self._with_requests(rollout_id, items, offset)
 
         def decode() -> list[IndexedCall]:
-            return [IndexedCall.model_validate({**item, "index": i, "reward": rewards.get(i),
-                                                "air_reward": air.get(i)})
-                    for i, item in enumerate(items, offset)]
+            return [
+                IndexedCall.model_validate(
+                    {**item, "index": i, "reward": rewards.get(i), "air_reward": air.get(i)}
+                )
+                for i, item in enumerate(items, offset)
+            ]
 
         calls = await asyncio.to_thread(decode) if big else decode()
         events = [RolloutEvent.model_validate_json(item) for item in raw_events]
@@ -366,8 +439,10 @@ class EpisodeStore:
         """Keep an event the agent posted with its open rollout; returns its index. Raises
         `RolloutNotFound`, `RolloutNotOpen`, or `RolloutFull` when it holds `EVENTS_MAX` already."""
         async with _guard(self.timeout_s):
-            reply = await self._append_event(keys=[self.keys.rollout(rollout_id), self.keys.events(rollout_id)],
-                                             args=[event.model_dump_json(), EVENTS_MAX])
+            reply = await self._append_event(
+                keys=[self.keys.rollout(rollout_id), self.keys.events(rollout_id)],
+                args=[event.model_dump_json(), EVENTS_MAX],
+            )
         if reply[0] == 0:
             return int(reply[1])
         if reply[0] == 2:
@@ -438,8 +513,12 @@ class EpisodeStore:
     async def set_policy(self, policy: Policy) -> None:
         """Move the policy pointer, all fields at once (one HSET), so a reader never sees a version
         with another version's adapter."""
-        mapping = {"version": policy.version, "adapter": policy.adapter or "",
-                   "base_model": policy.base_model or "", "draining": int(policy.draining)}
+        mapping = {
+            "version": policy.version,
+            "adapter": policy.adapter or "",
+            "base_model": policy.base_model or "",
+            "draining": int(policy.draining),
+        }
         async with _guard(self.timeout_s):
             await self.redis.hset(self.keys.policy, mapping=mapping)
 
@@ -458,7 +537,9 @@ def _parse_cursor(cursor: str) -> tuple[float, int]:
     try:
         top, count = float(score), int(skip)
     except ValueError:
-        raise ValueError(f"invalid cursor {cursor!r}: pass a next_cursor of GET /rollouts unchanged") from None
+        raise ValueError(
+            f"invalid cursor {cursor!r}: pass a next_cursor of GET /rollouts unchanged"
+        ) from None
     if count < 0 or top != top:
         raise ValueError(f"invalid cursor {cursor!r}: pass a next_cursor of GET /rollouts unchanged")
     return top, count

@@ -31,8 +31,13 @@ def _episode(entry_id: bytes | str, fields: dict[bytes, bytes]) -> ClosedEpisode
         return fields.get(key, b"").decode()
 
     entry = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-    return ClosedEpisode(entry, text(b"rollout_id"), text(b"task_id") or None, float(text(b"reward") or "nan"),
-                         text(b"mode") or "train")
+    return ClosedEpisode(
+        entry,
+        text(b"rollout_id"),
+        text(b"task_id") or None,
+        float(text(b"reward") or "nan"),
+        text(b"mode") or "train",
+    )
 
 
 class ClosedEpisodes:
@@ -56,16 +61,18 @@ class ClosedEpisodes:
     async def read(self, consumer: str, count: int = 64, block_ms: int = 1000) -> list[ClosedEpisode]:
         """New entries for `consumer` (they stay pending until acknowledged); waits up to `block_ms`."""
         async with self.store.guard(block_ms / 1000):
-            reply = await self.store.redis.xreadgroup(self.group, consumer, {self.key: ">"}, count=count,
-                                                      block=block_ms)
+            reply = await self.store.redis.xreadgroup(
+                self.group, consumer, {self.key: ">"}, count=count, block=block_ms
+            )
         return [_episode(entry_id, fields) for _, entries in reply or () for entry_id, fields in entries]
 
     async def read_own_pending(self, consumer: str, count: int = 1024) -> list[ClosedEpisode]:
         """Entries delivered to `consumer` earlier and never acknowledged (a restarted learner's own)."""
         async with self.store.guard():
             reply = await self.store.redis.xreadgroup(self.group, consumer, {self.key: "0"}, count=count)
-        return [_episode(entry_id, fields) for _, entries in reply or () for entry_id, fields in entries
-                if fields]
+        return [
+            _episode(entry_id, fields) for _, entries in reply or () for entry_id, fields in entries if fields
+        ]
 
     async def ack(self, episode: ClosedEpisode) -> bool:
         """Acknowledge a trained-on episode: marks the rollout consumed (True the first time) and XACKs."""
@@ -91,9 +98,14 @@ class ClosedEpisodes:
         cursor: bytes | str = "0-0"
         while len(claimed) < count:
             async with self.store.guard():
-                reply = await self.store.redis.xautoclaim(self.key, self.group, consumer,
-                                                          min_idle_time=min_idle_ms, start_id=cursor,
-                                                          count=count - len(claimed))
+                reply = await self.store.redis.xautoclaim(
+                    self.key,
+                    self.group,
+                    consumer,
+                    min_idle_time=min_idle_ms,
+                    start_id=cursor,
+                    count=count - len(claimed),
+                )
             cursor, entries = reply[0], reply[1]
             # entries deleted from the stream meanwhile come back without fields; XAUTOCLAIM drops them
             claimed.extend(_episode(entry_id, fields) for entry_id, fields in entries if fields)

@@ -47,12 +47,20 @@ def main() -> None:
         reply = client.completions.create(model="auto", prompt=prompt, temperature=1.0, max_tokens=max_tokens)
         text = tokenizer.decode(choice_token_ids(reply.choices[0]))
     else:
-        reply = client.chat.completions.create(model="auto", messages=[{"role": "user", "content": question}],
-                                               temperature=1.0, max_tokens=max_tokens)
+        reply = client.chat.completions.create(
+            model="auto",
+            messages=[{"role": "user", "content": question}],
+            temperature=1.0,
+            max_tokens=max_tokens,
+        )
         text = reply.choices[0].message.content or ""
     reward = 1.0 if answer in text else 0.0
-    httpx.post(os.environ["AGL_EVENT_URL"], json={"event_type": "reward", "data": {"value": reward}},
-               headers={"Authorization": f"Bearer {key}"}, timeout=10.0).raise_for_status()
+    httpx.post(
+        os.environ["AGL_EVENT_URL"],
+        json={"event_type": "reward", "data": {"value": reward}},
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=10.0,
+    ).raise_for_status()
     print(json.dumps({"answer": text, "reward": reward}))
 
 

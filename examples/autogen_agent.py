@@ -6,10 +6,9 @@ import asyncio
 import json
 import os
 
+import calculator as calc
 from autogen_agentchat.agents import AssistantAgent
 from autogen_ext.models.openai import OpenAIChatCompletionClient
-
-import calculator as calc
 
 
 def calculator(expression: str) -> str:
@@ -19,10 +18,19 @@ def calculator(expression: str) -> str:
 
 async def main() -> None:
     client = OpenAIChatCompletionClient(
-        model=calc.model_name(), base_url=os.environ["OPENAI_BASE_URL"],
-        api_key=os.environ.get("OPENAI_API_KEY", "unused"), temperature=0, max_tokens=128,
-        model_info={"vision": False, "function_calling": True, "json_output": False, "family": "unknown",
-                    "structured_output": False})
+        model=calc.model_name(),
+        base_url=os.environ["OPENAI_BASE_URL"],
+        api_key=os.environ.get("OPENAI_API_KEY", "unused"),
+        temperature=0,
+        max_tokens=128,
+        model_info={
+            "vision": False,
+            "function_calling": True,
+            "json_output": False,
+            "family": "unknown",
+            "structured_output": False,
+        },
+    )
     agent = AssistantAgent("calculator", model_client=client, tools=[calculator], reflect_on_tool_use=True)
     result = await agent.run(task=calc.QUESTION)
     answer = result.messages[-1].content if isinstance(result.messages[-1].content, str) else ""

@@ -19,12 +19,19 @@ import httpx
 QUESTION = "What is 17 + 25? Use the calculator."
 EXPECTED = 42
 
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-        ast.USub: operator.neg, ast.UAdd: operator.pos}
+_OPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.USub: operator.neg,
+    ast.UAdd: operator.pos,
+}
 
 
 def calculator(expression: str) -> str:
     """Evaluate an arithmetic expression (numbers, + - * / and parentheses)."""
+
     def value(node: ast.AST) -> float:
         if isinstance(node, ast.Constant) and isinstance(node.value, int | float):
             return node.value
@@ -33,6 +40,7 @@ def calculator(expression: str) -> str:
         if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
             return _OPS[type(node.op)](value(node.operand))
         raise ValueError(f"not arithmetic: {expression!r}")
+
     result = value(ast.parse(expression, mode="eval").body)
     return str(int(result)) if float(result).is_integer() else str(result)
 
@@ -56,5 +64,7 @@ def post_reward(answer: str) -> float:
     rollout_id = rest.split("/")[0]
     gateway = root.split("/tasks/")[0]
     reward = reward_for(answer)
-    httpx.post(f"{gateway}/rollouts/{rollout_id}/reward", json={"reward": reward}, timeout=30).raise_for_status()
+    httpx.post(
+        f"{gateway}/rollouts/{rollout_id}/reward", json={"reward": reward}, timeout=30
+    ).raise_for_status()
     return reward

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 
+import calculator as calc
 from langchain_core.messages import HumanMessage, ToolMessage
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
-
-import calculator as calc
 
 
 @tool

@@ -6,10 +6,16 @@ from __future__ import annotations
 import asyncio
 import json
 
-from agents import Agent, ModelSettings, Runner, function_tool, set_default_openai_client, set_tracing_disabled
-from openai import AsyncOpenAI
-
 import calculator as calc
+from agents import (
+    Agent,
+    ModelSettings,
+    Runner,
+    function_tool,
+    set_default_openai_client,
+    set_tracing_disabled,
+)
+from openai import AsyncOpenAI
 
 
 @function_tool
@@ -21,9 +27,13 @@ def calculator(expression: str) -> str:
 async def main() -> None:
     set_tracing_disabled(True)  # no trace upload to OpenAI; the gateway records the calls
     set_default_openai_client(AsyncOpenAI(), use_for_tracing=False)  # env config
-    agent = Agent(name="calculator", instructions="Answer arithmetic questions with the calculator tool.",
-                  tools=[calculator], model=calc.model_name(),
-                  model_settings=ModelSettings(temperature=0, max_tokens=128))
+    agent = Agent(
+        name="calculator",
+        instructions="Answer arithmetic questions with the calculator tool.",
+        tools=[calculator],
+        model=calc.model_name(),
+        model_settings=ModelSettings(temperature=0, max_tokens=128),
+    )
     result = await Runner.run(agent, calc.QUESTION, max_turns=3)
     answer = str(result.final_output or "")
     print(json.dumps({"answer": answer, "reward": calc.post_reward(answer)}))

@@ -4,22 +4,36 @@ from __future__ import annotations
 
 import json
 
+from calculator import QUESTION, calculator, model_name, post_reward
 from openai import OpenAI
 
-from calculator import QUESTION, calculator, model_name, post_reward
-
-TOOLS = [{"type": "function", "function": {
-    "name": "calculator", "description": "Evaluate an arithmetic expression.",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
-                   "required": ["expression"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate an arithmetic expression.",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
+        },
+    }
+]
 
 
 def main() -> None:
     client = OpenAI()  # OPENAI_BASE_URL and OPENAI_API_KEY from the environment
     messages: list[dict] = [{"role": "user", "content": QUESTION}]
     for _ in range(3):
-        reply = client.chat.completions.create(model=model_name(), messages=messages, tools=TOOLS,
-                                               temperature=0, max_tokens=128).choices[0].message
+        reply = (
+            client.chat.completions.create(
+                model=model_name(), messages=messages, tools=TOOLS, temperature=0, max_tokens=128
+            )
+            .choices[0]
+            .message
+        )
         if not reply.tool_calls:
             break
         messages.append(reply.model_dump(exclude_none=True))

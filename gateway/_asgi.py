@@ -36,8 +36,13 @@ async def read_json(receive: Any, limit: int) -> dict[str, Any]:
 
 
 async def send_body(send: Any, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [*headers, (b"content-length", str(len(body)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [*headers, (b"content-length", str(len(body)).encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -47,11 +52,16 @@ async def disconnected(receive: Any) -> None:
         pass
 
 
-
 def error_event(endpoint: Endpoint, status: int, type_: str, message: str, code: Any) -> bytes:
     """An SSE error event in the stream's own dialect (vLLM's for chat/completions, OpenAI's for responses)."""
     if endpoint == "responses":
-        return b"event: error\ndata: " + orjson.dumps(
-            {"type": "error", "code": str(code or status), "message": message, "param": None}) + b"\n\n"
-    return b"data: " + orjson.dumps(
-        {"error": {"message": message, "type": type_, "param": None, "code": status}}) + b"\n\n"
+        return (
+            b"event: error\ndata: "
+            + orjson.dumps({"type": "error", "code": str(code or status), "message": message, "param": None})
+            + b"\n\n"
+        )
+    return (
+        b"data: "
+        + orjson.dumps({"error": {"message": message, "type": type_, "param": None, "code": status}})
+        + b"\n\n"
+    )

@@ -58,7 +58,13 @@ class Listener:
         self.limits = limits
         self.open: set[GuardedProtocol] = set()
         self.idle: dict[GuardedProtocol, None] = {}
-        self._closed = {"header_timeout": 0, "body_timeout": 0, "header_too_large": 0, "evicted": 0, "refused": 0}
+        self._closed = {
+            "header_timeout": 0,
+            "body_timeout": 0,
+            "header_too_large": 0,
+            "evicted": 0,
+            "refused": 0,
+        }
         self._logged_at = 0.0
 
     def protocol(self) -> Any:
@@ -96,8 +102,15 @@ class Listener:
 class GuardedProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with the listener's deadlines, header size limit and connection cap."""
 
-    def __init__(self, config: Any, server_state: Any, app_state: dict[str, Any], _loop: Any = None, *,
-                 listener: Listener) -> None:
+    def __init__(
+        self,
+        config: Any,
+        server_state: Any,
+        app_state: dict[str, Any],
+        _loop: Any = None,
+        *,
+        listener: Listener,
+    ) -> None:
         super().__init__(config, server_state, app_state, _loop)
         self._listener = listener
         self._limits = listener.limits
@@ -234,8 +247,10 @@ class GuardedProtocol(HttpToolsProtocol):
 
 def _answer(status: int, reason: str, message: str) -> bytes:
     body = message.encode()
-    return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: text/plain; charset=utf-8\r\n"
-            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode() + body
+    return (
+        f"HTTP/1.1 {status} {reason}\r\ncontent-type: text/plain; charset=utf-8\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    ).encode() + body
 
 
 _ANSWERS = {

@@ -156,8 +156,12 @@ class _Connection(asyncio.Protocol):
         assert response is not None
         response._buffer.append(body)
         response._buffered += len(body)
-        if (response._buffered > _HIGH_WATER and not response._whole and not self.reading_paused
-                and self.transport is not None):
+        if (
+            response._buffered > _HIGH_WATER
+            and not response._whole
+            and not self.reading_paused
+            and self.transport is not None
+        ):
             self.transport.pause_reading()
             self.reading_paused = True
         self._wake()
@@ -203,8 +207,13 @@ class _Connection(asyncio.Protocol):
             self.timer.cancel()
             self.timer = None
         response, self.response = self.response, None
-        reusable = (response is not None and response._complete and response._error is None
-                    and self.keep_alive and self.usable())
+        reusable = (
+            response is not None
+            and response._complete
+            and response._error is None
+            and self.keep_alive
+            and self.usable()
+        )
         if not reusable:
             self.close()
         return reusable
@@ -237,17 +246,25 @@ def _until_close(headers: dict[str, str]) -> bool:
 class Client:
     """Requests to one origin (`base_url`'s scheme, host and port; its path prefixes every request)."""
 
-    def __init__(self, base_url: str, *, limit: int = 256, timeout_s: float | None = 600.0,
-                 connect_timeout_s: float = 10.0, keepalive_s: float = 4.0,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        limit: int = 256,
+        timeout_s: float | None = 600.0,
+        connect_timeout_s: float = 10.0,
+        keepalive_s: float = 4.0,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"not an http(s) URL: {base_url!r}")
         self.host = parts.hostname
         self.port = parts.port or (443 if parts.scheme == "https" else 80)
         self.prefix = parts.path.rstrip("/")
-        self.ssl: ssl_module.SSLContext | None = (ssl_module.create_default_context()
-                                                  if parts.scheme == "https" else None)
+        self.ssl: ssl_module.SSLContext | None = (
+            ssl_module.create_default_context() if parts.scheme == "https" else None
+        )
         default_port = self.port == (443 if parts.scheme == "https" else 80)
         host = self.host if ":" not in self.host else f"[{self.host}]"
         self._host_header = host if default_port else f"{host}:{self.port}"
@@ -263,8 +280,9 @@ class Client:
         self._closed = False
 
     @asynccontextmanager
-    async def request(self, method: str, path: str, body: bytes | None = None,
-                      timeout_s: float | None = None) -> AsyncIterator[Response]:
+    async def request(
+        self, method: str, path: str, body: bytes | None = None, timeout_s: float | None = None
+    ) -> AsyncIterator[Response]:
         """A response whose headers have arrived; read its body inside the block."""
         loop = asyncio.get_running_loop()
         limit = self.timeout_s if timeout_s is None else timeout_s
@@ -301,13 +319,15 @@ class Client:
         if head is None:
             head = self._heads[(method, path)] = (
                 f"{method} {self.prefix}{path} HTTP/1.1\r\nHost: {self._host_header}\r\n".encode("latin-1")
-                + self._fixed)
+                + self._fixed
+            )
         if body is None:
             return head + b"\r\n"
         return head + b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n"
 
-    async def _send(self, loop: asyncio.AbstractEventLoop, data: bytes, deadline: float | None
-                    ) -> tuple[_Connection, Response]:
+    async def _send(
+        self, loop: asyncio.AbstractEventLoop, data: bytes, deadline: float | None
+    ) -> tuple[_Connection, Response]:
         for attempt in (0, 1):
             conn, reused = await self._acquire(loop, deadline)
             try:
@@ -327,8 +347,9 @@ class Client:
             return conn, response
         raise AssertionError("unreachable")
 
-    async def _acquire(self, loop: asyncio.AbstractEventLoop, deadline: float | None
-                       ) -> tuple[_Connection, bool]:
+    async def _acquire(
+        self, loop: asyncio.AbstractEventLoop, deadline: float | None
+    ) -> tuple[_Connection, bool]:
         if self._closed:
             raise HTTPError("the client is closed")
         now = time.monotonic()
@@ -364,12 +385,19 @@ class Client:
                 self._open -= 1
         self._open += 1
         try:
-            timeout = self.connect_timeout_s if deadline is None else min(
-                self.connect_timeout_s, max(0.0, deadline - loop.time()))
+            timeout = (
+                self.connect_timeout_s
+                if deadline is None
+                else min(self.connect_timeout_s, max(0.0, deadline - loop.time()))
+            )
             async with asyncio.timeout(timeout):
                 _, conn = await loop.create_connection(
-                    lambda: _Connection(loop), self.host, self.port, ssl=self.ssl,
-                    server_hostname=self.host if self.ssl is not None else None)
+                    lambda: _Connection(loop),
+                    self.host,
+                    self.port,
+                    ssl=self.ssl,
+                    server_hostname=self.host if self.ssl is not None else None,
+                )
         except BaseException as exc:
             self._open -= 1
             self._wake_waiter()

@@ -47,7 +47,9 @@ from gateway.upstream import Upstream
 log = structlog.get_logger("rlgate.gateway")
 
 _ENDPOINTS = {
-    "/chat/completions": "chat.completions", "/completions": "completions", "/responses": "responses",
+    "/chat/completions": "chat.completions",
+    "/completions": "completions",
+    "/responses": "responses",
     "/models": "models",
 }
 
@@ -73,8 +75,14 @@ def match(path: str) -> tuple[str, str | None, str | None, Attempt | None] | Non
     elif path.startswith("/proxy/rollout/"):
         # '', 'proxy', 'rollout', rid, 'attempt', aid, 'mode', mode, 'openai', 'v1', rest
         parts = path.split("/", 10)
-        if (len(parts) < 11 or parts[4] != "attempt" or parts[6] != "mode" or parts[7] not in ("train", "val")
-                or parts[8] != "openai" or parts[9] != "v1"):
+        if (
+            len(parts) < 11
+            or parts[4] != "attempt"
+            or parts[6] != "mode"
+            or parts[7] not in ("train", "val")
+            or parts[8] != "openai"
+            or parts[9] != "v1"
+        ):
             return None
         rollout_id, attempt, rest = parts[3], (parts[5], parts[7]), "/" + parts[10]
     else:
@@ -124,6 +132,7 @@ async def _read_bounded(scope: dict[str, Any], receive: Any, limit: int) -> Any:
             delivered = True
             return {"type": "http.request", "body": body, "more_body": False}
         return await receive()  # after the body: wait for the disconnect, as servers deliver it
+
     return replay
 
 
@@ -134,8 +143,12 @@ class Gateway:
         settings.check_layout()
         self.settings = settings
         self.metrics = GatewayMetrics()
-        self.store = EpisodeStore.from_url(settings.redis_url, prefix=settings.key_prefix,
-                                           timeout_s=settings.redis_timeout_s, rollout_ttl_s=settings.rollout_ttl_s)
+        self.store = EpisodeStore.from_url(
+            settings.redis_url,
+            prefix=settings.key_prefix,
+            timeout_s=settings.redis_timeout_s,
+            rollout_ttl_s=settings.rollout_ttl_s,
+        )
         self.store.index_max = settings.rollout_index_max
         self.upstream = Upstream(settings)
         self.metrics.watch(self.upstream.connections, self.store.record_stats)
@@ -180,8 +193,11 @@ class Gateway:
             route = match(scope["path"])
             if route is not None:
                 await self._serve(scope, receive, send, *route)
-            elif self._agent_routes and scope["path"].startswith("/api/rollouts/") and any(
-                    r.matches(scope)[0] == Match.FULL for r in self._agent_routes):
+            elif (
+                self._agent_routes
+                and scope["path"].startswith("/api/rollouts/")
+                and any(r.matches(scope)[0] == Match.FULL for r in self._agent_routes)
+            ):
                 await self._agent_route(scope, receive, send)
             elif self.control is not None:
                 await _agent_port_rest(scope, send)
@@ -195,8 +211,12 @@ class Gateway:
         path = scope["path"]
         if not (on_control and path in ("/healthz", "/metrics")):
             authorization = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-            if (path == "/healthz" and not on_control and self.credentials.operator_token is not None
-                    and not self.credentials.is_operator(authorization)):
+            if (
+                path == "/healthz"
+                and not on_control
+                and self.credentials.operator_token is not None
+                and not self.credentials.is_operator(authorization)
+            ):
                 await _liveness(send)  # what an agent's port says of itself: it is up, and nothing else
                 return
             try:
@@ -212,8 +232,12 @@ class Gateway:
         if bounded is _DISCONNECTED:
             return
         if bounded is None:
-            await _send_error(send, errors.PayloadTooLarge(f"request body larger than {OPERATOR_MAX_BODY_BYTES} "
-                                                           "bytes (the operator surface's limit)"))
+            await _send_error(
+                send,
+                errors.PayloadTooLarge(
+                    f"request body larger than {OPERATOR_MAX_BODY_BYTES} bytes (the operator surface's limit)"
+                ),
+            )
             return
         await self.api(scope, bounded, send)
 
@@ -227,8 +251,14 @@ class Gateway:
         credential = "operator"
         if self.control is not None and self.credentials.is_operator(authorization):
             # a split layout keeps the operator's credential off the agent port: use the control port
-            await _send_error(send, errors.Forbidden("the operator token is not taken on the agent port; send "
-                                                     "this request to the control port", code="wrong_credential"))
+            await _send_error(
+                send,
+                errors.Forbidden(
+                    "the operator token is not taken on the agent port; send "
+                    "this request to the control port",
+                    code="wrong_credential",
+                ),
+            )
             return
         if not self.credentials.is_operator(authorization):
             credential = "agent"
@@ -243,13 +273,22 @@ class Gateway:
         if bounded is _DISCONNECTED:
             return
         if bounded is None:
-            await _send_error(send, errors.PayloadTooLarge(f"request body larger than {OPERATOR_MAX_BODY_BYTES} "
-                                                           "bytes"))
+            await _send_error(
+                send, errors.PayloadTooLarge(f"request body larger than {OPERATOR_MAX_BODY_BYTES} bytes")
+            )
             return
         await self.api(scope, bounded, send)
 
-    async def _serve(self, scope: dict[str, Any], receive: Any, send: Any, endpoint: str,
-                     rollout_id: str | None, task_id: str | None, attempt: Attempt | None) -> None:
+    async def _serve(
+        self,
+        scope: dict[str, Any],
+        receive: Any,
+        send: Any,
+        endpoint: str,
+        rollout_id: str | None,
+        task_id: str | None,
+        attempt: Attempt | None,
+    ) -> None:
         started = False
 
         async def tracked_send(message: dict[str, Any]) -> None:
@@ -277,8 +316,13 @@ class Gateway:
             self.metrics.errors.labels("internal").inc()
             if not started:
                 body = error_body("internal gateway error", "internal_error")
-                await send({"type": "http.response.start", "status": 500,
-                            "headers": [(b"content-type", b"application/json")]})
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 500,
+                        "headers": [(b"content-type", b"application/json")],
+                    }
+                )
                 await send({"type": "http.response.body", "body": body})
 
     async def _lifespan(self, receive: Any, send: Any) -> None:
@@ -299,11 +343,19 @@ class Gateway:
     async def startup(self) -> None:
         self._tasks = [asyncio.create_task(job()) for job in self._background]
         _tune_gc()
-        log.info("gateway_started", upstream=_redact(self.settings.upstream_url), upstream_kind=self.settings.upstream_kind,
-                 redis=_redact(self.settings.redis_url), key_prefix=self.settings.key_prefix)
+        log.info(
+            "gateway_started",
+            upstream=_redact(self.settings.upstream_url),
+            upstream_kind=self.settings.upstream_kind,
+            redis=_redact(self.settings.redis_url),
+            key_prefix=self.settings.key_prefix,
+        )
         if self.credentials.operator_token is None and self.control is None:
-            log.warning("operator_surface_open", problem="no operator token and no control port: whoever "
-                        "reaches this port can read and create rollouts and post rewards (development mode)")
+            log.warning(
+                "operator_surface_open",
+                problem="no operator token and no control port: whoever "
+                "reaches this port can read and create rollouts and post rewards (development mode)",
+            )
 
     async def shutdown(self) -> None:
         for task in self._tasks:
@@ -349,8 +401,10 @@ def _not_found(scope: dict[str, Any]) -> errors.GatewayError:
 
 
 async def _send_error(send: Any, exc: errors.GatewayError) -> None:
-    headers = [(b"content-type", b"application/json"),
-               *((k.encode(), v.encode()) for k, v in exc.headers.items())]
+    headers = [
+        (b"content-type", b"application/json"),
+        *((k.encode(), v.encode()) for k, v in exc.headers.items()),
+    ]
     await send_body(send, exc.status, exc.body(), headers)
 
 
@@ -369,8 +423,9 @@ def _tune_gc() -> None:
 
 
 def _method_not_allowed(scope: dict[str, Any], allowed: str) -> errors.GatewayError:
-    return errors.MethodNotAllowed(f"{scope['method']} {scope['path']}: method not allowed, use {allowed}",
-                                   headers={"allow": allowed})
+    return errors.MethodNotAllowed(
+        f"{scope['method']} {scope['path']}: method not allowed, use {allowed}", headers={"allow": allowed}
+    )
 
 
 def _redact(url: str) -> str:
@@ -381,5 +436,6 @@ def _redact(url: str) -> str:
         netloc = "***@" + netloc.rpartition("@")[2]
     query = "&".join(
         f"{k}=***" if k.lower() in ("password", "username", "api_key", "key", "token") else f"{k}={v}"
-        for k, v in parse_qsl(parts.query, keep_blank_values=True))
+        for k, v in parse_qsl(parts.query, keep_blank_values=True)
+    )
     return urlunsplit(parts._replace(netloc=netloc, query=query))

@@ -42,14 +42,21 @@ class Credentials:
 
     def __init__(self, settings: GatewaySettings) -> None:
         self.api_keys = [k.strip().encode() for k in (settings.api_keys or "").split(",") if k.strip()]
-        self.rollout_secret = (settings.rollout_key_secret.get_secret_value().encode()
-                               if settings.rollout_key_secret is not None else None)
+        self.rollout_secret = (
+            settings.rollout_key_secret.get_secret_value().encode()
+            if settings.rollout_key_secret is not None
+            else None
+        )
         self.require_rollout_keys = settings.require_rollout_keys
-        self.operator_token = (settings.operator_token.get_secret_value().encode()
-                               if settings.operator_token is not None else None)
+        self.operator_token = (
+            settings.operator_token.get_secret_value().encode()
+            if settings.operator_token is not None
+            else None
+        )
         # Whether a call must be checked at all: nothing configured is the open development mode.
-        self.agent_checked = bool(self.api_keys or self.require_rollout_keys or self.rollout_secret
-                                  or self.operator_token)
+        self.agent_checked = bool(
+            self.api_keys or self.require_rollout_keys or self.rollout_secret or self.operator_token
+        )
 
     # -----------------------------------------------------------------------------------------------------
     # Agent surface
@@ -66,19 +73,25 @@ class Credentials:
         keys, so a call with one continues a rollout that exists (or existed before Redis lost it)."""
         token = bearer(authorization)
         if token and self.operator_token is not None and hmac.compare_digest(token, self.operator_token):
-            raise errors.Forbidden("the operator token is not an agent credential: use an API key or the "
-                                   "rollout's key", code="wrong_credential")
+            raise errors.Forbidden(
+                "the operator token is not an agent credential: use an API key or the rollout's key",
+                code="wrong_credential",
+            )
         if self.rollout_secret is not None and token.startswith(b"rk-"):
             key_rollout = self._rollout_of(token)
             if key_rollout is None:
                 raise errors.Unauthorized("invalid rollout key")
             if rollout_id is not None and rollout_id != key_rollout:
-                raise errors.Forbidden("this rollout key is valid for its own rollout only",
-                                       code="rollout_key_mismatch")
+                raise errors.Forbidden(
+                    "this rollout key is valid for its own rollout only", code="rollout_key_mismatch"
+                )
             return key_rollout, True
         if self.require_rollout_keys:
-            raise errors.Unauthorized("this gateway requires the rollout's key (Authorization: Bearer "
-                                      "rk-...), as POST /rollouts returns it", code="rollout_key_required")
+            raise errors.Unauthorized(
+                "this gateway requires the rollout's key (Authorization: Bearer "
+                "rk-...), as POST /rollouts returns it",
+                code="rollout_key_required",
+            )
         if self.api_keys and not (token and any(hmac.compare_digest(token, key) for key in self.api_keys)):
             raise errors.Unauthorized("missing or invalid API key (Authorization: Bearer KEY)")
         return rollout_id, False
@@ -86,7 +99,7 @@ class Credentials:
     def _rollout_of(self, token: bytes) -> str | None:
         """The rollout a well-formed, authentic rollout key is for; None otherwise."""
         assert self.rollout_secret is not None
-        rid, dot, mac = token[len(ROLLOUT_KEY_PREFIX):].rpartition(b".")
+        rid, dot, mac = token[len(ROLLOUT_KEY_PREFIX) :].rpartition(b".")
         if not dot or not rid:
             return None
         expected = hmac.digest(self.rollout_secret, _CONTEXT + rid, "sha256").hex().encode()
@@ -117,11 +130,15 @@ class Credentials:
             if self.operator_token is not None and hmac.compare_digest(token, self.operator_token):
                 return True
             if self.is_agent_credential(token):
-                raise errors.Forbidden("agent credentials (API keys, rollout keys) do not open the operator "
-                                       "surface: use the operator token", code="wrong_credential")
+                raise errors.Forbidden(
+                    "agent credentials (API keys, rollout keys) do not open the operator "
+                    "surface: use the operator token",
+                    code="wrong_credential",
+                )
             if self.operator_token is not None:
                 raise errors.Unauthorized("invalid operator token", code="invalid_operator_token")
         if self.operator_token is None or signed:
             return False
-        raise errors.Unauthorized("this route needs the operator token (Authorization: Bearer TOKEN)",
-                                  code="missing_operator_token")
+        raise errors.Unauthorized(
+            "this route needs the operator token (Authorization: Bearer TOKEN)", code="missing_operator_token"
+        )

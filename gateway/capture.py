@@ -56,7 +56,6 @@ def is_true(value: Any) -> bool:
     return isinstance(value, str) and value.strip().lower() in _TRUE_STRINGS
 
 
-
 def inject(endpoint: Endpoint, body: dict[str, Any]) -> tuple[dict[str, Any], Injected]:
     """The body to send a vLLM upstream (a shallow copy when changed) and what was added to it."""
     injected = Injected()
@@ -146,8 +145,9 @@ def responses_transition(payload: dict[str, Any], injected: Injected) -> Transit
         output = orjson.loads(orjson.dumps(output))  # a copy: the answer itself is stripped by its sender
         for item in output:
             _strip_item(item)
-    response = CallResponse(id=payload.get("id"), output=output, finish_reason=payload.get("status"),
-                            usage=payload.get("usage"))
+    response = CallResponse(
+        id=payload.get("id"), output=output, finish_reason=payload.get("status"), usage=payload.get("usage")
+    )
     inputs, outputs = payload.get("input_messages"), payload.get("output_messages")
     prompt_ids = completion_ids = logprobs = None
     if isinstance(inputs, list) and isinstance(outputs, list) and len(inputs) == 1 and len(outputs) <= 1:
@@ -193,7 +193,9 @@ def strip_response(endpoint: Endpoint, payload: dict[str, Any], injected: Inject
             choice["logprobs"] = None
 
 
-def transitions(endpoint: Endpoint, payload: dict[str, Any], injected: Injected | None = None) -> list[Transition]:
+def transitions(
+    endpoint: Endpoint, payload: dict[str, Any], injected: Injected | None = None
+) -> list[Transition]:
     """The transitions of a non-streaming answer: one per choice (one for `responses`)."""
     if endpoint == "responses":
         return [responses_transition(payload, injected or Injected())]
@@ -204,23 +206,31 @@ def transitions(endpoint: Endpoint, payload: dict[str, Any], injected: Injected 
     for choice in payload.get("choices") or ():
         if endpoint == "chat.completions":
             response = CallResponse(
-                id=response_id, message=choice.get("message"), finish_reason=choice.get("finish_reason"),
-                stop_reason=choice.get("stop_reason"), usage=usage,
+                id=response_id,
+                message=choice.get("message"),
+                finish_reason=choice.get("finish_reason"),
+                stop_reason=choice.get("stop_reason"),
+                usage=usage,
             )
             prompt_ids = prompt_token_ids
         else:
             response = CallResponse(
-                id=response_id, text=choice.get("text"), finish_reason=choice.get("finish_reason"),
-                stop_reason=choice.get("stop_reason"), usage=usage,
+                id=response_id,
+                text=choice.get("text"),
+                finish_reason=choice.get("finish_reason"),
+                stop_reason=choice.get("stop_reason"),
+                usage=usage,
             )
             prompt_ids = choice.get("prompt_token_ids")
-        out.append(Transition(
-            choice_index=choice.get("index", len(out)),
-            response=response,
-            prompt_token_ids=prompt_ids,
-            completion_token_ids=choice.get("token_ids"),
-            completion_logprobs=sampled_logprobs(endpoint, choice.get("logprobs")),
-        ))
+        out.append(
+            Transition(
+                choice_index=choice.get("index", len(out)),
+                response=response,
+                prompt_token_ids=prompt_ids,
+                completion_token_ids=choice.get("token_ids"),
+                completion_logprobs=sampled_logprobs(endpoint, choice.get("logprobs")),
+            )
+        )
     return out
 
 

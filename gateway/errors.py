@@ -119,5 +119,9 @@ def upstream_error_payload(status: int, raw: bytes) -> dict[str, Any]:
         if "message" in payload:
             return {k: payload.get(k) for k in ("message", "type", "param", "code")}
     text = raw[:500].decode("utf-8", "replace")
-    return {"message": f"upstream answered {status}: {text}", "type": "upstream_error", "param": None,
-            "code": status}
+    return {
+        "message": f"upstream answered {status}: {text}",
+        "type": "upstream_error",
+        "param": None,
+        "code": status,
+    }

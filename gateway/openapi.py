@@ -38,16 +38,26 @@ ID_PATTERN = r"^[A-Za-z0-9._:\-]{1,128}$"  # episodes.keys._ID_RE
 ATTEMPT_PATTERN = r"^[A-Za-z0-9_\-]{1,32}$"  # episodes.keys._ATTEMPT_RE ("0": the rollout itself)
 
 ERROR_SCHEMA: dict[str, Any] = {
-    "type": "object", "required": ["error"], "title": "Error",
+    "type": "object",
+    "required": ["error"],
+    "title": "Error",
     "description": "The OpenAI error shape: every error the gateway answers, and upstream errors passed on.",
-    "properties": {"error": {"type": "object", "required": ["message", "type"], "properties": {
-        "message": {"type": "string"}, "type": {"type": "string"},
-        "param": {"anyOf": [{"type": "string"}, {"type": "null"}]},
-        "code": {"anyOf": [{"type": "string"}, {"type": "integer"}, {"type": "null"}]}}}},
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+                "code": {"anyOf": [{"type": "string"}, {"type": "integer"}, {"type": "null"}]},
+            },
+        }
+    },
 }
 _REASONS = {
     400: "Invalid request (bad JSON, an invalid id, JSON that cannot be stored: lone UTF-16 surrogates, "
-         "integers past 64 bits, nesting deeper than 254 levels), or the upstream's 400 passed on.",
+    "integers past 64 bits, nesting deeper than 254 levels), or the upstream's 400 passed on.",
     401: "No credential, or an unknown one, where one is required.",
     403: "A credential used where it does not open the door (docs/security.md).",
     404: "No such rollout, call or model.",
@@ -62,8 +72,11 @@ _REASONS = {
     504: "The inference server did not answer in time.",
 }
 # One server-sent event of a streamed answer (OpenAPI 3.2's itemSchema: each event, not the whole stream).
-_SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
-    "data": {"type": "string"}, "event": {"type": "string"}}}
+_SSE_EVENT = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+}
 _AUTH = (401, 403)
 _AGENT = (400, *_AUTH, 404, 409, 413, 422, 429, 502, 503, 504)  # 404/422: the upstream's, passed on
 _OPERATOR = (400, *_AUTH, 404, 413, 422, 503)
@@ -80,18 +93,31 @@ _STATUSES: dict[tuple[str, str], tuple[int, ...]] = {
 _PREFIXES: dict[str, list[dict[str, Any]]] = {
     "/v1": [],
     "/rollouts/{rollout_id}/v1": [{"name": "rollout_id", "pattern": ID_PATTERN}],
-    "/tasks/{task_id}/rollouts/{rollout_id}/v1": [{"name": "task_id", "pattern": ID_PATTERN},
-                                                   {"name": "rollout_id", "pattern": ID_PATTERN}],
+    "/tasks/{task_id}/rollouts/{rollout_id}/v1": [
+        {"name": "task_id", "pattern": ID_PATTERN},
+        {"name": "rollout_id", "pattern": ID_PATTERN},
+    ],
     "/proxy/rollout/{rollout_id}/attempt/{attempt_id}/mode/{mode}/openai/v1": [
         {"name": "rollout_id", "pattern": ID_PATTERN},
-        {"name": "attempt_id", "pattern": ATTEMPT_PATTERN, "description": "0: the rollout itself; N: the "
-         "episode {rollout_id}~N."},
-        {"name": "mode", "enum": ["train", "val"], "description": "The mode the rollout must have."}],
+        {
+            "name": "attempt_id",
+            "pattern": ATTEMPT_PATTERN,
+            "description": "0: the rollout itself; N: the episode {rollout_id}~N.",
+        },
+        {"name": "mode", "enum": ["train", "val"], "description": "The mode the rollout must have."},
+    ],
 }
-_PREFIX_IDS = {"/v1": "", "/rollouts/{rollout_id}/v1": "rollout_",
-               "/tasks/{task_id}/rollouts/{rollout_id}/v1": "task_rollout_",
-               "/proxy/rollout/{rollout_id}/attempt/{attempt_id}/mode/{mode}/openai/v1": "agl_"}
-_ENDPOINTS = {"/chat/completions": "chat.completions", "/completions": "completions", "/responses": "responses"}
+_PREFIX_IDS = {
+    "/v1": "",
+    "/rollouts/{rollout_id}/v1": "rollout_",
+    "/tasks/{task_id}/rollouts/{rollout_id}/v1": "task_rollout_",
+    "/proxy/rollout/{rollout_id}/attempt/{attempt_id}/mode/{mode}/openai/v1": "agl_",
+}
+_ENDPOINTS = {
+    "/chat/completions": "chat.completions",
+    "/completions": "completions",
+    "/responses": "responses",
+}
 _HEADERS = [
     ("x-rollout-id", ID_PATTERN, "The rollout this call belongs to, when the path names none."),
     ("x-task-id", ID_PATTERN, "The rollout's task (the GRPO group key), when the path names none."),
@@ -112,9 +138,13 @@ def install(api: FastAPI) -> None:
 
 def document(api: FastAPI) -> dict[str, Any]:
     if api.openapi_schema is None:
-        doc = get_openapi(title=api.title, version=api.version, routes=api.routes,
-                          description="The rlgate recording gateway: the agent surface (OpenAI-compatible "
-                          "completion routes, recorded) and the operator surface (rollouts, rewards, health).")
+        doc = get_openapi(
+            title=api.title,
+            version=api.version,
+            routes=api.routes,
+            description="The rlgate recording gateway: the agent surface (OpenAI-compatible "
+            "completion routes, recorded) and the operator surface (rollouts, rewards, health).",
+        )
         schemas = doc.setdefault("components", {}).setdefault("schemas", {})
         vllm = _vllm()
         clash = set(schemas) & set(vllm["schemas"])
@@ -130,17 +160,27 @@ def document(api: FastAPI) -> dict[str, Any]:
             doc["paths"][prefix + "/models"] = {"get": _models(prefix, params)}
         health = doc["paths"].get("/healthz", {}).get("get")
         if health is not None:  # its 503 is the health report too, not an error
-            report = {"type": "object", "required": ["status"], "properties": {
-                "status": {"enum": ["ok", "degraded", "unhealthy"]}}}
+            report = {
+                "type": "object",
+                "required": ["status"],
+                "properties": {"status": {"enum": ["ok", "degraded", "unhealthy"]}},
+            }
             for status in ("200", "503"):
-                health["responses"][status] = {"description": "Health: Redis and upstream checks (the agent "
-                                               "port, without the operator token: {\"status\": \"ok\"} alone).",
-                                               "content": {"application/json": {"schema": report}}}
+                health["responses"][status] = {
+                    "description": "Health: Redis and upstream checks (the agent "
+                    'port, without the operator token: {"status": "ok"} alone).',
+                    "content": {"application/json": {"schema": report}},
+                }
         _links(doc)
         doc["components"]["securitySchemes"] = {
-            "bearer": {"type": "http", "scheme": "bearer", "description": "An agent credential on the agent "
-                       "surface (API key or rollout key), the operator token on the operator surface; "
-                       "needed only where configured (docs/security.md)."}}
+            "bearer": {
+                "type": "http",
+                "scheme": "bearer",
+                "description": "An agent credential on the agent "
+                "surface (API key or rollout key), the operator token on the operator surface; "
+                "needed only where configured (docs/security.md).",
+            }
+        }
         api.openapi_schema = doc
     return api.openapi_schema
 
@@ -148,42 +188,67 @@ def document(api: FastAPI) -> dict[str, Any]:
 def _errors(operation: dict[str, Any], statuses: tuple[int, ...]) -> None:
     responses = operation.setdefault("responses", {})
     for status in sorted(set(statuses)):
-        responses[str(status)] = {"description": _REASONS[status], "content": {
-            "application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+        responses[str(status)] = {
+            "description": _REASONS[status],
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+        }
 
 
 def _parameters(params: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for p in params:
-        schema = {"type": "string", **({"pattern": p["pattern"]} if "pattern" in p else {}),
-                  **({"enum": p["enum"]} if "enum" in p else {})}
-        out.append({"name": p["name"], "in": "path", "required": True, "schema": schema,
-                    **({"description": p["description"]} if "description" in p else {})})
+        schema = {
+            "type": "string",
+            **({"pattern": p["pattern"]} if "pattern" in p else {}),
+            **({"enum": p["enum"]} if "enum" in p else {}),
+        }
+        out.append(
+            {
+                "name": p["name"],
+                "in": "path",
+                "required": True,
+                "schema": schema,
+                **({"description": p["description"]} if "description" in p else {}),
+            }
+        )
     for name, pattern, description in _HEADERS:
         schema = {"type": "string", **({"pattern": pattern} if pattern else {})}
-        out.append({"name": name, "in": "header", "required": False, "schema": schema, "description": description})
+        out.append(
+            {"name": name, "in": "header", "required": False, "schema": schema, "description": description}
+        )
     return out
 
 
-def _completion(prefix: str, params: list[dict[str, Any]], endpoint: str, vllm: dict[str, Any]) -> dict[str, Any]:
+def _completion(
+    prefix: str, params: list[dict[str, Any]], endpoint: str, vllm: dict[str, Any]
+) -> dict[str, Any]:
     model = vllm["requests"][endpoint]
     operation = {
         "operationId": f"{_PREFIX_IDS[prefix]}{endpoint.replace('.', '_')}",
         "tags": ["agent"],
         "summary": f"{endpoint}, forwarded to the inference server and recorded",
         "description": "Agent surface (the agent port). The body is vLLM 0.33's request "
-                       f"({model}); the gateway checks it is a JSON object it can store and the upstream checks "
-                       "the rest. `stream: true` answers server-sent events.",
+        f"({model}); the gateway checks it is a JSON object it can store and the upstream checks "
+        "the rest. `stream: true` answers server-sent events.",
         "parameters": _parameters(params),
         "security": [{"bearer": []}, {}],
-        "requestBody": {"required": True, "content": {"application/json": {
-            "schema": {"$ref": f"#/components/schemas/{model}"}}}},
-        "responses": {"200": {
-            "description": "The upstream's answer as vLLM sends it (token ids and log-probs the gateway asked "
-                           "for are stripped), once the call is recorded.",
-            "headers": {"x-rollout-id": {"schema": {"type": "string"}, "description": "The call's rollout."}},
-            "content": {"application/json": {"schema": {"type": "object", "required": ["id", "object"]}},
-                        "text/event-stream": {"itemSchema": _SSE_EVENT}}}},
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model}"}}},
+        },
+        "responses": {
+            "200": {
+                "description": "The upstream's answer as vLLM sends it (token ids and log-probs the gateway asked "
+                "for are stripped), once the call is recorded.",
+                "headers": {
+                    "x-rollout-id": {"schema": {"type": "string"}, "description": "The call's rollout."}
+                },
+                "content": {
+                    "application/json": {"schema": {"type": "object", "required": ["id", "object"]}},
+                    "text/event-stream": {"itemSchema": _SSE_EVENT},
+                },
+            }
+        },
     }
     _errors(operation, _AGENT)
     return operation
@@ -194,11 +259,22 @@ def _models(prefix: str, params: list[dict[str, Any]]) -> dict[str, Any]:
         "operationId": f"{_PREFIX_IDS[prefix]}models",
         "tags": ["agent"],
         "summary": "The upstream's model list, forwarded (not recorded)",
-        "parameters": _parameters(params)[:len(params) + 1],  # only x-rollout-id of the headers is read
+        "parameters": _parameters(params)[: len(params) + 1],  # only x-rollout-id of the headers is read
         "security": [{"bearer": []}, {}],
-        "responses": {"200": {"description": "The upstream's `/v1/models`.", "content": {"application/json": {
-            "schema": {"type": "object", "required": ["object", "data"],
-                       "properties": {"object": {"const": "list"}, "data": {"type": "array"}}}}}}},
+        "responses": {
+            "200": {
+                "description": "The upstream's `/v1/models`.",
+                "content": {
+                    "application/json": {
+                        "schema": {
+                            "type": "object",
+                            "required": ["object", "data"],
+                            "properties": {"object": {"const": "list"}, "data": {"type": "array"}},
+                        }
+                    }
+                },
+            }
+        },
     }
     _errors(operation, (*_AUTH, 400, 404, 502, 503, 504))
     return operation
@@ -215,7 +291,9 @@ def _links(doc: dict[str, Any]) -> None:
         "chat": op_id("/rollouts/{rollout_id}/v1/chat/completions"),
         "completion": op_id("/rollouts/{rollout_id}/v1/completions"),
         "response": op_id("/rollouts/{rollout_id}/v1/responses"),
-        "agl_chat": op_id("/proxy/rollout/{rollout_id}/attempt/{attempt_id}/mode/{mode}/openai/v1/chat/completions"),
+        "agl_chat": op_id(
+            "/proxy/rollout/{rollout_id}/attempt/{attempt_id}/mode/{mode}/openai/v1/chat/completions"
+        ),
         "show": op_id("/rollouts/{rollout_id}", "get"),
         "reward": op_id("/rollouts/{rollout_id}/reward"),
         "call_reward": op_id("/rollouts/{rollout_id}/calls/{index}/reward"),
@@ -244,5 +322,8 @@ def _links(doc: dict[str, Any]) -> None:
 
     links("/rollouts", list(targets), "$response.body#/rollout_id", "201")
     for suffix in _ENDPOINTS:
-        links(f"/rollouts/{{rollout_id}}/v1{suffix}", ["show", "reward", "call_reward", "fail"],
-              "$response.header.x-rollout-id")
+        links(
+            f"/rollouts/{{rollout_id}}/v1{suffix}",
+            ["show", "reward", "call_reward", "fail"],
+            "$response.header.x-rollout-id",
+        )

@@ -33,7 +33,9 @@ from gateway.watch import StoreWatch
 log = structlog.get_logger("rlgate.gateway")
 
 UPSTREAM_PATHS: dict[str, str] = {
-    "chat.completions": "/chat/completions", "completions": "/completions", "responses": "/responses",
+    "chat.completions": "/chat/completions",
+    "completions": "/completions",
+    "responses": "/responses",
 }
 _JSON = (b"content-type", b"application/json")
 
@@ -72,8 +74,14 @@ class Call:
 
 
 class Proxy:
-    def __init__(self, settings: GatewaySettings, store: EpisodeStore, upstream: Upstream,
-                 metrics: GatewayMetrics, credentials: Credentials) -> None:
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        store: EpisodeStore,
+        upstream: Upstream,
+        metrics: GatewayMetrics,
+        credentials: Credentials,
+    ) -> None:
         self.settings = settings
         self.store = store
         self.upstream = upstream
@@ -82,8 +90,11 @@ class Proxy:
         self.watch = StoreWatch(settings, store, metrics)
         self.credentials = credentials
         self.check_credentials = credentials.agent_checked  # False: the open development mode
-        self.air = (AutomaticRewards(store, settings.air_reward, settings.air_error_patterns)
-                    if settings.air else None)
+        self.air = (
+            AutomaticRewards(store, settings.air_reward, settings.air_error_patterns)
+            if settings.air
+            else None
+        )
         self.aliases = settings.model_aliases
         self._background: set[asyncio.Task[Any]] = set()
 
@@ -104,8 +115,9 @@ class Proxy:
             headers = scope["headers"]
             named = next((v.decode("latin-1") for k, v in headers if k == b"x-rollout-id"), None)
             rollout_id = rollout_id or named
-            self.credentials.authorize_agent(next((v for k, v in headers if k == b"authorization"), b""),
-                                             rollout_id)[0]
+            self.credentials.authorize_agent(
+                next((v for k, v in headers if k == b"authorization"), b""), rollout_id
+            )[0]
         async with self.upstream.request("GET", "/models") as response:
             body = await response.read()
             status = response.status
@@ -113,12 +125,22 @@ class Proxy:
             body = orjson.dumps({"error": errors.upstream_error_payload(status, body)})
         await send_body(send, status, body, [_JSON])
 
-    async def call(self, scope: dict[str, Any], receive: Any, send: Any, endpoint: Endpoint,
-                   rollout_id: str | None, task_id: str | None, attempt: tuple[str, str] | None = None) -> None:
+    async def call(
+        self,
+        scope: dict[str, Any],
+        receive: Any,
+        send: Any,
+        endpoint: Endpoint,
+        rollout_id: str | None,
+        task_id: str | None,
+        attempt: tuple[str, str] | None = None,
+    ) -> None:
         started_at, t0 = time.time(), time.perf_counter()
         agent_name = None
         authorization = b""
-        keep_token_ids = self.settings.keep_token_ids or attempt is not None  # Agent Lightning's agents read them
+        keep_token_ids = (
+            self.settings.keep_token_ids or attempt is not None
+        )  # Agent Lightning's agents read them
         for name, value in scope["headers"]:
             if name == b"x-rollout-id":
                 rollout_id = rollout_id or value.decode("latin-1")
@@ -138,7 +160,8 @@ class Proxy:
                 if self.settings.require_rollout_id:
                     raise errors.BadRequest(
                         "no rollout id: call through /rollouts/{rollout_id}/v1 or send X-Rollout-Id",
-                        code="missing_rollout_id")
+                        code="missing_rollout_id",
+                    )
                 rollout_id = uuid.uuid4().hex
             else:
                 episodes.validate_id(rollout_id, "rollout id")
@@ -157,16 +180,32 @@ class Proxy:
         if watch.lost and rollout_id in watch.lost:
             self.metrics.calls.labels(endpoint, "rollout_data_lost").inc()
             watch.refuse_lost(rollout_id)
-        if watch.over_backlog and rollout_id not in watch.recent and not await self._rollout_exists(rollout_id):
+        if (
+            watch.over_backlog
+            and rollout_id not in watch.recent
+            and not await self._rollout_exists(rollout_id)
+        ):
             await self._after_backlog(endpoint)
         body = await read_json(receive, self.settings.max_body_bytes)
         policy = self.policy  # one read: the version tag and the adapter the call goes to agree
         if policy.draining:
             policy = await self._after_push()
-        call = Call(rollout_id, task_id, agent_name, endpoint, body, policy.version, started_at, t0,
-                    (b"x-rollout-id", rollout_id.encode()), keyed=keyed, mode=mode)
-        upstream_body, injected = (capture.inject(endpoint, body) if self.inject
-                                   else (body, capture.Injected()))
+        call = Call(
+            rollout_id,
+            task_id,
+            agent_name,
+            endpoint,
+            body,
+            policy.version,
+            started_at,
+            t0,
+            (b"x-rollout-id", rollout_id.encode()),
+            keyed=keyed,
+            mode=mode,
+        )
+        upstream_body, injected = (
+            capture.inject(endpoint, body) if self.inject else (body, capture.Injected())
+        )
         if keep_token_ids:
             injected.token_ids = False  # left in the answer for the agent
         requested = body.get("model")
@@ -182,14 +221,18 @@ class Proxy:
         try:  # the body is written once anyway; what orjson cannot write back cannot be stored either
             upstream_raw = orjson.dumps(upstream_body)
         except orjson.JSONEncodeError as exc:
-            raise errors.BadRequest(f"request body cannot be stored: {exc} (JSON nested more than 254 levels)",
-                                    code="invalid_json") from exc
+            raise errors.BadRequest(
+                f"request body cannot be stored: {exc} (JSON nested more than 254 levels)",
+                code="invalid_json",
+            ) from exc
         if len(upstream_raw) > self.settings.max_record_bytes:  # its record could not be kept: not sent
             self.metrics.calls.labels(endpoint, "record_too_large").inc()
             raise errors.PayloadTooLarge(
                 f"this request ({len(upstream_raw)} bytes) is larger than a call's record may be "
-                f"(max_record_bytes {self.settings.max_record_bytes})", code="record_too_large",
-                headers={"x-rollout-id": rollout_id})
+                f"(max_record_bytes {self.settings.max_record_bytes})",
+                code="record_too_large",
+                headers={"x-rollout-id": rollout_id},
+            )
         disconnect = asyncio.ensure_future(disconnected(receive))
         serve = self._stream if call.stream else self._unary
         try:
@@ -213,8 +256,9 @@ class Proxy:
         try:
             return await self.store.rollout_exists(rollout_id)
         except episodes.StoreUnavailable as exc:
-            raise errors.StoreUnavailable("the gateway cannot reach Redis; retry later",
-                                          headers={"retry-after": "1"}) from exc
+            raise errors.StoreUnavailable(
+                "the gateway cannot reach Redis; retry later", headers={"retry-after": "1"}
+            ) from exc
 
     async def _after_backlog(self, endpoint: str) -> None:
         """A new rollout while the backlog is over `max_backlog`: held until it drops (up to
@@ -229,13 +273,17 @@ class Proxy:
     async def _after_push(self) -> episodes.Policy:
         """The policy once the full-weight push under way is over (wait), or 429 (reject, or too long)."""
         if self.settings.on_push == "reject":
-            raise errors.PolicyPushing("a new policy is being pushed to the inference servers; retry shortly",
-                                       headers={"retry-after": "1"})
+            raise errors.PolicyPushing(
+                "a new policy is being pushed to the inference servers; retry shortly",
+                headers={"retry-after": "1"},
+            )
         deadline = time.perf_counter() + self.settings.push_wait_s
         while self.policy.draining:
             if time.perf_counter() > deadline:
-                raise errors.PolicyPushing("a policy push took longer than this gateway waits; retry shortly",
-                                           headers={"retry-after": "1"})
+                raise errors.PolicyPushing(
+                    "a policy push took longer than this gateway waits; retry shortly",
+                    headers={"retry-after": "1"},
+                )
             await asyncio.sleep(self.settings.policy_poll_s / 2)
         return self.policy
 
@@ -251,8 +299,14 @@ class Proxy:
     # -----------------------------------------------------------------------------------------------------
     # Non-streaming
 
-    async def _unary(self, call: Call, upstream_body: bytes, injected: capture.Injected, send: Any,
-                     disconnect: asyncio.Future[None]) -> None:
+    async def _unary(
+        self,
+        call: Call,
+        upstream_body: bytes,
+        injected: capture.Injected,
+        send: Any,
+        disconnect: asyncio.Future[None],
+    ) -> None:
         async with self.upstream.request("POST", UPSTREAM_PATHS[call.endpoint], upstream_body) as response:
             raw = await response.read()
             status = response.status
@@ -264,11 +318,15 @@ class Proxy:
             payload = orjson.loads(raw)
             if not isinstance(payload, dict):
                 raise ValueError("not a JSON object")
-            records = self._records(call, capture.transitions(call.endpoint, payload, injected), None, latency_ms,
-                                   None)
+            records = self._records(
+                call, capture.transitions(call.endpoint, payload, injected), None, latency_ms, None
+            )
         except ValueError as exc:  # includes JSON and record validation errors
-            error = CallError(status=502, type="upstream_error",
-                              message=f"unreadable answer from the inference server: {str(exc)[:300]}")
+            error = CallError(
+                status=502,
+                type="upstream_error",
+                message=f"unreadable answer from the inference server: {str(exc)[:300]}",
+            )
             await self._commit(call, self._records(call, [], error, latency_ms, None), "bad_upstream_answer")
             raise errors.BadUpstreamAnswer(error.message) from exc
         if disconnect.done():
@@ -286,8 +344,12 @@ class Proxy:
     async def _upstream_failed(self, call: Call, status: int, raw: bytes, send: Any) -> None:
         """An upstream error answer: recorded as a failed call, passed on with its status."""
         payload = errors.upstream_error_payload(status, raw)
-        error = CallError(status=status, type=str(payload.get("type") or "upstream_error"),
-                          message=str(payload.get("message") or ""), code=_code(payload.get("code")))
+        error = CallError(
+            status=status,
+            type=str(payload.get("type") or "upstream_error"),
+            message=str(payload.get("message") or ""),
+            code=_code(payload.get("code")),
+        )
         latency_ms = (time.perf_counter() - call.t0) * 1000
         await self._commit(call, self._records(call, [], error, latency_ms, None), "upstream_error")
         await send_body(send, status, orjson.dumps({"error": payload}), [_JSON, call.rollout_header])
@@ -295,8 +357,14 @@ class Proxy:
     # -----------------------------------------------------------------------------------------------------
     # Streaming: chunks pass through as they arrive; the final event waits for the commit.
 
-    async def _stream(self, call: Call, upstream_body: bytes, injected: capture.Injected, send: Any,
-                      disconnect: asyncio.Future[None]) -> None:
+    async def _stream(
+        self,
+        call: Call,
+        upstream_body: bytes,
+        injected: capture.Injected,
+        send: Any,
+        disconnect: asyncio.Future[None],
+    ) -> None:
         endpoint = call.endpoint
         relay = StreamRelay(endpoint, injected)
         assembler = relay.assembler
@@ -307,8 +375,13 @@ class Proxy:
                 await self._upstream_failed(call, response.status, await response.read(), send)
                 return
             content_type = response.headers.get("content-type", "text/event-stream").encode()
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", content_type), call.rollout_header]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-type", content_type), call.rollout_header],
+                }
+            )
             try:
                 async for data in self.upstream.chunks(response):
                     if disconnect.done():
@@ -321,31 +394,43 @@ class Proxy:
             except errors.GatewayError as exc:
                 failure = CallError(status=exc.status, type=exc.type, message=exc.message)
             except (ValueError, AttributeError, TypeError) as exc:
-                failure = CallError(status=502, type="upstream_error",
-                                    message=f"malformed stream chunk from upstream: {str(exc)[:300]}")
+                failure = CallError(
+                    status=502,
+                    type="upstream_error",
+                    message=f"malformed stream chunk from upstream: {str(exc)[:300]}",
+                )
         client_gone = disconnect.done()
         if client_gone:
             assembler.error = _client_gone()
         elif failure is None and relay.held is None and assembler.error is None:
-            failure = CallError(status=502, type="upstream_error",
-                                message="the upstream stream ended before its final event")
+            failure = CallError(
+                status=502, type="upstream_error", message="the upstream stream ended before its final event"
+            )
         if failure is not None and not client_gone:
             assembler.error = failure
         latency_ms = (time.perf_counter() - call.t0) * 1000
         try:
             records = self._records(call, assembler.transitions(), assembler.error, latency_ms, ttfb_ms)
         except (ValueError, TypeError, AttributeError, KeyError) as exc:  # a malformed chunk's leftovers
-            failure = failure or CallError(status=502, type="upstream_error",
-                                           message=f"unreadable stream from the inference server: {str(exc)[:300]}")
+            failure = failure or CallError(
+                status=502,
+                type="upstream_error",
+                message=f"unreadable stream from the inference server: {str(exc)[:300]}",
+            )
             records = self._records(call, [], failure, latency_ms, ttfb_ms)
-        outcome = ("client_disconnected" if client_gone else "ok" if records[0].error is None
-                   else "stream_error")
+        outcome = (
+            "client_disconnected" if client_gone else "ok" if records[0].error is None else "stream_error"
+        )
         try:
             logged = await self._commit(call, records, outcome, write_log=False)
         except errors.GatewayError as exc:
             # The agent has the content but not the end of the stream: it sees an error, never a success.
-            await send({"type": "http.response.body", "body": error_event(endpoint, exc.status, exc.type,
-                                                                           exc.message, exc.code)})
+            await send(
+                {
+                    "type": "http.response.body",
+                    "body": error_event(endpoint, exc.status, exc.type, exc.message, exc.code),
+                }
+            )
             return
         if client_gone:
             self._log_call(call, records, *logged)
@@ -362,20 +447,39 @@ class Proxy:
     # -----------------------------------------------------------------------------------------------------
     # Records
 
-    def _records(self, call: Call, transitions: list[capture.Transition], error: CallError | None,
-                 latency_ms: float, ttfb_ms: float | None) -> list[CallRecord]:
+    def _records(
+        self,
+        call: Call,
+        transitions: list[capture.Transition],
+        error: CallError | None,
+        latency_ms: float,
+        ttfb_ms: float | None,
+    ) -> list[CallRecord]:
         common = dict(
-            rollout_id=call.rollout_id, task_id=call.task_id, agent_name=call.agent_name,
-            endpoint=call.endpoint, model=call.served_model or call.model, policy_version=call.policy_version,
-            stream=call.stream, request=call.request, started_at=call.started_at,
-            latency_ms=latency_ms, ttfb_ms=ttfb_ms, error=error,
+            rollout_id=call.rollout_id,
+            task_id=call.task_id,
+            agent_name=call.agent_name,
+            endpoint=call.endpoint,
+            model=call.served_model or call.model,
+            policy_version=call.policy_version,
+            stream=call.stream,
+            request=call.request,
+            started_at=call.started_at,
+            latency_ms=latency_ms,
+            ttfb_ms=ttfb_ms,
+            error=error,
         )
         if not transitions:
             return [CallRecord(**common)]
         records = [
-            CallRecord(choice_index=t.choice_index, response=t.response, prompt_token_ids=t.prompt_token_ids,
-                       completion_token_ids=t.completion_token_ids, completion_logprobs=t.completion_logprobs,
-                       **common)
+            CallRecord(
+                choice_index=t.choice_index,
+                response=t.response,
+                prompt_token_ids=t.prompt_token_ids,
+                completion_token_ids=t.completion_token_ids,
+                completion_logprobs=t.completion_logprobs,
+                **common,
+            )
             for t in transitions
         ]
         # n > 1: the request is stored once per call, with choice 0 (the choices are appended together, in
@@ -386,24 +490,37 @@ class Proxy:
                 record.request_shared = True
         return records
 
-    async def _commit(self, call: Call, records: list[CallRecord], outcome: str, write_log: bool = True,
-                      limit: bool = True) -> tuple[str, int | None]:
+    async def _commit(
+        self, call: Call, records: list[CallRecord], outcome: str, write_log: bool = True, limit: bool = True
+    ) -> tuple[str, int | None]:
         """Record the call in Redis, or raise: the caller releases the answer only after this returns.
 
         Returns (outcome, index) for the call's log line; with `write_log=False` the caller writes that line
         (`_log_call`) once the answer is out."""
         t = time.perf_counter()
         try:
-            index = await self.store.record_calls(call.rollout_id, call.task_id, records, must_exist=call.keyed,
-                                                  max_bytes=self.settings.max_record_bytes if limit else None,
-                                                  max_calls=self.settings.max_calls_per_rollout, mode=call.mode,
-                                                  max_attempts=self.settings.max_attempts_per_rollout)
+            index = await self.store.record_calls(
+                call.rollout_id,
+                call.task_id,
+                records,
+                must_exist=call.keyed,
+                max_bytes=self.settings.max_record_bytes if limit else None,
+                max_calls=self.settings.max_calls_per_rollout,
+                mode=call.mode,
+                max_attempts=self.settings.max_attempts_per_rollout,
+            )
             self.watch.recorded(call.rollout_id)
         except episodes.RecordTooLarge as exc:
             # The answer is dropped, the call kept as failed (its request fits: checked before the upstream).
-            error = CallError(status=413, type="invalid_request_error", message=str(exc), code="record_too_large")
-            await self._commit(call, self._records(call, [], error, records[0].latency_ms, records[0].ttfb_ms),
-                               "record_too_large", limit=False)
+            error = CallError(
+                status=413, type="invalid_request_error", message=str(exc), code="record_too_large"
+            )
+            await self._commit(
+                call,
+                self._records(call, [], error, records[0].latency_ms, records[0].ttfb_ms),
+                "record_too_large",
+                limit=False,
+            )
             raise errors.PayloadTooLarge(str(exc), code="record_too_large") from exc
         except episodes.ModeMismatch as exc:
             self.metrics.calls.labels(call.endpoint, "mode_mismatch").inc()
@@ -414,8 +531,11 @@ class Proxy:
         except episodes.RolloutMissing as exc:
             if not call.keyed:  # an attempt of a rollout nobody created
                 self.metrics.calls.labels(call.endpoint, "rollout_not_found").inc()
-                raise errors.NotFound(f"no rollout {exc.rollout_id!r} to make an attempt of: create it first "
-                                      "(POST /rollouts) or call attempt 0", code="rollout_not_found") from exc
+                raise errors.NotFound(
+                    f"no rollout {exc.rollout_id!r} to make an attempt of: create it first "
+                    "(POST /rollouts) or call attempt 0",
+                    code="rollout_not_found",
+                ) from exc
             self.metrics.calls.labels(call.endpoint, "rollout_data_lost").inc()
             self.metrics.errors.labels("rollout_data_lost").inc()
             raise errors.Conflict(str(exc), code="rollout_data_lost") from exc
@@ -425,17 +545,24 @@ class Proxy:
         except episodes.StoreUnavailable as exc:
             self.metrics.errors.labels("store").inc()
             if self.settings.on_store_error == "pass":
-                log.error("call_not_recorded", **call.log_keys(), endpoint=call.endpoint, error=str(exc),
-                          hint="on_store_error=pass: the agent got an answer that is not in Redis")
+                log.error(
+                    "call_not_recorded",
+                    **call.log_keys(),
+                    endpoint=call.endpoint,
+                    error=str(exc),
+                    hint="on_store_error=pass: the agent got an answer that is not in Redis",
+                )
                 if write_log:
                     self._log_call(call, records, "not_recorded", None)
                 return "not_recorded", None
             self.metrics.calls.labels(call.endpoint, "store_unavailable").inc()
-            log.error("call_rejected_store_unavailable", **call.log_keys(), endpoint=call.endpoint,
-                      error=str(exc))
+            log.error(
+                "call_rejected_store_unavailable", **call.log_keys(), endpoint=call.endpoint, error=str(exc)
+            )
             raise errors.StoreUnavailable(
                 "the gateway cannot record this call (Redis unavailable); retry later",
-                headers={"retry-after": "1"}) from exc
+                headers={"retry-after": "1"},
+            ) from exc
         except episodes.RolloutNotOpen as exc:
             self.metrics.calls.labels(call.endpoint, "rollout_not_open").inc()
             raise errors.Conflict(str(exc), code="rollout_not_open") from exc
@@ -453,7 +580,8 @@ class Proxy:
         usage = (first.response.usage if first.response is not None else None) or {}
         prompt_tokens = usage.get("prompt_tokens") or len(first.prompt_token_ids or ())
         completion_tokens = usage.get("completion_tokens") or sum(
-            len(r.completion_token_ids or ()) for r in records)
+            len(r.completion_token_ids or ()) for r in records
+        )
         m = self.metrics
         m.calls.labels(call.endpoint, outcome).inc()
         m.latency.labels(call.endpoint, "true" if call.stream else "false").observe(first.latency_ms / 1000)
@@ -461,16 +589,30 @@ class Proxy:
         m.completion_tokens.inc(completion_tokens)
         if first.error is not None:
             m.errors.labels(outcome).inc()
-        log.info("call", **call.log_keys(), endpoint=call.endpoint, model=first.model, agent=call.agent_name, stream=call.stream,
-                 outcome=outcome, status=first.error.status if first.error else 200, index=index,
-                 choices=len(records), latency_ms=round(first.latency_ms, 2),
-                 ttfb_ms=None if first.ttfb_ms is None else round(first.ttfb_ms, 2),
-                 prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
+        log.info(
+            "call",
+            **call.log_keys(),
+            endpoint=call.endpoint,
+            model=first.model,
+            agent=call.agent_name,
+            stream=call.stream,
+            outcome=outcome,
+            status=first.error.status if first.error else 200,
+            index=index,
+            choices=len(records),
+            latency_ms=round(first.latency_ms, 2),
+            ttfb_ms=None if first.ttfb_ms is None else round(first.ttfb_ms, 2),
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+        )
 
 
 def _client_gone() -> CallError:
-    return CallError(status=499, type="client_disconnected",
-                     message="the client closed the connection before the answer was complete")
+    return CallError(
+        status=499,
+        type="client_disconnected",
+        message="the client closed the connection before the answer was complete",
+    )
 
 
 def _code(value: Any) -> str | int | None:

@@ -34,10 +34,16 @@ class CreateRollout(BaseModel):
 
     task_id: str | None = Field(None, description="The task this rollout is a run of (the GRPO group key).")
     rollout_id: str | None = Field(None, description="Choose the id yourself; default: a new random one.")
-    mode: episodes.Mode = Field("train", description="val: a validation run, recorded and scored, never trained "
-                                "on (the learner reports its success apart).")
-    metadata: dict[str, Any] = Field(default_factory=dict, description="Up to 64 KiB of JSON, stored with the "
-                                     "rollout (nested at most 254 levels; no lone UTF-16 surrogates).")
+    mode: episodes.Mode = Field(
+        "train",
+        description="val: a validation run, recorded and scored, never trained "
+        "on (the learner reports its success apart).",
+    )
+    metadata: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Up to 64 KiB of JSON, stored with the "
+        "rollout (nested at most 254 levels; no lone UTF-16 surrogates).",
+    )
 
     @field_validator("metadata")
     @classmethod
@@ -61,11 +67,15 @@ class RolloutCreated(BaseModel):
     created_at: float
     metadata: dict[str, Any]
     base_url: str = Field(description="OPENAI_BASE_URL for the agent of this rollout.")
-    api_key: str | None = Field(description="OPENAI_API_KEY for the agent of this rollout: valid on this "
-                                "rollout's completion endpoints alone. Null without a rollout key secret.")
-    agent_env: dict[str, str] = Field(description="The environment to start this rollout's agent with: "
-                                      "OPENAI_BASE_URL and OPENAI_API_KEY, and Agent Lightning's AGL_OPENAI_BASE_URL, "
-                                      "AGL_EVENT_URL and AGL_KEY (attempt 0).")
+    api_key: str | None = Field(
+        description="OPENAI_API_KEY for the agent of this rollout: valid on this "
+        "rollout's completion endpoints alone. Null without a rollout key secret."
+    )
+    agent_env: dict[str, str] = Field(
+        description="The environment to start this rollout's agent with: "
+        "OPENAI_BASE_URL and OPENAI_API_KEY, and Agent Lightning's AGL_OPENAI_BASE_URL, "
+        "AGL_EVENT_URL and AGL_KEY (attempt 0)."
+    )
 
 
 PAGE_DEFAULT, PAGE_MAX = 100, 1000
@@ -137,10 +147,19 @@ def build_api(gateway: Gateway) -> FastAPI:
         api_key = gateway.credentials.rollout_key(rollout.rollout_id)
         key = api_key or "none"  # SDKs want some key; an open gateway takes any
         agl = f"{base}/proxy/rollout/{rollout.rollout_id}/attempt/0/mode/{rollout.mode}/openai/v1"
-        agent_env = {"OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": key, "AGL_OPENAI_BASE_URL": agl,
-                     "AGL_EVENT_URL": f"{base}/api/rollouts/{rollout.rollout_id}/attempt/0/events", "AGL_KEY": key}
-        created = RolloutCreated(**rollout.model_dump(exclude={"schema_version"}), base_url=base_url,
-                                 api_key=api_key, agent_env=agent_env)
+        agent_env = {
+            "OPENAI_BASE_URL": base_url,
+            "OPENAI_API_KEY": key,
+            "AGL_OPENAI_BASE_URL": agl,
+            "AGL_EVENT_URL": f"{base}/api/rollouts/{rollout.rollout_id}/attempt/0/events",
+            "AGL_KEY": key,
+        }
+        created = RolloutCreated(
+            **rollout.model_dump(exclude={"schema_version"}),
+            base_url=base_url,
+            api_key=api_key,
+            agent_env=agent_env,
+        )
         return _json(201, created.model_dump_json().encode())
 
     @api.get("/rollouts", response_model=RolloutListing)
@@ -155,17 +174,20 @@ def build_api(gateway: Gateway) -> FastAPI:
         """Rollouts newest first, a page at a time (`EpisodeStore.list_rollouts`): a filtered page may hold
         fewer than `limit` rollouts, even none; go on with `cursor=next_cursor` until it is null."""
         try:
-            listing = await store.list_rollouts(task_id=task_id, status=status, since=since, until=until,
-                                                limit=limit, cursor=cursor)
+            listing = await store.list_rollouts(
+                task_id=task_id, status=status, since=since, until=until, limit=limit, cursor=cursor
+            )
         except ValueError as exc:
             raise errors.BadRequest(str(exc), param="cursor", code="invalid_cursor") from exc
         body = await asyncio.to_thread(listing.model_dump_json) if limit > 100 else listing.model_dump_json()
         return _json(200, body.encode())
 
     @api.get("/rollouts/{rollout_id}", response_model=RolloutPage)
-    async def get_rollout(rollout_id: str, offset: int = Query(0, ge=0, le=2**62, description="First call index."),
-                          limit: int = Query(PAGE_DEFAULT, ge=1, le=PAGE_MAX, description="Calls per page.")
-                          ) -> Response:
+    async def get_rollout(
+        rollout_id: str,
+        offset: int = Query(0, ge=0, le=2**62, description="First call index."),
+        limit: int = Query(PAGE_DEFAULT, ge=1, le=PAGE_MAX, description="Calls per page."),
+    ) -> Response:
         try:
             episodes.validate_episode_id(rollout_id)
         except episodes.InvalidId as exc:
@@ -174,8 +196,9 @@ def build_api(gateway: Gateway) -> FastAPI:
         if view is None:
             raise errors.NotFound(f"no rollout {rollout_id!r}", code="rollout_not_found")
         more = len(view.calls) > limit
-        page = RolloutPage.model_construct(**{**dict(view), "calls": view.calls[:limit]},
-                                           next_offset=offset + limit if more else None)
+        page = RolloutPage.model_construct(
+            **{**dict(view), "calls": view.calls[:limit]}, next_offset=offset + limit if more else None
+        )
         # the finish request's ground truth and options are for the reward job alone; a page of large
         # calls is serialized off the event loop
         body = await asyncio.to_thread(page.model_dump_json, exclude={"finish": {"ground_truth", "params"}})
@@ -198,10 +221,19 @@ def build_api(gateway: Gateway) -> FastAPI:
         # degraded: the gateway works, but something an operator must look at happened (gateway.watch)
         watch = gateway.proxy.watch
         state = ("degraded" if watch.problems else "ok") if ok else "unhealthy"
-        return _json(200 if ok else 503, orjson.dumps({
-            "status": state, **checks, "policy_version": gateway.proxy.policy_version,
-            "backlog": watch.backlog, "holding_new_rollouts": watch.over_backlog,
-            "problems": dict(watch.problems)}))
+        return _json(
+            200 if ok else 503,
+            orjson.dumps(
+                {
+                    "status": state,
+                    **checks,
+                    "policy_version": gateway.proxy.policy_version,
+                    "backlog": watch.backlog,
+                    "holding_new_rollouts": watch.over_backlog,
+                    "problems": dict(watch.problems),
+                }
+            ),
+        )
 
     @api.get("/metrics")
     async def metrics() -> Response:

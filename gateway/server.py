@@ -34,14 +34,24 @@ def serve(settings: GatewaySettings, app: Gateway | None = None) -> None:
     app = app or Gateway(settings)
     limits = _limits(settings, listeners=1 if app.control is None else 2)
     if app.control is None:
-        uvicorn.Server(_config(app, settings, Listener("agent", limits), settings.host, settings.port,
-                               lifespan="on")).run()
+        uvicorn.Server(
+            _config(app, settings, Listener("agent", limits), settings.host, settings.port, lifespan="on")
+        ).run()
         return
     assert settings.control_port is not None
-    agent = _Quiet(_config(app, settings, Listener("agent", limits), settings.host, settings.port,
-                           lifespan="on"))
-    control = _Quiet(_config(app.control, settings, Listener("control", limits), settings.control_host,
-                             settings.control_port, lifespan="off"))
+    agent = _Quiet(
+        _config(app, settings, Listener("agent", limits), settings.host, settings.port, lifespan="on")
+    )
+    control = _Quiet(
+        _config(
+            app.control,
+            settings,
+            Listener("control", limits),
+            settings.control_host,
+            settings.control_port,
+            lifespan="off",
+        )
+    )
     # Both ports are bound before anything starts: if either is taken, uvicorn logs it and exits (status 1).
     sockets = agent.config.bind_socket(), control.config.bind_socket()
 
@@ -60,12 +70,24 @@ def serve(settings: GatewaySettings, app: Gateway | None = None) -> None:
     uvloop.run(both())
 
 
-def _config(app: Any, settings: GatewaySettings, listener: Listener, host: str, port: int,
-            lifespan: str) -> uvicorn.Config:
+def _config(
+    app: Any, settings: GatewaySettings, listener: Listener, host: str, port: int, lifespan: str
+) -> uvicorn.Config:
     return uvicorn.Config(
-        app, host=host, port=port, loop="uvloop", http=listener.protocol(), ws="none",
-        lifespan=lifespan, access_log=False, log_config=None, log_level=settings.log_level,
-        timeout_keep_alive=75, server_header=False, date_header=False, proxy_headers=False,
+        app,
+        host=host,
+        port=port,
+        loop="uvloop",
+        http=listener.protocol(),
+        ws="none",
+        lifespan=lifespan,
+        access_log=False,
+        log_config=None,
+        log_level=settings.log_level,
+        timeout_keep_alive=75,
+        server_header=False,
+        date_header=False,
+        proxy_headers=False,
     )
 
 
@@ -85,9 +107,12 @@ def _limits(settings: GatewaySettings, listeners: int) -> ConnectionLimits:
         max_connections = max(1, (soft - settings.upstream_max_connections - _RESERVED_FILES) // listeners)
         log.warning("max_connections_lowered", max_connections=max_connections, open_file_limit=soft)
     return ConnectionLimits(
-        header_timeout_s=settings.header_timeout_s, body_timeout_s=settings.body_timeout_s,
-        body_min_bytes_per_s=settings.body_min_bytes_per_s, max_body_bytes=settings.max_body_bytes,
-        max_header_bytes=settings.max_header_bytes, max_connections=max_connections,
+        header_timeout_s=settings.header_timeout_s,
+        body_timeout_s=settings.body_timeout_s,
+        body_min_bytes_per_s=settings.body_min_bytes_per_s,
+        max_body_bytes=settings.max_body_bytes,
+        max_header_bytes=settings.max_header_bytes,
+        max_connections=max_connections,
     )
 
 

@@ -36,42 +36,56 @@ class GatewaySettings(SharedSettings):
     upstream_timeout_s: float = Field(600.0, description="Total time limit of one upstream call.")
     upstream_max_connections: int = Field(256, description="Keep-alive connection pool size to the upstream.")
     upstream_keepalive_s: float = Field(
-        4.0, description="How long an idle upstream connection is kept; below the server's own keep-alive "
-        "(uvicorn's default, and vLLM's, is 5 s) so that the server rarely closes one under a request.")
+        4.0,
+        description="How long an idle upstream connection is kept; below the server's own keep-alive "
+        "(uvicorn's default, and vLLM's, is 5 s) so that the server rarely closes one under a request.",
+    )
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis holding rollouts and calls.")
-    key_prefix: str = Field("rlgate", description="Prefix of every Redis key (lets deployments share a Redis).")
+    key_prefix: str = Field(
+        "rlgate", description="Prefix of every Redis key (lets deployments share a Redis)."
+    )
     redis_timeout_s: float = Field(5.0, description="Time limit of one Redis command.")
     host: str = Field("127.0.0.1", description="Interface to listen on.")
     port: int = Field(8100, description="Port to listen on (the agent port).")
     control_port: int | None = Field(
-        None, description="Serve the operator surface (rollouts, rewards, metrics, health) on this second "
+        None,
+        description="Serve the operator surface (rollouts, rewards, metrics, health) on this second "
         "port instead; the agent port then serves only the completion endpoints (operator paths are 404 "
-        "there). Publish only the agent port to agents.")
+        "there). Publish only the agent port to agents.",
+    )
     control_host: str = Field("127.0.0.1", description="Interface the control port listens on.")
     public_url: str | None = Field(
         None,
         description="Base URL agents reach this gateway at, used in the base_url that POST /rollouts "
         "returns. Default: taken from the request's Host header.",
     )
-    rollout_ttl_s: float = Field(3600.0, description="Open rollouts expire this long after they were created.")
+    rollout_ttl_s: float = Field(
+        3600.0, description="Open rollouts expire this long after they were created."
+    )
     api_keys: str | None = Field(
         None,
         description="Comma-separated API keys agents must send (Authorization: Bearer KEY) on the completion "
         "endpoints, valid on every rollout. They open nothing on the operator surface.",
     )
     rollout_key_secret: SecretStr | None = Field(
-        None, description="Secret of the rollout keys: with it, POST /rollouts returns an api_key valid on "
+        None,
+        description="Secret of the rollout keys: with it, POST /rollouts returns an api_key valid on "
         "that rollout's completion endpoints alone (an HMAC of the rollout id; gateways sharing the secret "
-        "accept each other's keys). At least 16 characters.")
+        "accept each other's keys). At least 16 characters.",
+    )
     require_rollout_keys: bool = Field(
-        False, description="Completion calls must carry their rollout's key: API keys are no longer "
-        "accepted there, and a key of one rollout on another is 403. Needs rollout_key_secret.")
+        False,
+        description="Completion calls must carry their rollout's key: API keys are no longer "
+        "accepted there, and a key of one rollout on another is 403. Needs rollout_key_secret.",
+    )
     operator_token: SecretStr | None = Field(
-        None, description="Bearer token of the operator surface (rollout reads and creation, rewards, "
+        None,
+        description="Bearer token of the operator surface (rollout reads and creation, rewards, "
         "metrics, OpenAPI schema); reward routes also take a valid webhook signature instead. Refused on "
         "the completion endpoints. At least 16 characters. Without it, agent credentials (api_keys, "
         "require_rollout_keys) need a control_port, which then serves the operator surface to whoever "
-        "reaches it.")
+        "reaches it.",
+    )
     air: bool = Field(
         False,
         description="Automatic intermediate rewards: when a tool result sent back to the model reports an "
@@ -84,15 +98,20 @@ class GatewaySettings(SharedSettings):
         'a JSON object with an "error" key always does.',
     )
     model_aliases: dict[str, str] = Field(
-        {}, description='Model names agents send mapped to the served model, as JSON: {"auto": "Qwen/Qwen2.5-1.5B-'
+        {},
+        description='Model names agents send mapped to the served model, as JSON: {"auto": "Qwen/Qwen2.5-1.5B-'
         'Instruct"} (Agent Lightning\'s agents send "auto"). Applied before adapter routing; the call is '
-        "recorded with both names (the request as sent, the model it was served by).")
+        "recorded with both names (the request as sent, the model it was served by).",
+    )
     keep_token_ids: bool = Field(
-        False, description="Leave the token ids the gateway asked the upstream for in the answers (vLLM's "
+        False,
+        description="Leave the token ids the gateway asked the upstream for in the answers (vLLM's "
         "prompt_token_ids, token_ids; the Responses API's input and output messages), for agents that read "
-        "them; per request: header X-Rlgate-Keep-Token-Ids: true. Always on for Agent Lightning's proxy URLs.")
+        "them; per request: header X-Rlgate-Keep-Token-Ids: true. Always on for Agent Lightning's proxy URLs.",
+    )
     require_rollout_id: bool = Field(
-        False, description="Reject calls without a rollout id (400) instead of recording them under a new one."
+        False,
+        description="Reject calls without a rollout id (400) instead of recording them under a new one.",
     )
     on_store_error: Literal["reject", "pass"] = Field(
         "reject",
@@ -101,63 +120,111 @@ class GatewaySettings(SharedSettings):
     )
     max_body_bytes: int = Field(16 * 1024 * 1024, description="Largest request body accepted (413 above).")
     max_calls_per_rollout: int = Field(
-        10_000, ge=0, description="Most call records (one per choice) one rollout may hold; a call above it is "
-        "409 rollout_full, recorded nowhere (its answer dropped). 0: no limit.")
+        10_000,
+        ge=0,
+        description="Most call records (one per choice) one rollout may hold; a call above it is "
+        "409 rollout_full, recorded nowhere (its answer dropped). 0: no limit.",
+    )
     max_attempts_per_rollout: int = Field(
-        16, ge=1, description="Most later attempts one rollout may have through Agent Lightning's proxy URLs "
-        "(/attempt/N/, each an episode of its own, ROLLOUT~N); one more is 409 too_many_attempts.")
+        16,
+        ge=1,
+        description="Most later attempts one rollout may have through Agent Lightning's proxy URLs "
+        "(/attempt/N/, each an episode of its own, ROLLOUT~N); one more is 409 too_many_attempts.",
+    )
     max_record_bytes: int = Field(
-        32 * 1024 * 1024, ge=1024, description="Largest record of one call kept in Redis: its request, stored "
+        32 * 1024 * 1024,
+        ge=1024,
+        description="Largest record of one call kept in Redis: its request, stored "
         "once, plus every choice's answer, token ids and log-probs. A request already above it is 413 before "
         "the upstream is called; an answer that takes the record above it is dropped, the call recorded as "
-        "failed and the agent told 413 (code record_too_large).")
+        "failed and the agent told 413 (code record_too_large).",
+    )
     policy_poll_s: float = Field(
-        0.2, description="How often the policy pointer, the store's epoch marker and the backlog are read from "
-        "Redis."
+        0.2,
+        description="How often the policy pointer, the store's epoch marker and the backlog are read from "
+        "Redis.",
     )
     on_push: Literal["wait", "reject"] = Field(
-        "wait", description="During a full-weight push: hold new calls until it is over (wait), or answer "
-        "429 with Retry-After (reject).")
-    push_wait_s: float = Field(120.0, description="The longest a call is held during a push before it gets 429.")
+        "wait",
+        description="During a full-weight push: hold new calls until it is over (wait), or answer "
+        "429 with Retry-After (reject).",
+    )
+    push_wait_s: float = Field(
+        120.0, description="The longest a call is held during a push before it gets 429."
+    )
     max_backlog: int = Field(
-        10_000, ge=0, description="Hold new rollouts back while more episodes than this wait between the agents "
+        10_000,
+        ge=0,
+        description="Hold new rollouts back while more episodes than this wait between the agents "
         "and the learners: closed and not yet acknowledged by a learner, plus reward jobs queued. Calls of "
         "rollouts under way go on. Keep it above two learner steps' worth (tasks_per_step x rollouts_per_task x 2): "
-        "the learner holds a step's episodes until it has trained them. 0: no limit.")
-    backlog_wait_s: float = Field(30.0, ge=0, description="The longest a new rollout's first call is held for the "
-                                  "backlog before it gets 429 with Retry-After.")
-    reward_queue: str = Field("rlgate-rewards", description="The rq queue reward jobs go through (its waiting "
-                              "jobs count toward max_backlog; the reward worker's RLGATE_REWARD_QUEUE).")
-    learner_group: str = Field("learners", description="The learners' consumer group of the closed-episode "
-                               "stream (the learner's RLGATE_LEARNER_GROUP): what it has not acknowledged counts "
-                               "toward max_backlog; without that group (no learner yet) only reward jobs count.")
+        "the learner holds a step's episodes until it has trained them. 0: no limit.",
+    )
+    backlog_wait_s: float = Field(
+        30.0,
+        ge=0,
+        description="The longest a new rollout's first call is held for the "
+        "backlog before it gets 429 with Retry-After.",
+    )
+    reward_queue: str = Field(
+        "rlgate-rewards",
+        description="The rq queue reward jobs go through (its waiting "
+        "jobs count toward max_backlog; the reward worker's RLGATE_REWARD_QUEUE).",
+    )
+    learner_group: str = Field(
+        "learners",
+        description="The learners' consumer group of the closed-episode "
+        "stream (the learner's RLGATE_LEARNER_GROUP): what it has not acknowledged counts "
+        "toward max_backlog; without that group (no learner yet) only reward jobs count.",
+    )
     rollout_index_max: int = Field(
-        1_000_000, ge=1, description="How many rollouts the listing index (GET /rollouts) keeps: the newest; "
-        "older ones stay readable by id, they are just no longer listed.")
-    recent_rollouts: int = Field(100_000, ge=1, description="How many rollouts this gateway remembers having "
-                                 "recorded, to refuse calls into them after Redis lost its data.")
+        1_000_000,
+        ge=1,
+        description="How many rollouts the listing index (GET /rollouts) keeps: the newest; "
+        "older ones stay readable by id, they are just no longer listed.",
+    )
+    recent_rollouts: int = Field(
+        100_000,
+        ge=1,
+        description="How many rollouts this gateway remembers having "
+        "recorded, to refuse calls into them after Redis lost its data.",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
     log_format: Literal["auto", "json", "console"] = Field(
         "auto", description="auto: console on a terminal, JSON lines otherwise."
     )
     header_timeout_s: float = Field(
-        10.0, gt=0, description="A connection must send a request's line and headers within this long of "
+        10.0,
+        gt=0,
+        description="A connection must send a request's line and headers within this long of "
         "opening (for a later request on a kept-alive connection: of its first byte); otherwise it is "
-        "closed (408 if a request had begun). On every listener.")
+        "closed (408 if a request had begun). On every listener.",
+    )
     body_timeout_s: float = Field(
-        60.0, gt=0, description="Once the headers are in, the body must arrive within this long, plus one "
-        "second per body_min_bytes_per_s bytes received; otherwise the connection is closed (408).")
+        60.0,
+        gt=0,
+        description="Once the headers are in, the body must arrive within this long, plus one "
+        "second per body_min_bytes_per_s bytes received; otherwise the connection is closed (408).",
+    )
     body_min_bytes_per_s: int = Field(
-        16 * 1024, ge=0, description="The slowest upload that still extends the body deadline (bytes per "
-        "second, as Apache's mod_reqtimeout MinRate); 0: body_timeout_s is a fixed limit.")
+        16 * 1024,
+        ge=0,
+        description="The slowest upload that still extends the body deadline (bytes per "
+        "second, as Apache's mod_reqtimeout MinRate); 0: body_timeout_s is a fixed limit.",
+    )
     max_header_bytes: int = Field(
-        64 * 1024, ge=1024, description="Largest request line plus headers accepted (431 and the connection "
-        "closed above).")
+        64 * 1024,
+        ge=1024,
+        description="Largest request line plus headers accepted (431 and the connection closed above).",
+    )
     max_connections: int = Field(
-        4096, ge=1, description="Open connections per listener. Above it a new connection closes the one "
+        4096,
+        ge=1,
+        description="Open connections per listener. Above it a new connection closes the one "
         "that has waited longest without a whole request in service (still sending, or idle between "
         "requests); when every connection has one, the new one is closed. Lowered to what the process's "
-        "open-file limit allows.")
+        "open-file limit allows.",
+    )
 
     def check_layout(self) -> None:
         """Raise ValueError for a layout where an agent's credential or network would reach the operator
@@ -179,6 +246,7 @@ class GatewaySettings(SharedSettings):
             raise ValueError(
                 "agents need credentials here (api_keys or require_rollout_keys) but the operator surface "
                 "would be open on their port: set operator_token (RLGATE_OPERATOR_TOKEN) or serve it on a "
-                "control_port (RLGATE_CONTROL_PORT)")
+                "control_port (RLGATE_CONTROL_PORT)"
+            )
         if self.control_port is not None and self.control_port == self.port:
             raise ValueError("control_port must differ from port")

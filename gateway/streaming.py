@@ -37,7 +37,7 @@ def split_events(buffer: bytes) -> tuple[list[bytes], bytes]:
         end = find(b"\n", start)
         if end == -1:
             return events, buffer[start:]
-        if buffer[end + 1:end + 2] == b"\n":  # a one-line event, as vLLM sends them
+        if buffer[end + 1 : end + 2] == b"\n":  # a one-line event, as vLLM sends them
             events.append(buffer[start:end])
             start = end + 2
             continue
@@ -103,8 +103,11 @@ class StreamRelay:
                     if "response" in chunk:  # the assembler keeps this one: strip a copy
                         chunk = orjson.loads(payload)
                     strip_responses(chunk, injected)
-                    event = (b"event: " + str(kind).encode() + b"\ndata: " + orjson.dumps(chunk) if kind
-                             else b"data: " + orjson.dumps(chunk))
+                    event = (
+                        b"event: " + str(kind).encode() + b"\ndata: " + orjson.dumps(chunk)
+                        if kind
+                        else b"data: " + orjson.dumps(chunk)
+                    )
                 if kind in RESPONSES_FINAL:
                     self.held = event
                     continue
@@ -129,15 +132,31 @@ def strip_chunk(endpoint: Endpoint, chunk: dict[str, Any], injected: Injected) -
     """
     strip_response(endpoint, chunk, injected)
     choices = chunk.get("choices") or ()
-    if (endpoint == "chat.completions" and injected.token_ids and injected.logprobs and len(choices) == 1
-            and choices[0].get("delta") == {} and choices[0].get("finish_reason") is None):
+    if (
+        endpoint == "chat.completions"
+        and injected.token_ids
+        and injected.logprobs
+        and len(choices) == 1
+        and choices[0].get("delta") == {}
+        and choices[0].get("finish_reason") is None
+    ):
         return False
     return True
 
 
 class _Choice:
-    __slots__ = ("role", "content", "reasoning", "text", "tool_calls", "token_ids", "logprobs",
-                 "finish_reason", "stop_reason", "prompt_token_ids")
+    __slots__ = (
+        "role",
+        "content",
+        "reasoning",
+        "text",
+        "tool_calls",
+        "token_ids",
+        "logprobs",
+        "finish_reason",
+        "stop_reason",
+        "prompt_token_ids",
+    )
 
     def __init__(self) -> None:
         self.role: str | None = None
@@ -242,7 +261,10 @@ class StreamAssembler:
             slot = state.tool_calls.get(call.get("index", 0))
             if slot is None:
                 slot = state.tool_calls[call.get("index", 0)] = {
-                    "id": None, "type": "function", "function": {"name": None, "arguments": ""}}
+                    "id": None,
+                    "type": "function",
+                    "function": {"name": None, "arguments": ""},
+                }
             if call.get("id"):
                 slot["id"] = call["id"]
             if call.get("type"):
@@ -281,12 +303,22 @@ class StreamAssembler:
                     message["tool_calls"] = [state.tool_calls[i] for i in sorted(state.tool_calls)]
                 if state.reasoning:
                     message["reasoning"] = "".join(state.reasoning)
-                response = CallResponse(id=self.id, message=message, finish_reason=state.finish_reason,
-                                        stop_reason=state.stop_reason, usage=self.usage)
+                response = CallResponse(
+                    id=self.id,
+                    message=message,
+                    finish_reason=state.finish_reason,
+                    stop_reason=state.stop_reason,
+                    usage=self.usage,
+                )
                 prompt_ids = self.prompt_token_ids
             else:
-                response = CallResponse(id=self.id, text="".join(state.text), finish_reason=state.finish_reason,
-                                        stop_reason=state.stop_reason, usage=self.usage)
+                response = CallResponse(
+                    id=self.id,
+                    text="".join(state.text),
+                    finish_reason=state.finish_reason,
+                    stop_reason=state.stop_reason,
+                    usage=self.usage,
+                )
                 prompt_ids = state.prompt_token_ids
             out.append(Transition(index, response, prompt_ids, state.token_ids, self._logprobs(state)))
         return out
@@ -298,5 +330,9 @@ def stream_error(error: Any) -> CallError:
         return CallError(status=500, type="upstream_error", message=str(error))
     code = error.get("code")
     status = code if isinstance(code, int) and 400 <= code < 600 else 500
-    return CallError(status=status, type=str(error.get("type") or "upstream_error"),
-                     message=str(error.get("message") or ""), code=code)
+    return CallError(
+        status=status,
+        type=str(error.get("type") or "upstream_error"),
+        message=str(error.get("message") or ""),
+        code=code,
+    )

@@ -22,9 +22,14 @@ class Upstream:
         headers = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
         if settings.upstream_api_key is not None:
             headers["Authorization"] = f"Bearer {settings.upstream_api_key.get_secret_value()}"
-        self._client = Client(self.base, limit=settings.upstream_max_connections,
-                              timeout_s=settings.upstream_timeout_s, connect_timeout_s=10.0,
-                              keepalive_s=settings.upstream_keepalive_s, headers=headers)
+        self._client = Client(
+            self.base,
+            limit=settings.upstream_max_connections,
+            timeout_s=settings.upstream_timeout_s,
+            connect_timeout_s=10.0,
+            keepalive_s=settings.upstream_keepalive_s,
+            headers=headers,
+        )
 
     def connections(self) -> tuple[int, int]:
         """(open, idle) connections of the pool."""
@@ -34,14 +39,17 @@ class Upstream:
         await self._client.aclose()
 
     @asynccontextmanager
-    async def request(self, method: str, path: str, body: bytes | None = None, timeout_s: float | None = None
-                      ) -> AsyncIterator[Response]:
+    async def request(
+        self, method: str, path: str, body: bytes | None = None, timeout_s: float | None = None
+    ) -> AsyncIterator[Response]:
         """An upstream response whose headers have arrived; read its body inside the block."""
         try:
             async with self._client.request(method, path, body, timeout_s) as response:
                 yield response
         except TimeoutError as exc:
-            raise UpstreamTimeout(f"the inference server did not answer within its time limit ({path})") from exc
+            raise UpstreamTimeout(
+                f"the inference server did not answer within its time limit ({path})"
+            ) from exc
         except HTTPError as exc:
             raise UpstreamError(f"the inference server failed: {exc}") from exc
 

@@ -53,16 +53,19 @@ class StoreWatch:
     def refuse_lost(self, rollout_id: str) -> None:
         """409 for a rollout recorded here before Redis lost its data: it would reopen empty."""
         if self.lost and rollout_id in self.lost:
-            raise errors.Conflict(f"rollout {rollout_id!r} was recorded before Redis lost its data: it cannot be "
-                                  "continued, closed or created again; start a new rollout",
-                                  code="rollout_data_lost")
+            raise errors.Conflict(
+                f"rollout {rollout_id!r} was recorded before Redis lost its data: it cannot be "
+                "continued, closed or created again; start a new rollout",
+                code="rollout_data_lost",
+            )
 
     def backlog_full(self) -> errors.BacklogFull:
         """The 429 for a new rollout while the backlog is over `max_backlog`."""
         return errors.BacklogFull(
             f"{self.backlog} episodes wait for rewards or training (max_backlog {self.settings.max_backlog}): "
             "new rollouts are held back; retry shortly",
-            headers={"retry-after": str(max(1, round(self.settings.backlog_wait_s / 4)))})
+            headers={"retry-after": str(max(1, round(self.settings.backlog_wait_s / 4)))},
+        )
 
     def recorded(self, rollout_id: str) -> None:
         """Remember a rollout this process recorded a call into (cheap: one dict insert)."""
@@ -75,8 +78,11 @@ class StoreWatch:
     async def run(self) -> None:
         failing: set[str] = set()  # checks whose failure was logged (once per failure, not per poll)
         while True:
-            for name, check in (("epoch", self._check_epoch), ("policy", self._check_policy),
-                                ("backlog", self._check_backlog)):
+            for name, check in (
+                ("epoch", self._check_epoch),
+                ("policy", self._check_policy),
+                ("backlog", self._check_backlog),
+            ):
                 try:  # each on its own: a corrupted pointer must not stop the backlog check
                     await check()
                     failing.discard(name)
@@ -85,7 +91,9 @@ class StoreWatch:
                     if name not in failing:
                         log.warning("store_watch_failed", check=name, error=str(exc)[:500])
                     failing.add(name)
-                    if not isinstance(exc, episodes.StoreUnavailable):  # Redis is up but its data is not right
+                    if not isinstance(
+                        exc, episodes.StoreUnavailable
+                    ):  # Redis is up but its data is not right
                         self.problems[f"watch_{name}"] = f"reading the {name} fails: {str(exc)[:200]}"
             await asyncio.sleep(self.settings.policy_poll_s)
 
@@ -93,11 +101,15 @@ class StoreWatch:
         policy = await self.store.stored_policy()
         if policy is None and self.policy.version > 0:
             if "policy_pointer" not in self.problems:
-                log.error("policy_pointer_lost", serving=self.policy.version,
-                          hint="kept the last pointer seen; a learner that resumes re-pushes its version")
+                log.error(
+                    "policy_pointer_lost",
+                    serving=self.policy.version,
+                    hint="kept the last pointer seen; a learner that resumes re-pushes its version",
+                )
                 self.metrics.errors.labels("policy_pointer_lost").inc()
-            self.problems["policy_pointer"] = (f"the policy pointer is gone from Redis; still serving version "
-                                               f"{self.policy.version}")
+            self.problems["policy_pointer"] = (
+                f"the policy pointer is gone from Redis; still serving version {self.policy.version}"
+            )
             return
         policy = policy or episodes.Policy()
         if policy.version < self.policy.version:
@@ -110,8 +122,11 @@ class StoreWatch:
             self.backlog = await self.store.backlog(self.queue_key, self.settings.learner_group)
             over = self.backlog > self.settings.max_backlog
             if over != self.over_backlog:
-                log.info("backlog_holding_new_rollouts" if over else "backlog_released", backlog=self.backlog,
-                         max_backlog=self.settings.max_backlog)
+                log.info(
+                    "backlog_holding_new_rollouts" if over else "backlog_released",
+                    backlog=self.backlog,
+                    max_backlog=self.settings.max_backlog,
+                )
             self.over_backlog = over
             if over:
                 self.backlog_clear.clear()
@@ -127,16 +142,25 @@ class StoreWatch:
             return
         self.epoch = epoch
         # bounded too: after several losses only the rollouts of the latest ones are remembered
-        keep = self.lost if len(self.lost) + len(self.recent) <= 2 * self.settings.recent_rollouts else frozenset()
+        keep = (
+            self.lost
+            if len(self.lost) + len(self.recent) <= 2 * self.settings.recent_rollouts
+            else frozenset()
+        )
         self.lost = keep | frozenset(self.recent)
         self.recent = {}
         self.metrics.errors.labels("store_data_lost").inc()
         when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        self.problems["store"] = (f"Redis lost its data (the epoch marker changed at {when}); calls into "
-                                  f"the {len(self.lost)} rollouts recorded here before are refused")
-        log.error("store_data_lost", rollouts_refused=len(self.lost),
-                  hint="Redis restarted without its data, was flushed, or failed over to an empty replica: "
-                  "persist it (AOF) and replicate it")
+        self.problems["store"] = (
+            f"Redis lost its data (the epoch marker changed at {when}); calls into "
+            f"the {len(self.lost)} rollouts recorded here before are refused"
+        )
+        log.error(
+            "store_data_lost",
+            rollouts_refused=len(self.lost),
+            hint="Redis restarted without its data, was flushed, or failed over to an empty replica: "
+            "persist it (AOF) and replicate it",
+        )
 
 
 __all__ = ["StoreWatch"]

@@ -87,8 +87,10 @@ class WeightsRoot:
     def __init__(self, root: Path) -> None:
         self.root = root.resolve()
         if self.root == Path(self.root.anchor):
-            raise ValueError(f"the weights root {str(root)!r} is the filesystem root: every file would be "
-                             "readable; give --weights-root a folder of its own")
+            raise ValueError(
+                f"the weights root {str(root)!r} is the filesystem root: every file would be "
+                "readable; give --weights-root a folder of its own"
+            )
         if not self.root.is_dir():
             raise ValueError(f"the weights root {str(root)!r} is not a folder")
 

@@ -44,8 +44,15 @@ from torch import nn
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
-LOGPROBS_MODES: tuple[LogprobsMode, ...] = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
-MIN_TEMPERATURE = 0.01  # vLLM's `_MAX_TEMP` (vllm/sampling_params.py): lower positive temperatures become this
+LOGPROBS_MODES: tuple[LogprobsMode, ...] = (
+    "raw_logprobs",
+    "raw_logits",
+    "processed_logprobs",
+    "processed_logits",
+)
+MIN_TEMPERATURE = (
+    0.01  # vLLM's `_MAX_TEMP` (vllm/sampling_params.py): lower positive temperatures become this
+)
 
 
 @dataclass(frozen=True)
@@ -87,8 +94,13 @@ class Engine:
     """Runs batches of prompts through `model` (eval mode, no gradients). Not thread-safe: one batch at a
     time (the server's scheduler serializes them)."""
 
-    def __init__(self, model: nn.Module, pad_token_id: int, eos_token_ids: tuple[int, ...],
-                 logprobs_mode: LogprobsMode = "raw_logprobs") -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        pad_token_id: int,
+        eos_token_ids: tuple[int, ...],
+        logprobs_mode: LogprobsMode = "raw_logprobs",
+    ) -> None:
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, not {logprobs_mode!r}")
         self.model = model.eval()
@@ -98,7 +110,9 @@ class Engine:
         config = getattr(model, "config", None)
         self.max_positions = getattr(config, "max_position_embeddings", None) or 1 << 30
         # transformers 5.2x renamed `past_key_values` to `cache` (argument and output); take what is there
-        self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self._cache_arg = (
+            "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        )
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
@@ -111,8 +125,8 @@ class Engine:
         for r, prompt in enumerate(prompts):
             if not prompt:
                 raise ValueError("a prompt needs at least one token")
-            input_ids[r, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
-            attention[r, width - len(prompt):] = 1
+            input_ids[r, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+            attention[r, width - len(prompt) :] = 1
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
         generators = [_generator(p.seed) for p in params]
         budgets = [min(p.max_tokens, self.max_positions - len(prompts[r])) for r, p in enumerate(params)]
@@ -120,7 +134,9 @@ class Engine:
         out = [Completion([], [], [], "length") for _ in prompts]
         done = [budget <= 0 for budget in budgets]
 
-        output = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True)
+        output = self.model(
+            input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True
+        )
         cache, logits = output[self._cache_arg], output.logits[:, -1, :].float()
         next_positions = positions[:, -1] + 1
         while not all(done):
@@ -147,8 +163,13 @@ class Engine:
                 break
             alive = torch.tensor([0 if d else 1 for d in done], dtype=torch.long)
             attention = torch.cat([attention, alive[:, None]], dim=1)
-            output = self.model(input_ids=next_tokens[:, None], attention_mask=attention,
-                                position_ids=next_positions[:, None], use_cache=True, **{self._cache_arg: cache})
+            output = self.model(
+                input_ids=next_tokens[:, None],
+                attention_mask=attention,
+                position_ids=next_positions[:, None],
+                use_cache=True,
+                **{self._cache_arg: cache},
+            )
             cache, logits = output[self._cache_arg], output.logits[:, -1, :].float()
             next_positions = next_positions + 1
         return out
@@ -183,8 +204,12 @@ def processed_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tens
     return z
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,
-           logprobs_mode: LogprobsMode = "raw_logprobs") -> tuple[int, float, list[tuple[int, float]]]:
+def sample(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator,
+    logprobs_mode: LogprobsMode = "raw_logprobs",
+) -> tuple[int, float, list[tuple[int, float]]]:
     """(token, its reported value, the top `params.top_logprobs` (token, value) pairs, sampled token first);
     the values are those `logprobs_mode` names (module docstring)."""
     z = processed_logits(logits, params)
@@ -192,14 +217,17 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         token = int(torch.argmax(z))
     else:
         token = int(torch.multinomial(torch.softmax(z, dim=-1), 1, generator=generator))
-    reported = {"raw_logprobs": lambda: torch.log_softmax(logits.float(), dim=-1),
-                "raw_logits": lambda: logits.float(),
-                "processed_logprobs": lambda: torch.log_softmax(z, dim=-1),
-                "processed_logits": lambda: z}[logprobs_mode]()
+    reported = {
+        "raw_logprobs": lambda: torch.log_softmax(logits.float(), dim=-1),
+        "raw_logits": lambda: logits.float(),
+        "processed_logprobs": lambda: torch.log_softmax(z, dim=-1),
+        "processed_logits": lambda: z,
+    }[logprobs_mode]()
     top: list[tuple[int, float]] = []
     if params.top_logprobs > 0:
         values, ids = torch.topk(reported, min(params.top_logprobs, reported.numel()))
         top = [(token, float(reported[token]))]
         top += [(int(i), float(v)) for v, i in zip(values, ids, strict=True) if int(i) != token][
-            : params.top_logprobs - 1]
+            : params.top_logprobs - 1
+        ]
     return token, float(reported[token]), top

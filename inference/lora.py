@@ -42,9 +42,17 @@ class Adapter:
 
 
 class Adapters:
-    def __init__(self, base: nn.Module, base_name: str, pad_token_id: int, eos_token_ids: tuple[int, ...],
-                 window_s: float, logprobs_mode: LogprobsMode = "raw_logprobs", *,
-                 root: WeightsRoot | None = None) -> None:
+    def __init__(
+        self,
+        base: nn.Module,
+        base_name: str,
+        pad_token_id: int,
+        eos_token_ids: tuple[int, ...],
+        window_s: float,
+        logprobs_mode: LogprobsMode = "raw_logprobs",
+        *,
+        root: WeightsRoot | None = None,
+    ) -> None:
         self.base = base
         self.root = root  # None: no path is accepted
         self.logprobs_mode = logprobs_mode
@@ -58,8 +66,9 @@ class Adapters:
         if not name or not path:
             raise BadRequest("Both 'lora_name' and 'lora_path' must be provided.", param="lora_name")
         if name == self.base_name:
-            raise BadRequest(f"The lora adapter name '{name}' conflicts with a served base model.",
-                             param="lora_name")
+            raise BadRequest(
+                f"The lora adapter name '{name}' conflicts with a served base model.", param="lora_name"
+            )
         if name in self.loaded and not inplace:
             raise BadRequest(f"The lora adapter '{name}' has already been loaded.", param="lora_name")
         # outside the root: the very answer of a missing adapter
@@ -67,8 +76,9 @@ class Adapters:
         if folder is None or not (folder / "adapter_config.json").is_file():
             raise AdapterNotFound(f"Loading lora {name} failed: No adapter found for {path}")
         merged = await asyncio.to_thread(self._merge, str(folder))
-        scheduler = Scheduler(Engine(merged, self.pad_token_id, self.eos_token_ids, self.logprobs_mode),
-                              window_s=self.window_s)
+        scheduler = Scheduler(
+            Engine(merged, self.pad_token_id, self.eos_token_ids, self.logprobs_mode), window_s=self.window_s
+        )
         scheduler.start()
         previous = self.loaded.get(name)
         self.loaded[name] = Adapter(name, path, scheduler)

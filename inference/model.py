@@ -40,12 +40,19 @@ class Output:
 class Model:
     """The loaded model, its tokenizer and the batching scheduler behind the endpoints."""
 
-    def __init__(self, model_dir: Path, served_model_name: str | None, batch_window_s: float,
-                 logprobs_mode: LogprobsMode = "raw_logprobs", weights_root: Path | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        served_model_name: str | None,
+        batch_window_s: float,
+        logprobs_mode: LogprobsMode = "raw_logprobs",
+        weights_root: Path | None = None,
+    ) -> None:
         self.path = str(model_dir)
         # where clients may name adapters and weight files (inference.access): by default the model's parent
-        self.weights_root = root = WeightsRoot(weights_root if weights_root is not None
-                                               else Path(model_dir).resolve().parent)
+        self.weights_root = root = WeightsRoot(
+            weights_root if weights_root is not None else Path(model_dir).resolve().parent
+        )
         self.name = served_model_name or str(model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32)
@@ -58,36 +65,58 @@ class Model:
         self.defaults = _sampling_defaults(generation)
         eos |= set(generation_eos if isinstance(generation_eos, list) else [generation_eos]) - {None}
         self.eos_token_ids = tuple(sorted(eos))
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_token_ids[0]
-        self.engine = Engine(model, pad_token_id=pad, eos_token_ids=self.eos_token_ids, logprobs_mode=logprobs_mode)
+        pad = (
+            self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_token_ids[0]
+        )
+        self.engine = Engine(
+            model, pad_token_id=pad, eos_token_ids=self.eos_token_ids, logprobs_mode=logprobs_mode
+        )
         self.max_model_len = int(getattr(model.config, "max_position_embeddings", None) or 2048)
         self.vocab_size = int(model.config.vocab_size)
         self.detok = Detokenizer(self.tokenizer)
         self.scheduler = Scheduler(self.engine, window_s=batch_window_s)
-        self.adapters = Adapters(model, self.name, pad, self.eos_token_ids, batch_window_s, logprobs_mode,
-                                root=root)
-        self.weights = WeightSync(model, self.scheduler, lambda: (
-            self.scheduler, *(adapter.scheduler for adapter in self.adapters.loaded.values())), root=root)
+        self.adapters = Adapters(
+            model, self.name, pad, self.eos_token_ids, batch_window_s, logprobs_mode, root=root
+        )
+        self.weights = WeightSync(
+            model,
+            self.scheduler,
+            lambda: (self.scheduler, *(adapter.scheduler for adapter in self.adapters.loaded.values())),
+            root=root,
+        )
         self.fingerprint = f"rlgate-{hashlib.sha256(self.path.encode()).hexdigest()[:8]}"
         self.created = int(time.time())
 
     def check_model(self, requested: str | None) -> None:
         if requested and requested != self.name and requested not in self.adapters.loaded:
             aliases = ", ".join([self.name, *self.adapters.loaded])
-            raise ModelNotFound(f"The model `{requested}` does not exist. Valid aliases: {aliases}.",
-                                param="model")
+            raise ModelNotFound(
+                f"The model `{requested}` does not exist. Valid aliases: {aliases}.", param="model"
+            )
 
-    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                    add_generation_prompt: bool = True) -> list[int]:
-        return self.tokenizer.encode(self.chat_prompt(messages, tools, add_generation_prompt), add_special_tokens=False)
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        return self.tokenizer.encode(
+            self.chat_prompt(messages, tools, add_generation_prompt), add_special_tokens=False
+        )
 
-    def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                    add_generation_prompt: bool = True, param: str = "messages") -> str:
+    def chat_prompt(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        add_generation_prompt: bool = True,
+        param: str = "messages",
+    ) -> str:
         """The chat template's text for these messages (what `render_chat` tokenizes)."""
         messages = [_flatten_content(m) for m in messages]
         try:
-            return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                                      tokenize=False)
+            return self.tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
         except Exception as exc:  # a template error is the request's fault (missing keys, bad roles)
             raise BadRequest(f"the chat template failed on these messages: {exc}", param=param) from exc
 
@@ -95,18 +124,25 @@ class Model:
         """vLLM 0.33: max_tokens > max_model_len and prompts >= max_model_len are 400s; otherwise max_tokens is
         clamped to what is left of the context (None: all of it)."""
         if requested is not None and requested > self.max_model_len:
-            raise BadRequest(f"{param}={requested} cannot be greater than max_model_len={self.max_model_len}. "
-                             f"Please request fewer output tokens. (parameter={param}, value={requested})",
-                             param=param)
+            raise BadRequest(
+                f"{param}={requested} cannot be greater than max_model_len={self.max_model_len}. "
+                f"Please request fewer output tokens. (parameter={param}, value={requested})",
+                param=param,
+            )
         if prompt_len >= self.max_model_len:
-            raise BadRequest(f"This model's maximum context length is {self.max_model_len} tokens. However, your "
-                             f"prompt contains {prompt_len} input tokens, which exceeds this limit even without any "
-                             f"output tokens. Please reduce the length of the input prompt. "
-                             f"(parameter=input_tokens, value={prompt_len})", param="input_tokens")
+            raise BadRequest(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                f"prompt contains {prompt_len} input tokens, which exceeds this limit even without any "
+                f"output tokens. Please reduce the length of the input prompt. "
+                f"(parameter=input_tokens, value={prompt_len})",
+                param="input_tokens",
+            )
         left = self.max_model_len - prompt_len
         return left if requested is None else min(requested, left)
 
-    def sampling(self, request: SamplingFields, max_tokens: int, top_logprobs: int, index: int) -> SamplingParams:
+    def sampling(
+        self, request: SamplingFields, max_tokens: int, top_logprobs: int, index: int
+    ) -> SamplingParams:
         bias: dict[int, float] = {}
         for key, value in (request.logit_bias or {}).items():
             try:
@@ -114,9 +150,13 @@ class Model:
             except ValueError:
                 raise BadRequest(f"logit_bias key {key!r} is not a token id", param="logit_bias") from None
             if not 0 <= token_id < self.vocab_size:
-                raise BadRequest(f"token_id(s) [{token_id}] in logit_bias contain out-of-vocab token ids. "
-                                 f"Vocabulary size: {self.vocab_size}", param="logit_bias")
+                raise BadRequest(
+                    f"token_id(s) [{token_id}] in logit_bias contain out-of-vocab token ids. "
+                    f"Vocabulary size: {self.vocab_size}",
+                    param="logit_bias",
+                )
             bias[token_id] = max(-100.0, min(100.0, value))
+
         def pick(name: str, fallback: float) -> Any:
             value = getattr(request, name)
             return self.defaults.get(name, fallback) if value is None else value
@@ -136,8 +176,9 @@ class Model:
             top_logprobs=top_logprobs,
         )
 
-    async def generate(self, prompt: list[int], params: SamplingParams, stops: list[str],
-                       model: str | None = None) -> Output:
+    async def generate(
+        self, prompt: list[int], params: SamplingParams, stops: list[str], model: str | None = None
+    ) -> Output:
         """Generate with the base model, or with the LoRA adapter named `model`."""
         adapter = self.adapters.loaded.get(model) if model else None
         scheduler = adapter.scheduler if adapter is not None else self.scheduler
@@ -163,6 +204,7 @@ class Model:
         def hit(ids: list[int]) -> bool:
             tail = text(ids[-span:])
             return any(s in tail for s in stops)
+
         return hit
 
     def finish(self, done: Completion, params: SamplingParams, stops: list[str]) -> Output:
@@ -206,7 +248,10 @@ def _flatten_content(message: dict[str, Any]) -> dict[str, Any]:
     Responses API's parts are `input_text` / `output_text`)."""
     content = message.get("content")
     if isinstance(content, list):
-        text = "\n".join(p.get("text", "") for p in content
-                         if isinstance(p, dict) and p.get("type") in ("text", "input_text", "output_text"))
+        text = "\n".join(
+            p.get("text", "")
+            for p in content
+            if isinstance(p, dict) and p.get("type") in ("text", "input_text", "output_text")
+        )
         return {**message, "content": text}
     return message

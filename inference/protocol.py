@@ -48,8 +48,14 @@ class SamplingFields(OpenAIModel):
 
     # Accepted at their neutral values only: the engine does not implement them (a 400 rather than a
     # silently different distribution).
-    NEUTRAL: ClassVar[dict[str, Any]] = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-                                         "min_p": 0.0, "min_tokens": 0, "ignore_eos": False}
+    NEUTRAL: ClassVar[dict[str, Any]] = {
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "repetition_penalty": 1.0,
+        "min_p": 0.0,
+        "min_tokens": 0,
+        "ignore_eos": False,
+    }
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> SamplingFields:
@@ -104,9 +110,13 @@ class ChatCompletionRequest(SamplingFields):
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and self.top_logprobs < 0:
             if self.top_logprobs != -1:
-                raise invalid("`top_logprobs` must be a positive value or -1.", "top_logprobs", self.top_logprobs)
-            raise BadRequest("`top_logprobs: -1` (the whole vocabulary) is not supported by rlgate serve.",
-                             param="top_logprobs")
+                raise invalid(
+                    "`top_logprobs` must be a positive value or -1.", "top_logprobs", self.top_logprobs
+                )
+            raise BadRequest(
+                "`top_logprobs: -1` (the whole vocabulary) is not supported by rlgate serve.",
+                param="top_logprobs",
+            )
         if self.top_logprobs and not self.logprobs:
             raise invalid("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
         return self
@@ -116,8 +126,11 @@ class ChatCompletionRequest(SamplingFields):
         """vLLM's `check_tool_usage`; afterwards `tool_choice` is what vLLM works with ("auto" when tools
         come without it, "none" with neither; None only when the client sent null)."""
         if self.tools == []:
-            raise invalid("`tools` must not be an empty array. Either provide at least one tool or omit the field "
-                          "entirely.", "tools")
+            raise invalid(
+                "`tools` must not be an empty array. Either provide at least one tool or omit the field "
+                "entirely.",
+                "tools",
+            )
         if "tool_choice" not in self.model_fields_set:
             self.tool_choice = "auto" if self.tools else "none"
             return self
@@ -128,22 +141,34 @@ class ChatCompletionRequest(SamplingFields):
             raise invalid("When using `tool_choice`, `tools` must be set.", "tool_choice")
         if not isinstance(choice, dict):
             if choice not in ("auto", "required"):
-                raise invalid(f"Invalid value for `tool_choice`: {choice}! Only named tools, \"none\", \"auto\" or "
-                              f"\"required\" are supported.", "tool_choice")
+                raise invalid(
+                    f'Invalid value for `tool_choice`: {choice}! Only named tools, "none", "auto" or '
+                    f'"required" are supported.',
+                    "tool_choice",
+                )
             return self
         usage = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
         function = choice.get("function")
         if not isinstance(function, dict):
-            raise invalid(f"Invalid value for `function`: `{function}` in `tool_choice`! {usage}", "tool_choice.function")
+            raise invalid(
+                f"Invalid value for `function`: `{function}` in `tool_choice`! {usage}",
+                "tool_choice.function",
+            )
         if "name" not in function:
-            raise invalid(f"Expected field `name` in `function` in `tool_choice`! {usage}", "tool_choice.function.name")
+            raise invalid(
+                f"Expected field `name` in `function` in `tool_choice`! {usage}", "tool_choice.function.name"
+            )
         name = function["name"]
         if not isinstance(name, str) or not name:
-            raise invalid(f"Invalid `name` in `function`: `{name}` in `tool_choice`! {usage}",
-                          "tool_choice.function.name")
+            raise invalid(
+                f"Invalid `name` in `function`: `{name}` in `tool_choice`! {usage}",
+                "tool_choice.function.name",
+            )
         if not any((tool.get("function") or {}).get("name") == name for tool in self.tools):
-            raise invalid("The tool specified in `tool_choice` does not match any of the specified `tools`",
-                          "tool_choice")
+            raise invalid(
+                "The tool specified in `tool_choice` does not match any of the specified `tools`",
+                "tool_choice",
+            )
         return self
 
 
@@ -176,8 +201,9 @@ class CompletionRequest(SamplingFields):
         if self.logprobs is not None and self.logprobs < 0:
             if self.logprobs != -1:
                 raise invalid("`logprobs` must be a positive value or -1.", "logprobs", self.logprobs)
-            raise BadRequest("`logprobs: -1` (the whole vocabulary) is not supported by rlgate serve.",
-                             param="logprobs")
+            raise BadRequest(
+                "`logprobs: -1` (the whole vocabulary) is not supported by rlgate serve.", param="logprobs"
+            )
         if not self.prompt:
             raise invalid("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
         return self
@@ -207,6 +233,7 @@ class DetokenizeRequest(OpenAIModel):
 
 
 # ---------------------------------------------------------------- errors
+
 
 class LoadLoraAdapterRequest(BaseModel):
     """vLLM's POST /v1/load_lora_adapter body."""
@@ -241,7 +268,9 @@ class ServeError(Exception):
             self.type = type
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
+        return {
+            "error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}
+        }
 
 
 class BadRequest(ServeError, ValueError):
@@ -258,10 +287,38 @@ def invalid(message: str, param: str, value: Any = None) -> BadRequest:
 
 
 # pydantic-core's names for union branches and wrappers, which vLLM leaves out of an error's `loc`
-_INTERNAL_LOC = {"function-wrap", "function-after", "function-before", "function-plain", "json-or-python",
-                 "lax-or-strict", "chain", "default", "nullable", "tagged-union", "union", "call", "arguments",
-                 "is-instance", "is-subclass", "callable", "str", "int", "float", "bool", "bytes", "bytearray",
-                 "list", "tuple", "dict", "set", "frozenset", "complex", "none", "nonetype"}
+_INTERNAL_LOC = {
+    "function-wrap",
+    "function-after",
+    "function-before",
+    "function-plain",
+    "json-or-python",
+    "lax-or-strict",
+    "chain",
+    "default",
+    "nullable",
+    "tagged-union",
+    "union",
+    "call",
+    "arguments",
+    "is-instance",
+    "is-subclass",
+    "callable",
+    "str",
+    "int",
+    "float",
+    "bool",
+    "bytes",
+    "bytearray",
+    "list",
+    "tuple",
+    "dict",
+    "set",
+    "frozenset",
+    "complex",
+    "none",
+    "nonetype",
+}
 
 
 def _loc(loc: tuple[Any, ...]) -> str:
@@ -284,8 +341,12 @@ def request_validation_error(errors: list[dict[str, Any]]) -> BadRequest:
     gives them, each `loc` starting with "body"; at most 10 are listed, each cut at 1,000 characters."""
     lines = []
     for error in errors[:10]:
-        shown = {"type": error["type"], "loc": _loc(tuple(error["loc"])), "msg": error["msg"],
-                 "input": _shown(error.get("input"))}
+        shown = {
+            "type": error["type"],
+            "loc": _loc(tuple(error["loc"])),
+            "msg": error["msg"],
+            "input": _shown(error.get("input")),
+        }
         if "ctx" in error:
             shown["ctx"] = error["ctx"]
         text = str(shown)

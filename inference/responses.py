@@ -50,13 +50,19 @@ class ResponseNotFound(ServeError):
 def check(request: ResponsesRequest) -> None:
     """vLLM's `_validate_create_responses_input` and previous-response lookup, store off."""
     if request.store and request.background:
-        raise BadRequest("This vLLM engine does not support `store=True` and therefore does not support the "
-                         "background mode. To enable these features, set the environment variable "
-                         "`VLLM_ENABLE_RESPONSES_API_STORE=1` when launching the vLLM server.",
-                         param="background", type="invalid_request_error")
+        raise BadRequest(
+            "This vLLM engine does not support `store=True` and therefore does not support the "
+            "background mode. To enable these features, set the environment variable "
+            "`VLLM_ENABLE_RESPONSES_API_STORE=1` when launching the vLLM server.",
+            param="background",
+            type="invalid_request_error",
+        )
     if request.previous_input_messages and request.previous_response_id:
-        raise BadRequest("Only one of `previous_input_messages` and `previous_response_id` can be set.",
-                         param="previous_response_id", type="invalid_request_error")
+        raise BadRequest(
+            "Only one of `previous_input_messages` and `previous_response_id` can be set.",
+            param="previous_response_id",
+            type="invalid_request_error",
+        )
     if request.previous_response_id is not None:
         raise ResponseNotFound(request.previous_response_id)
 
@@ -82,8 +88,16 @@ async def create(server: Server, request: ResponsesRequest) -> Response:
 
 # ---------------------------------------------------------------- items
 
+
 def _message(item_id: str, parts: list[dict[str, Any]], status: str) -> dict[str, Any]:
-    return {"id": item_id, "content": parts, "role": "assistant", "status": status, "type": "message", "phase": None}
+    return {
+        "id": item_id,
+        "content": parts,
+        "role": "assistant",
+        "status": status,
+        "type": "message",
+        "phase": None,
+    }
 
 
 def _text_part(text: str, logprobs: list[dict[str, Any]] | None) -> dict[str, Any]:
@@ -91,29 +105,53 @@ def _text_part(text: str, logprobs: list[dict[str, Any]] | None) -> dict[str, An
 
 
 def _function_call(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
-    return {"arguments": arguments, "call_id": call_id, "name": name, "type": "function_call", "id": item_id,
-            "async": None, "caller": None, "namespace": None, "status": status}
+    return {
+        "arguments": arguments,
+        "call_id": call_id,
+        "name": name,
+        "type": "function_call",
+        "id": item_id,
+        "async": None,
+        "caller": None,
+        "namespace": None,
+        "status": status,
+    }
 
 
 def _logprob(entry: dict[str, Any]) -> dict[str, Any]:
     """A chat log-prob entry in the order of openai's `response_output_text.Logprob`."""
-    return {"token": entry["token"], "bytes": entry["bytes"], "logprob": entry["logprob"],
-            "top_logprobs": [{"token": t["token"], "bytes": t["bytes"], "logprob": t["logprob"]}
-                             for t in entry["top_logprobs"]]}
+    return {
+        "token": entry["token"],
+        "bytes": entry["bytes"],
+        "logprob": entry["logprob"],
+        "top_logprobs": [
+            {"token": t["token"], "bytes": t["bytes"], "logprob": t["logprob"]} for t in entry["top_logprobs"]
+        ],
+    }
 
 
 def _stream_logprob(entry: dict[str, Any]) -> dict[str, Any]:
     """vLLM's `_to_stream_logprobs`: the delta event's entries carry no bytes."""
-    return {"token": entry["token"], "logprob": entry["logprob"],
-            "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]} for t in entry["top_logprobs"]]}
+    return {
+        "token": entry["token"],
+        "logprob": entry["logprob"],
+        "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]} for t in entry["top_logprobs"]],
+    }
 
 
 def _echo_tool(tool: dict[str, Any]) -> dict[str, Any]:
     """A flat function tool as vLLM echoes it (openai's `FunctionTool`, every field)."""
-    return {"name": tool["name"], "parameters": tool.get("parameters"), "strict": tool.get("strict"),
-            "type": "function", "allowed_callers": tool.get("allowed_callers"), "async": tool.get("async"),
-            "defer_loading": tool.get("defer_loading"), "description": tool.get("description"),
-            "output_schema": tool.get("output_schema")}
+    return {
+        "name": tool["name"],
+        "parameters": tool.get("parameters"),
+        "strict": tool.get("strict"),
+        "type": "function",
+        "allowed_callers": tool.get("allowed_callers"),
+        "async": tool.get("async"),
+        "defer_loading": tool.get("defer_loading"),
+        "description": tool.get("description"),
+        "output_schema": tool.get("output_schema"),
+    }
 
 
 def _echo_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
@@ -136,8 +174,16 @@ def _echo_text(text: dict[str, Any] | None) -> dict[str, Any] | None:
 class _Answer:
     """One finished generation as vLLM's response object, or as its event stream."""
 
-    def __init__(self, server: Server, request: ResponsesRequest, params: SamplingParams, prompt_text: str,
-                 prompt: list[int], out: Output, stops: list[str]) -> None:
+    def __init__(
+        self,
+        server: Server,
+        request: ResponsesRequest,
+        params: SamplingParams,
+        prompt_text: str,
+        prompt: list[int],
+        out: Output,
+        stops: list[str],
+    ) -> None:
         self.server, self.request, self.params = server, request, params
         self.prompt_text, self.prompt, self.out, self.stops = prompt_text, prompt, out, stops
         self.created = int(time.time())
@@ -158,11 +204,24 @@ class _Answer:
         last = self.status()
         items = []
         if content:
-            lps = [_logprob(e) for e in self.logprobs(0, len(out.token_ids))] if request.wants_logprobs() else None
-            items.append(_message(f"msg_{random_id()}", [_text_part(content, lps)], "completed" if calls else last))
+            lps = (
+                [_logprob(e) for e in self.logprobs(0, len(out.token_ids))]
+                if request.wants_logprobs()
+                else None
+            )
+            items.append(
+                _message(f"msg_{random_id()}", [_text_part(content, lps)], "completed" if calls else last)
+            )
         for i, call in enumerate(calls):
-            items.append(_function_call(f"fc_{random_id()}", call.id, call.name, call.arguments,
-                                        last if i == len(calls) - 1 else "completed"))
+            items.append(
+                _function_call(
+                    f"fc_{random_id()}",
+                    call.id,
+                    call.name,
+                    call.arguments,
+                    last if i == len(calls) - 1 else "completed",
+                )
+            )
         return items
 
     def body(self, output: list[dict[str, Any]], status: str, final: bool = True) -> dict[str, Any]:
@@ -171,34 +230,71 @@ class _Answer:
         request, params, out = self.request, self.params, self.out
         usage = messages_in = messages_out = None
         if final:
-            usage = {"input_tokens": len(self.prompt),
-                     "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0,
-                                              "input_tokens_per_turn": [], "cached_tokens_per_turn": []},
-                     "output_tokens": len(out.token_ids),
-                     "output_tokens_details": {"reasoning_tokens": 0, "tool_output_tokens": 0,
-                                               "output_tokens_per_turn": [], "tool_output_tokens_per_turn": []},
-                     "total_tokens": len(self.prompt) + len(out.token_ids)}
+            usage = {
+                "input_tokens": len(self.prompt),
+                "input_tokens_details": {
+                    "cached_tokens": 0,
+                    "cache_write_tokens": 0,
+                    "input_tokens_per_turn": [],
+                    "cached_tokens_per_turn": [],
+                },
+                "output_tokens": len(out.token_ids),
+                "output_tokens_details": {
+                    "reasoning_tokens": 0,
+                    "tool_output_tokens": 0,
+                    "output_tokens_per_turn": [],
+                    "tool_output_tokens_per_turn": [],
+                },
+                "total_tokens": len(self.prompt) + len(out.token_ids),
+            }
             if request.enable_response_messages:
-                messages_in = [{"message": self.prompt_text, "tokens": self.prompt, "type": "raw_message_tokens"}]
-                messages_out = [{"message": out.text, "tokens": out.token_ids, "type": "raw_message_tokens"}
-                                ] if out.token_ids else []
+                messages_in = [
+                    {"message": self.prompt_text, "tokens": self.prompt, "type": "raw_message_tokens"}
+                ]
+                messages_out = (
+                    [{"message": out.text, "tokens": out.token_ids, "type": "raw_message_tokens"}]
+                    if out.token_ids
+                    else []
+                )
         return {
-            "id": request.request_id, "created_at": self.created,
+            "id": request.request_id,
+            "created_at": self.created,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "instructions": request.instructions, "metadata": request.metadata, "model": self.server.model.name,
-            "object": "response", "output": output,
-            "parallel_tool_calls": True if request.parallel_tool_calls is None else request.parallel_tool_calls,
-            "temperature": float(params.temperature), "tool_choice": _echo_tool_choice(request.tool_choice),
-            "tools": [_echo_tool(t) for t in request.tools], "top_p": float(params.top_p),
-            "background": request.background, "max_output_tokens": params.max_tokens,
-            "max_tool_calls": request.max_tool_calls, "previous_response_id": request.previous_response_id,
-            "prompt": None, "prompt_cache_options": None, "prompt_cache_key": request.prompt_cache_key,
-            "prompt_cache_retention": request.prompt_cache_retention, "reasoning": _echo_reasoning(request.reasoning),
-            "safety_identifier": request.safety_identifier, "service_tier": request.service_tier, "status": status,
-            "text": _echo_text(request.text), "top_logprobs": request.top_logprobs if request.wants_logprobs() else None,
-            "truncation": request.truncation, "usage": usage, "user": request.user, "presence_penalty": 0.0,
-            "frequency_penalty": 0.0, "kv_transfer_params": None, "ec_transfer_params": None,
-            "input_messages": messages_in, "output_messages": messages_out,
+            "instructions": request.instructions,
+            "metadata": request.metadata,
+            "model": self.server.model.name,
+            "object": "response",
+            "output": output,
+            "parallel_tool_calls": True
+            if request.parallel_tool_calls is None
+            else request.parallel_tool_calls,
+            "temperature": float(params.temperature),
+            "tool_choice": _echo_tool_choice(request.tool_choice),
+            "tools": [_echo_tool(t) for t in request.tools],
+            "top_p": float(params.top_p),
+            "background": request.background,
+            "max_output_tokens": params.max_tokens,
+            "max_tool_calls": request.max_tool_calls,
+            "previous_response_id": request.previous_response_id,
+            "prompt": None,
+            "prompt_cache_options": None,
+            "prompt_cache_key": request.prompt_cache_key,
+            "prompt_cache_retention": request.prompt_cache_retention,
+            "reasoning": _echo_reasoning(request.reasoning),
+            "safety_identifier": request.safety_identifier,
+            "service_tier": request.service_tier,
+            "status": status,
+            "text": _echo_text(request.text),
+            "top_logprobs": request.top_logprobs if request.wants_logprobs() else None,
+            "truncation": request.truncation,
+            "usage": usage,
+            "user": request.user,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "kv_transfer_params": None,
+            "ec_transfer_params": None,
+            "input_messages": messages_in,
+            "output_messages": messages_out,
         }
 
     def frames(self) -> Iterator[bytes]:
@@ -213,8 +309,13 @@ class _Answer:
                 events.step(delta, pos)
         events.close(self.status())
         status = self.status()
-        events.emit({"response": self.body(events.items, status), "sequence_number": None,
-                     "type": f"response.{status}"})
+        events.emit(
+            {
+                "response": self.body(events.items, status),
+                "sequence_number": None,
+                "type": f"response.{status}",
+            }
+        )
         for seq, event in enumerate(events.events):
             event["sequence_number"] = seq
             yield b"event: %s\ndata: %s\n\n" % (event["type"].encode(), orjson.dumps(event))
@@ -253,8 +354,15 @@ class _Events:
             arguments = "".join(c["function"].get("arguments") or "" for c in group)
             if arguments:
                 self.call["arguments"] += arguments
-                self.emit({"delta": arguments, "item_id": self.item_id, "output_index": self.index,
-                           "sequence_number": None, "type": "response.function_call_arguments.delta"})
+                self.emit(
+                    {
+                        "delta": arguments,
+                        "item_id": self.item_id,
+                        "output_index": self.index,
+                        "sequence_number": None,
+                        "type": "response.function_call_arguments.delta",
+                    }
+                )
 
     def move(self, state: str, call: dict[str, Any] | None) -> None:
         if state == self.state and (state == "content" or call["index"] == self.call["index"]):
@@ -263,43 +371,105 @@ class _Events:
         self.state = state
         if state == "content":
             self.item_id, self.text, self.logprobs = f"msg_{random_id()}", "", []
-            self.emit({"item": _message(self.item_id, [], "in_progress"), "output_index": self.index,
-                       "sequence_number": None, "type": "response.output_item.added"})
-            self.emit({"content_index": 0, "item_id": self.item_id, "output_index": self.index,
-                       "part": _text_part("", []), "sequence_number": None, "type": "response.content_part.added"})
+            self.emit(
+                {
+                    "item": _message(self.item_id, [], "in_progress"),
+                    "output_index": self.index,
+                    "sequence_number": None,
+                    "type": "response.output_item.added",
+                }
+            )
+            self.emit(
+                {
+                    "content_index": 0,
+                    "item_id": self.item_id,
+                    "output_index": self.index,
+                    "part": _text_part("", []),
+                    "sequence_number": None,
+                    "type": "response.content_part.added",
+                }
+            )
             return
         self.item_id = f"fc_{random_id()}"
-        self.call = {"index": call["index"], "id": call.get("id") or tool_call_id(),
-                     "name": call["function"]["name"], "arguments": ""}
-        self.emit({"item": _function_call(self.item_id, self.call["id"], self.call["name"], "", "in_progress"),
-                   "output_index": self.index, "sequence_number": None, "type": "response.output_item.added"})
+        self.call = {
+            "index": call["index"],
+            "id": call.get("id") or tool_call_id(),
+            "name": call["function"]["name"],
+            "arguments": "",
+        }
+        self.emit(
+            {
+                "item": _function_call(self.item_id, self.call["id"], self.call["name"], "", "in_progress"),
+                "output_index": self.index,
+                "sequence_number": None,
+                "type": "response.output_item.added",
+            }
+        )
 
     def _content(self, text: str, pos: int) -> None:
         entries = self.answer.logprobs(pos, pos + 1) if self.answer.request.wants_logprobs() else []
         self.text += text
         self.logprobs += [_logprob(e) for e in entries]
-        self.emit({"content_index": 0, "delta": text, "item_id": self.item_id,
-                   "logprobs": [_stream_logprob(e) for e in entries], "output_index": self.index,
-                   "sequence_number": None, "type": "response.output_text.delta"})
+        self.emit(
+            {
+                "content_index": 0,
+                "delta": text,
+                "item_id": self.item_id,
+                "logprobs": [_stream_logprob(e) for e in entries],
+                "output_index": self.index,
+                "sequence_number": None,
+                "type": "response.output_text.delta",
+            }
+        )
 
     def close(self, status: str) -> None:
         if self.state == "content":
             part = _text_part(self.text, self.logprobs or None)
             item = _message(self.item_id, [part] if self.text else [], status)
-            self.emit({"content_index": 0, "item_id": self.item_id, "logprobs": [], "output_index": self.index,
-                       "sequence_number": None, "text": self.text, "type": "response.output_text.done"})
-            self.emit({"content_index": 0, "item_id": self.item_id, "output_index": self.index, "part": part,
-                       "sequence_number": None, "type": "response.content_part.done"})
+            self.emit(
+                {
+                    "content_index": 0,
+                    "item_id": self.item_id,
+                    "logprobs": [],
+                    "output_index": self.index,
+                    "sequence_number": None,
+                    "text": self.text,
+                    "type": "response.output_text.done",
+                }
+            )
+            self.emit(
+                {
+                    "content_index": 0,
+                    "item_id": self.item_id,
+                    "output_index": self.index,
+                    "part": part,
+                    "sequence_number": None,
+                    "type": "response.content_part.done",
+                }
+            )
         elif self.state == "call":
             call = self.call
             item = _function_call(self.item_id, call["id"], call["name"], call["arguments"], status)
-            self.emit({"arguments": call["arguments"], "item_id": self.item_id, "output_index": self.index,
-                       "sequence_number": None, "type": "response.function_call_arguments.done",
-                       "name": call["name"]})
+            self.emit(
+                {
+                    "arguments": call["arguments"],
+                    "item_id": self.item_id,
+                    "output_index": self.index,
+                    "sequence_number": None,
+                    "type": "response.function_call_arguments.done",
+                    "name": call["name"],
+                }
+            )
         else:
             return
-        self.emit({"item": item, "output_index": self.index, "sequence_number": None,
-                   "type": "response.output_item.done"})
+        self.emit(
+            {
+                "item": item,
+                "output_index": self.index,
+                "sequence_number": None,
+                "type": "response.output_item.done",
+            }
+        )
         self.items.append(item)
         self.index += 1
         self.state = None

@@ -19,9 +19,14 @@ from pydantic import Field, field_validator, model_validator
 from inference.protocol import BadRequest, SamplingFields, invalid
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
-IncludeItem = Literal["code_interpreter_call.outputs", "computer_call_output.output.image_url",
-                      "file_search_call.results", "message.input_image.image_url", LOGPROBS_INCLUDE,
-                      "reasoning.encrypted_content"]
+IncludeItem = Literal[
+    "code_interpreter_call.outputs",
+    "computer_call_output.output.image_url",
+    "file_search_call.results",
+    "message.input_image.image_url",
+    LOGPROBS_INCLUDE,
+    "reasoning.encrypted_content",
+]
 
 
 class ResponsesRequest(SamplingFields):
@@ -67,11 +72,18 @@ class ResponsesRequest(SamplingFields):
     ignore_eos: bool = False
 
     # the chat fields SamplingFields checks that a Responses request does not have
-    NEUTRAL: ClassVar[dict[str, Any]] = {"presence_penalty": 0.0, "frequency_penalty": 0.0,
-                                         "repetition_penalty": 1.0, "min_p": 0.0, "ignore_eos": False}
+    NEUTRAL: ClassVar[dict[str, Any]] = {
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "repetition_penalty": 1.0,
+        "min_p": 0.0,
+        "ignore_eos": False,
+    }
 
     @model_validator(mode="after")
-    def _stream_options_need_stream(self) -> ResponsesRequest:  # replaces the chat check: no stream_options here
+    def _stream_options_need_stream(
+        self,
+    ) -> ResponsesRequest:  # replaces the chat check: no stream_options here
         return self
 
     @field_validator("prompt_cache_retention", mode="before")
@@ -100,7 +112,9 @@ class ResponsesRequest(SamplingFields):
             if choice in ("auto", "none"):
                 data = {**data, "tool_choice": "none"}
             elif choice == "required":
-                raise invalid("Tool choice 'required' must be specified with 'tools' parameter.", "tool_choice")
+                raise invalid(
+                    "Tool choice 'required' must be specified with 'tools' parameter.", "tool_choice"
+                )
             elif named:
                 raise invalid("Tool choice 'function' not found in 'tools' parameter.", "tool_choice")
         elif named and isinstance(tools, list):
@@ -114,15 +128,23 @@ class ResponsesRequest(SamplingFields):
         """What `rlgate serve` does not implement: a 400 rather than a silently different answer."""
         for tool in self.tools:
             if tool.get("type") != "function" or not isinstance(tool.get("name"), str):
-                raise BadRequest("rlgate serve supports function tools only ({\"type\": \"function\", \"name\", "
-                                 "\"parameters\", ...}).", param="tools")
+                raise BadRequest(
+                    'rlgate serve supports function tools only ({"type": "function", "name", '
+                    '"parameters", ...}).',
+                    param="tools",
+                )
         choice = self.tool_choice
         if isinstance(choice, dict) and choice.get("type") != "function":
-            raise BadRequest("rlgate serve supports tool_choice \"none\", \"auto\", \"required\" or "
-                             "{\"type\": \"function\", \"name\"} only.", param="tool_choice")
+            raise BadRequest(
+                'rlgate serve supports tool_choice "none", "auto", "required" or '
+                '{"type": "function", "name"} only.',
+                param="tool_choice",
+            )
         fmt = (self.text or {}).get("format")
         if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-            raise BadRequest("rlgate serve does not implement structured outputs (text.format).", param="text")
+            raise BadRequest(
+                "rlgate serve does not implement structured outputs (text.format).", param="text"
+            )
         return self
 
     def wants_logprobs(self) -> bool:
@@ -139,8 +161,9 @@ class ResponsesRequest(SamplingFields):
         if isinstance(self.input, str):
             return [*messages, {"role": "user", "content": self.input}]
         for item in self.input:
-            message = _chat_message(item, messages[-1] if messages and messages[-1].get("role") == "assistant"
-                                    else None)
+            message = _chat_message(
+                item, messages[-1] if messages and messages[-1].get("role") == "assistant" else None
+            )
             if message is not None:
                 messages.append(message)
         return messages
@@ -149,8 +172,10 @@ class ResponsesRequest(SamplingFields):
         """The flat Responses tools in chat form, for the chat template."""
         if not self.tools:
             return None
-        return [{"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
-                for tool in self.tools]
+        return [
+            {"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
+            for tool in self.tools
+        ]
 
 
 def _chat_message(item: dict[str, Any], assistant: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -160,8 +185,11 @@ def _chat_message(item: dict[str, Any], assistant: dict[str, Any] | None) -> dic
     if kind == "function_call":
         if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
             raise invalid("a function_call item needs string `call_id`, `name` and `arguments`", "input")
-        call = {"id": item["call_id"], "function": {"name": item["name"], "arguments": item["arguments"]},
-                "type": "function"}
+        call = {
+            "id": item["call_id"],
+            "function": {"name": item["name"], "arguments": item["arguments"]},
+            "type": "function",
+        }
         if assistant is not None and isinstance(assistant.get("tool_calls"), list):
             assistant["tool_calls"].append(call)
             return None
@@ -173,9 +201,15 @@ def _chat_message(item: dict[str, Any], assistant: dict[str, Any] | None) -> dic
         return {"role": "tool", "content": item.get("output"), "tool_call_id": item.get("call_id")}
     if item.get("role") == "assistant":
         content = item.get("content")
-        text = content if isinstance(content, str) else (
-            content[0].get("text") if isinstance(content, list) and content and isinstance(content[0], dict)
-            else None)
+        text = (
+            content
+            if isinstance(content, str)
+            else (
+                content[0].get("text")
+                if isinstance(content, list) and content and isinstance(content[0], dict)
+                else None
+            )
+        )
         if text is not None:
             if assistant is not None and assistant.get("content") is None:
                 assistant["content"] = text

@@ -66,7 +66,7 @@ class Scheduler:
             await self._wake.wait()
             if len(self._pending) < self.max_batch:
                 await asyncio.sleep(self.window_s)  # let the rest of a burst arrive
-            batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch:]
+            batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch :]
             if not self._pending:
                 self._wake.clear()
             batch = [p for p in batch if not p.future.cancelled()]
@@ -74,8 +74,9 @@ class Scheduler:
                 continue
             try:
                 async with self.lock:
-                    results = await asyncio.to_thread(self.engine.generate, [p.prompt for p in batch],
-                                                      [p.params for p in batch])
+                    results = await asyncio.to_thread(
+                        self.engine.generate, [p.prompt for p in batch], [p.params for p in batch]
+                    )
             except Exception as exc:  # a bad batch fails its requests, not the server
                 for pending in batch:
                     if not pending.future.done():

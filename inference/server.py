@@ -61,26 +61,45 @@ log = structlog.get_logger("rlgate.serve")
 async def _parse(request: Request, model_cls: type[BaseModel]) -> Any:
     """The body as `model_cls`, with vLLM's 400s for a wrong content type, bad JSON, or invalid fields."""
     if request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
-        raise BadRequest("1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed",
-                         type="Bad Request")
+        raise BadRequest(
+            "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed",
+            type="Bad Request",
+        )
     raw = await request.body()
     try:
         body = json.loads(raw)
-        orjson.dumps(body)  # what cannot be written back (echoed, logged) is refused here, not answered with 500
+        orjson.dumps(
+            body
+        )  # what cannot be written back (echoed, logged) is refused here, not answered with 500
     except orjson.JSONEncodeError as exc:  # lone UTF-16 surrogates, integers past 64 bits, nesting past 254
-        raise BadRequest(f"1 validation error:\n  the body cannot be encoded as JSON: {exc}", param="body",
-                         type="Bad Request") from exc
+        raise BadRequest(
+            f"1 validation error:\n  the body cannot be encoded as JSON: {exc}",
+            param="body",
+            type="Bad Request",
+        ) from exc
     except RecursionError as exc:
-        raise BadRequest("1 validation error:\n  the body is nested too deeply", param="body",
-                         type="Bad Request") from exc
+        raise BadRequest(
+            "1 validation error:\n  the body is nested too deeply", param="body", type="Bad Request"
+        ) from exc
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         pos = getattr(exc, "pos", 0)
-        raise BadRequest(f"1 validation error:\n  {{'type': 'json_invalid', 'loc': 'body.{pos}', 'msg': 'JSON decode "
-                         f"error', 'input': '<dict of 0 items>', 'ctx': {{'error': '{getattr(exc, 'msg', exc)}'}}}}",
-                         param=f"body.{pos}", type="Bad Request") from exc
+        raise BadRequest(
+            f"1 validation error:\n  {{'type': 'json_invalid', 'loc': 'body.{pos}', 'msg': 'JSON decode "
+            f"error', 'input': '<dict of 0 items>', 'ctx': {{'error': '{getattr(exc, 'msg', exc)}'}}}}",
+            param=f"body.{pos}",
+            type="Bad Request",
+        ) from exc
     if not isinstance(body, dict):
-        raise request_validation_error([{"type": "model_attributes_type", "loc": ("body",), "input": body,
-                                         "msg": "Input should be a valid dictionary or object to extract fields from"}])
+        raise request_validation_error(
+            [
+                {
+                    "type": "model_attributes_type",
+                    "loc": ("body",),
+                    "input": body,
+                    "msg": "Input should be a valid dictionary or object to extract fields from",
+                }
+            ]
+        )
     try:
         return model_cls.model_validate(body)
     except ValidationError as exc:
@@ -98,10 +117,19 @@ def _string_field(body: dict[str, Any], key: str, *, required: bool) -> str | No
     if isinstance(value, str) or (value is None and not required):
         return value
     if value is None:
-        raise request_validation_error([{"type": "missing", "loc": ("body", key), "msg": "Field required",
-                                         "input": None}])
-    raise request_validation_error([{"type": "string_type", "loc": ("body", key), "input": value,
-                                     "msg": "Input should be a valid string"}])
+        raise request_validation_error(
+            [{"type": "missing", "loc": ("body", key), "msg": "Field required", "input": None}]
+        )
+    raise request_validation_error(
+        [
+            {
+                "type": "string_type",
+                "loc": ("body", key),
+                "input": value,
+                "msg": "Input should be a valid string",
+            }
+        ]
+    )
 
 
 # -- Gated routes (inference.access): registered only when enabled, as vLLM registers them ------------
@@ -134,8 +162,9 @@ async def _optional_json(request: Request) -> dict[str, Any]:
 @lora_router.post("/v1/load_lora_adapter")
 async def load_lora_adapter(request: Request) -> Response:
     body = await _parse(request, LoadLoraAdapterRequest)
-    return PlainTextResponse(await _model(request).adapters.load(body.lora_name, body.lora_path,
-                                                                 bool(body.load_inplace)))
+    return PlainTextResponse(
+        await _model(request).adapters.load(body.lora_name, body.lora_path, bool(body.load_inplace))
+    )
 
 
 @lora_router.post("/v1/unload_lora_adapter")
@@ -187,7 +216,9 @@ async def update_weights(request: Request) -> Response:
 
 @rl_router.post("/finish_weight_update")
 async def finish_weight_update(request: Request) -> Response:
-    _model(request).weights.finish(_string_field(await _optional_json(request), "weight_version", required=False))
+    _model(request).weights.finish(
+        _string_field(await _optional_json(request), "weight_version", required=False)
+    )
     return _ok({"message": "Weight update finished"})
 
 
@@ -203,19 +234,30 @@ async def weight_info(request: Request) -> Response:
     return _ok({"weight_version": _model(request).weights.version})
 
 
-
-def build_app(model_dir: Path | str, *, served_model_name: str | None = None,
-              batch_window_s: float = 0.003, logprobs_mode: LogprobsMode = "raw_logprobs",
-              allow_runtime_lora_updating: bool = False, dev_mode: bool = False,
-              api_keys: list[str] | None = None, weights_root: Path | str | None = None) -> FastAPI:
+def build_app(
+    model_dir: Path | str,
+    *,
+    served_model_name: str | None = None,
+    batch_window_s: float = 0.003,
+    logprobs_mode: LogprobsMode = "raw_logprobs",
+    allow_runtime_lora_updating: bool = False,
+    dev_mode: bool = False,
+    api_keys: list[str] | None = None,
+    weights_root: Path | str | None = None,
+) -> FastAPI:
     """The FastAPI app of `rlgate serve` for the Hugging Face causal LM folder `model_dir` (float32, CPU).
     The model loads now; the scheduler starts with the app (lifespan). `logprobs_mode` is vLLM's
     `--logprobs-mode` (`inference.engine`), with vLLM's default. The gates (`inference.access`), all off by
     default: `allow_runtime_lora_updating` serves the LoRA routes, `dev_mode` the RL routes, `api_keys`
     requires one of them on `/v1`; adapters and weight files must lie under `weights_root` (default: the
     model folder's parent)."""
-    model = Model(Path(model_dir), served_model_name, batch_window_s, logprobs_mode,
-                  Path(weights_root) if weights_root is not None else None)
+    model = Model(
+        Path(model_dir),
+        served_model_name,
+        batch_window_s,
+        logprobs_mode,
+        Path(weights_root) if weights_root is not None else None,
+    )
     server = Server(model)
 
     @asynccontextmanager
@@ -231,25 +273,41 @@ def build_app(model_dir: Path | str, *, served_model_name: str | None = None,
     app.state.server = server
     openapi.install(app)  # request bodies as _parse validates them (inference.openapi)
     if allow_runtime_lora_updating:
-        log.warning("runtime LoRA loading and unloading is enabled", weights_root=str(model.weights_root.root))
+        log.warning(
+            "runtime LoRA loading and unloading is enabled", weights_root=str(model.weights_root.root)
+        )
         app.include_router(lora_router)
     if dev_mode:
-        log.warning("development (RL) routes are enabled: pause, weight updates, version",
-                    weights_root=str(model.weights_root.root))
+        log.warning(
+            "development (RL) routes are enabled: pause, weight updates, version",
+            weights_root=str(model.weights_root.root),
+        )
         app.include_router(rl_router)
     if tokens := [key for key in api_keys or [] if key]:
         app.add_middleware(ApiKeyMiddleware, tokens=tokens)
 
     @app.exception_handler(ServeError)
     async def serve_error(request: Request, exc: ServeError) -> Response:
-        return Response(orjson.dumps(exc.body()), status_code=exc.status, media_type="application/json",
-                        headers=exc.headers)
+        return Response(
+            orjson.dumps(exc.body()),
+            status_code=exc.status,
+            media_type="application/json",
+            headers=exc.headers,
+        )
 
     @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception) -> Response:  # vLLM's 500 body, never a bare text
+    async def internal_error(
+        request: Request, exc: Exception
+    ) -> Response:  # vLLM's 500 body, never a bare text
         log.error("request failed", path=request.url.path, exc_info=exc)
-        body = {"error": {"message": "Internal server error", "type": "InternalServerError", "param": None,
-                          "code": 500}}
+        body = {
+            "error": {
+                "message": "Internal server error",
+                "type": "InternalServerError",
+                "param": None,
+                "code": 500,
+            }
+        }
         return Response(orjson.dumps(body), status_code=500, media_type="application/json")
 
     @app.post("/v1/chat/completions")
@@ -282,13 +340,17 @@ def build_app(model_dir: Path | str, *, served_model_name: str | None = None,
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
-        return Response(orjson.dumps(server.tokenize(await _parse(request, TokenizeRequest))),
-                        media_type="application/json")
+        return Response(
+            orjson.dumps(server.tokenize(await _parse(request, TokenizeRequest))),
+            media_type="application/json",
+        )
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
-        return Response(orjson.dumps(server.detokenize(await _parse(request, DetokenizeRequest))),
-                        media_type="application/json")
+        return Response(
+            orjson.dumps(server.detokenize(await _parse(request, DetokenizeRequest))),
+            media_type="application/json",
+        )
 
     return app
 
@@ -311,13 +373,30 @@ async def _serve(app: FastAPI, host: str, port: int, announce: bool) -> None:
     await task
 
 
-def serve(model_dir: Path | str, host: str = "127.0.0.1", port: int = 8000, *, served_model_name: str | None = None,
-          batch_window_s: float = 0.003, logprobs_mode: LogprobsMode = "raw_logprobs", announce: bool = True,
-          allow_runtime_lora_updating: bool = False, dev_mode: bool = False, api_keys: list[str] | None = None,
-          weights_root: Path | str | None = None) -> None:
+def serve(
+    model_dir: Path | str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    *,
+    served_model_name: str | None = None,
+    batch_window_s: float = 0.003,
+    logprobs_mode: LogprobsMode = "raw_logprobs",
+    announce: bool = True,
+    allow_runtime_lora_updating: bool = False,
+    dev_mode: bool = False,
+    api_keys: list[str] | None = None,
+    weights_root: Path | str | None = None,
+) -> None:
     """Load the model and serve it until interrupted; prints `READY <port>` once listening (port 0 picks one).
     The gates are `build_app`'s."""
-    app = build_app(model_dir, served_model_name=served_model_name, batch_window_s=batch_window_s,
-                    logprobs_mode=logprobs_mode, allow_runtime_lora_updating=allow_runtime_lora_updating,
-                    dev_mode=dev_mode, api_keys=api_keys, weights_root=weights_root)
+    app = build_app(
+        model_dir,
+        served_model_name=served_model_name,
+        batch_window_s=batch_window_s,
+        logprobs_mode=logprobs_mode,
+        allow_runtime_lora_updating=allow_runtime_lora_updating,
+        dev_mode=dev_mode,
+        api_keys=api_keys,
+        weights_root=weights_root,
+    )
     asyncio.run(_serve(app, host, port, announce))

@@ -45,7 +45,11 @@ class ToolCall:
     arguments: str  # a JSON string, as the OpenAI API carries it
 
     def to_wire(self) -> dict:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
 
 
 def tool_call_id() -> str:
@@ -64,13 +68,16 @@ def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
             return text, []
         if not isinstance(call, dict) or not isinstance(call.get("name"), str) or "arguments" not in call:
             return text, []
-        calls.append(ToolCall(tool_call_id(), call["name"], json.dumps(call["arguments"], ensure_ascii=False)))
+        calls.append(
+            ToolCall(tool_call_id(), call["name"], json.dumps(call["arguments"], ensure_ascii=False))
+        )
     content = text[: text.find(TOOL_CALL_START)]
     return content or None, calls
 
 
-def chat_fields(text: str, tool_choice: str | dict[str, Any] | None, engine_finish: str
-                ) -> tuple[str | None, list[ToolCall], str]:
+def chat_fields(
+    text: str, tool_choice: str | dict[str, Any] | None, engine_finish: str
+) -> tuple[str | None, list[ToolCall], str]:
     """(content, tool calls, finish_reason) of a non-streaming chat choice. `tool_choice` is the request's
     after vLLM's defaulting ("auto" when tools are given without it, "none" without tools; None only when
     the client sent null)."""
@@ -121,7 +128,7 @@ class HermesStream:
         end = first if first >= 0 else len(self.text) - _overlap(self.text, TOOL_CALL_START)
         content = None
         if end > self.sent:
-            content, self.sent = self.text[self.sent:end], end
+            content, self.sent = self.text[self.sent : end], end
         deltas: list[dict[str, Any]] = []
         for j, (body, complete) in enumerate(self._blocks()):
             if j == len(self.names):
@@ -132,11 +139,17 @@ class HermesStream:
                 if match is None:
                     break  # call j+1 waits for call j's name
                 self.names[j] = match.group(1)
-                deltas.append({"id": tool_call_id(), "type": "function", "index": j,
-                               "function": {"name": match.group(1)}})
+                deltas.append(
+                    {
+                        "id": tool_call_id(),
+                        "type": "function",
+                        "index": j,
+                        "function": {"name": match.group(1)},
+                    }
+                )
             args = _arguments(body, complete)
             if args is not None and len(args) > len(self.args[j] or ""):
-                deltas.append({"index": j, "function": {"arguments": args[len(self.args[j] or ""):]}})
+                deltas.append({"index": j, "function": {"arguments": args[len(self.args[j] or "") :]}})
                 self.args[j] = args
         if finished and deltas and self.args and self.args[-1] is None:
             last = deltas[-1]["function"]
@@ -180,7 +193,7 @@ def _arguments(body: str, complete: bool) -> str | None:
     match = _ARGUMENTS.search(body)
     if match is None:
         return None
-    args = body[match.end():]
+    args = body[match.end() :]
     if complete:
         args = args.rstrip()
         if args.endswith("}"):

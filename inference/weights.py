@@ -65,9 +65,14 @@ class WeightUpdateConflict(ServeError):
 class WeightSync:
     """The pause gate in front of generation and the weight-update state machine of one model."""
 
-    def __init__(self, model: nn.Module, scheduler: Scheduler,
-                 queues: Callable[[], Iterable[Scheduler]] | None = None, *,
-                 root: WeightsRoot | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        scheduler: Scheduler,
+        queues: Callable[[], Iterable[Scheduler]] | None = None,
+        *,
+        root: WeightsRoot | None = None,
+    ) -> None:
         self.model = model
         self.root = root  # update_info's path must lie under it (None: no path is accepted)
         self.scheduler = scheduler  # the base model's: a weight copy waits for its running batch
@@ -126,15 +131,21 @@ class WeightSync:
 
     def init(self, init_info: dict[str, Any]) -> None:
         if init_info:
-            raise BadRequest(f"Invalid init_info for safetensors: unexpected {sorted(init_info)}", param="init_info")
+            raise BadRequest(
+                f"Invalid init_info for safetensors: unexpected {sorted(init_info)}", param="init_info"
+            )
         self.initialized = True
 
     def start(self) -> None:
         if not self.initialized:
-            raise WeightUpdateConflict("Weight transfer not configured: call /init_weight_transfer_engine first.")
+            raise WeightUpdateConflict(
+                "Weight transfer not configured: call /init_weight_transfer_engine first."
+            )
         if self.active:
-            raise WeightUpdateConflict("start_weight_update called while a weight update is already active. "
-                                       "Call finish_weight_update first.")
+            raise WeightUpdateConflict(
+                "start_weight_update called while a weight update is already active. "
+                "Call finish_weight_update first."
+            )
         self.active = True
 
     async def update(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> int:
@@ -143,7 +154,9 @@ class WeightSync:
             raise WeightUpdateConflict("start_weight_update must be called before update_weights.")
         if isinstance(update_info, list):  # one entry per worker rank in vLLM; this server is one worker
             if len(update_info) != 1:
-                raise BadRequest("this server has one worker: update_info must be one object", param="update_info")
+                raise BadRequest(
+                    "this server has one worker: update_info must be one object", param="update_info"
+                )
             update_info = update_info[0]
         try:
             tensors = await asyncio.to_thread(self._load, update_info)
@@ -152,8 +165,10 @@ class WeightSync:
                 if name not in params:
                     raise BadRequest(f"the model has no parameter {name!r}", param="update_info")
                 if tuple(tensor.shape) != tuple(params[name].shape):
-                    raise BadRequest(f"{name}: shape {tuple(tensor.shape)} != the model's "
-                                     f"{tuple(params[name].shape)}", param="update_info")
+                    raise BadRequest(
+                        f"{name}: shape {tuple(tensor.shape)} != the model's {tuple(params[name].shape)}",
+                        param="update_info",
+                    )
             async with self.scheduler.lock:  # between two batches
                 with torch.no_grad():
                     for name, tensor in tensors.items():
@@ -171,7 +186,7 @@ class WeightSync:
         path = update_info.get("path") if isinstance(update_info, dict) else None
         extra = set(update_info) - {"path"} if isinstance(update_info, dict) else set()
         if not isinstance(path, str) or extra:
-            raise BadRequest("update_info for safetensors is {\"path\": FILE}", param="update_info")
+            raise BadRequest('update_info for safetensors is {"path": FILE}', param="update_info")
         file = self.root.resolve(path) if self.root else None  # outside the root: the same as missing
         if file is None or not file.is_file():
             raise BadRequest(f"no safetensors file at {path}", param="update_info")

@@ -38,7 +38,9 @@ def _init_distributed(device: torch.device) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
+        )
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
@@ -49,20 +51,46 @@ def _init_distributed(device: torch.device) -> None:
 class DeepSpeedEngine:
     """Wraps `actor` in a DeepSpeed engine through OpenRLHF's strategy; the policy's optimizer interface."""
 
-    def __init__(self, actor: Actor, device: torch.device, *, zero_stage: int, learning_rate: float,
-                 weight_decay: float, max_grad_norm: float, seed: int) -> None:
+    def __init__(
+        self,
+        actor: Actor,
+        device: torch.device,
+        *,
+        zero_stage: int,
+        learning_rate: float,
+        weight_decay: float,
+        max_grad_norm: float,
+        seed: int,
+    ) -> None:
         from openrlhf.utils.deepspeed import DeepspeedStrategy
 
         _init_distributed(device)
         args = SimpleNamespace(
-            ds=SimpleNamespace(param_dtype="bf16" if device.type == "cuda" else "fp32", zero_stage=zero_stage,
-                               tensor_parallel_size=1, ring_attn_size=1),
-            train=SimpleNamespace(dynamic_batch_enable=True), local_rank=-1)
-        self.strategy = DeepspeedStrategy(seed=seed, max_norm=max_grad_norm, micro_train_batch_size=1,
-                                          train_batch_size=1, zero_stage=zero_stage, args=args)
-        cfg = {"optim": "adam", "adam": {"lr": learning_rate, "betas": (0.9, 0.999), "eps": 1e-8,
-                                         "weight_decay": weight_decay},
-               "lr_scheduler": "constant", "lr_warmup_ratio": 0.0, "scheduler_steps": 1, "max_norm": max_grad_norm}
+            ds=SimpleNamespace(
+                param_dtype="bf16" if device.type == "cuda" else "fp32",
+                zero_stage=zero_stage,
+                tensor_parallel_size=1,
+                ring_attn_size=1,
+            ),
+            train=SimpleNamespace(dynamic_batch_enable=True),
+            local_rank=-1,
+        )
+        self.strategy = DeepspeedStrategy(
+            seed=seed,
+            max_norm=max_grad_norm,
+            micro_train_batch_size=1,
+            train_batch_size=1,
+            zero_stage=zero_stage,
+            args=args,
+        )
+        cfg = {
+            "optim": "adam",
+            "adam": {"lr": learning_rate, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": weight_decay},
+            "lr_scheduler": "constant",
+            "lr_warmup_ratio": 0.0,
+            "scheduler_steps": 1,
+            "max_norm": max_grad_norm,
+        }
         self.actor, self.optimizer, self.scheduler = self.strategy.prepare((actor, cfg))
 
     @property

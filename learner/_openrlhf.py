@@ -32,7 +32,9 @@ def _index_first_axis(tensor: torch.Tensor, indices: torch.Tensor) -> torch.Tens
     return tensor[indices]
 
 
-def _unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor, unused_mask: torch.Tensor | None = None):
+def _unpad_input(
+    hidden_states: torch.Tensor, attention_mask: torch.Tensor, unused_mask: torch.Tensor | None = None
+):
     """[batch, seqlen, ...] -> ([nnz, ...], indices, cu_seqlens, max_seqlen, seqused): the tokens whose
     mask is set (or `unused_mask`), row-major, with the cumulative sequence lengths of each row."""
     mask = attention_mask.bool() if unused_mask is None else (attention_mask.bool() | unused_mask.bool())
@@ -82,8 +84,13 @@ def _flash_attn_padding() -> Iterator[None]:
 
     modules = {
         "flash_attn": _module("flash_attn"),
-        "flash_attn.bert_padding": _module("flash_attn.bert_padding", index_first_axis=_index_first_axis,
-                                           unpad_input=_unpad_input, pad_input=_pad_input, rearrange=rearrange),
+        "flash_attn.bert_padding": _module(
+            "flash_attn.bert_padding",
+            index_first_axis=_index_first_axis,
+            unpad_input=_unpad_input,
+            pad_input=_pad_input,
+            rearrange=rearrange,
+        ),
         "flash_attn.utils": _module("flash_attn.utils"),
         "flash_attn.utils.distributed": _module("flash_attn.utils.distributed", all_gather=_all_gather),
     }

@@ -45,8 +45,12 @@ class VllmNcclSender:
         world = httpx.get(f"{server_url}/get_world_size", params={"include_dp": True}, timeout=60)
         world.raise_for_status()
         self.client = HTTPVLLMWeightSyncClient(server_url)
-        init = NCCLTrainerInitInfo(master_address=master_address, master_port=master_port,
-                                   world_size=1 + int(world.json()["world_size"]), rank=0)
+        init = NCCLTrainerInitInfo(
+            master_address=master_address,
+            master_port=master_port,
+            world_size=1 + int(world.json()["world_size"]),
+            rank=0,
+        )
         self.engine = WeightTransferTrainerFactory.trainer_init(init, client=self.client, source=_Source())
 
     def send(self, weights: dict[str, torch.Tensor], version: str) -> None:
@@ -56,5 +60,6 @@ class VllmNcclSender:
             self.engine.send_weights()  # start_weight_update, update_weights + broadcast, finish_weight_update
         finally:
             self._round = {}
-        httpx.post(f"{self.server_url}/update_weight_version", json={"new_version": version},
-                   timeout=60).raise_for_status()
+        httpx.post(
+            f"{self.server_url}/update_weight_version", json={"new_version": version}, timeout=60
+        ).raise_for_status()

@@ -43,8 +43,9 @@ Over = Literal["episodes", "transitions"]
 EPS = 1e-9
 
 
-def group_advantages(returns: list[torch.Tensor], estimator: Estimator = "group_norm",
-                     over: Over = "episodes") -> list[torch.Tensor] | None:
+def group_advantages(
+    returns: list[torch.Tensor], estimator: Estimator = "group_norm", over: Over = "episodes"
+) -> list[torch.Tensor] | None:
     """Advantages for one group: one [T_e] tensor per episode (same shapes as `returns`), or None for a
     group with a single unit. Episodes without calls (T_e = 0) do not count as units."""
     returns = [g.to(torch.float64) for g in returns]

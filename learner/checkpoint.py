@@ -61,6 +61,8 @@ def load(output_dir: Path) -> Checkpoint | None:
     if not target.is_file():
         return None
     payload = torch.load(target, weights_only=True)
-    trained = [ClosedEpisode(entry_id, rollout_id, task_id, reward)
-               for entry_id, rollout_id, task_id, reward in payload["trained"]]
+    trained = [
+        ClosedEpisode(entry_id, rollout_id, task_id, reward)
+        for entry_id, rollout_id, task_id, reward in payload["trained"]
+    ]
     return Checkpoint(payload["step"], payload["version"], target.parent / payload["policy_dir"], trained)

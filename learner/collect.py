@@ -55,9 +55,18 @@ class Validation:
 
 
 class Collector:
-    def __init__(self, stream: ClosedEpisodes, consumer: str, *, tasks_per_step: int, rollouts_per_task: int,
-                 max_group_wait_s: float, singleton_groups: str, reclaim_idle_s: float = 300.0,
-                 success_threshold: float = 1.0) -> None:
+    def __init__(
+        self,
+        stream: ClosedEpisodes,
+        consumer: str,
+        *,
+        tasks_per_step: int,
+        rollouts_per_task: int,
+        max_group_wait_s: float,
+        singleton_groups: str,
+        reclaim_idle_s: float = 300.0,
+        success_threshold: float = 1.0,
+    ) -> None:
         self.stream = stream
         self.consumer = consumer
         self.tasks_per_step = tasks_per_step
@@ -90,7 +99,9 @@ class Collector:
             await self._add(await self.stream.read(self.consumer, count=512, block_ms=block_ms))
             if time.monotonic() - self._last_reclaim > min(30.0, self.reclaim_idle_s):
                 self._last_reclaim = time.monotonic()
-                await self._add(await self.stream.reclaim(self.consumer, int(self.reclaim_idle_s * 1000), 512))
+                await self._add(
+                    await self.stream.reclaim(self.consumer, int(self.reclaim_idle_s * 1000), 512)
+                )
 
     def waiting_episodes(self) -> int:
         return sum(len(g.episodes) for g in self.waiting.values())
@@ -117,13 +128,19 @@ class Collector:
     async def _take(self) -> list[Group]:
         now = time.monotonic()
         ordered = sorted(self.waiting.items(), key=lambda item: item[1].first_seen)
-        ready = [(k, g) for k, g in ordered
-                 if len(g.episodes) >= self.rollouts_per_task or (g.task_id is None and self.keep_singletons)]
+        ready = [
+            (k, g)
+            for k, g in ordered
+            if len(g.episodes) >= self.rollouts_per_task or (g.task_id is None and self.keep_singletons)
+        ]
         if len(ready) >= self.tasks_per_step:
             chosen = ready[: self.tasks_per_step]
         elif ordered and now - ordered[0][1].first_seen >= self.max_group_wait_s:
-            overdue = [(k, g) for k, g in ordered if now - g.first_seen >= self.max_group_wait_s
-                       and (k, g) not in ready]
+            overdue = [
+                (k, g)
+                for k, g in ordered
+                if now - g.first_seen >= self.max_group_wait_s and (k, g) not in ready
+            ]
             if not self.keep_singletons:  # alone after the wait: no baseline, dropped
                 for key in [k for k, g in overdue if len(g.episodes) == 1]:
                     await self._drop(self.waiting.pop(key))

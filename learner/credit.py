@@ -27,8 +27,13 @@ import torch
 CreditRule = Literal["identical", "discounted", "last_only"]
 
 
-def assign_credit(final_return: float, intermediate: torch.Tensor, rule: CreditRule = "identical",
-                  gamma: float = 1.0, add_intermediate: bool = False) -> torch.Tensor:
+def assign_credit(
+    final_return: float,
+    intermediate: torch.Tensor,
+    rule: CreditRule = "identical",
+    gamma: float = 1.0,
+    add_intermediate: bool = False,
+) -> torch.Tensor:
     """Per-call returns g, shape [T], float32.
 
     `intermediate` is [T] (0 where a call got no intermediate reward); it is only read when

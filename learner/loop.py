@@ -1,20 +1,20 @@
 """`rlgate learner`: the training loop, top to bottom.
 
-    resume?  -> re-push the checkpoint's version, acknowledge the episodes it trained
-    loop:
-      groups      <- the closed-episode stream (collect.Collector)
-      episodes    <- each claimed (a lease of 2 x reclaim_idle_s), then read with its calls; episodes
-                     already consumed are acknowledged, second copies dropped, non-finite rewards skipped
-      transitions <- credit per call, group advantages, filters (transitions.credited_transitions)
-      samples     <- transition or trajectory samples, micro-batches by token budget (samples)
-      check       <- once: the server's log-probs against the learner's (_check_logprobs; LogprobMismatch)
-      update      <- OpenRLHF's PolicyLoss on the Actor, epochs_per_step optimizer steps (policy.Policy)
-      renew       <- the claims, before the checkpoint
-      version += 1; checkpoint saved (weights, optimizer, step, version, trained entries)
-      push        <- policy-v{version} as a LoRA adapter (push.LoraPusher) or full weights through the
-                     weight-transfer phases (push.FullPusher); the policy pointer moves
-      ack         <- every episode of the step: consumed exactly once, XACK
-      log         <- one structlog line, TensorBoard scalars, a line of output_dir/steps.jsonl
+resume?  -> re-push the checkpoint's version, acknowledge the episodes it trained
+loop:
+  groups      <- the closed-episode stream (collect.Collector)
+  episodes    <- each claimed (a lease of 2 x reclaim_idle_s), then read with its calls; episodes
+                 already consumed are acknowledged, second copies dropped, non-finite rewards skipped
+  transitions <- credit per call, group advantages, filters (transitions.credited_transitions)
+  samples     <- transition or trajectory samples, micro-batches by token budget (samples)
+  check       <- once: the server's log-probs against the learner's (_check_logprobs; LogprobMismatch)
+  update      <- OpenRLHF's PolicyLoss on the Actor, epochs_per_step optimizer steps (policy.Policy)
+  renew       <- the claims, before the checkpoint
+  version += 1; checkpoint saved (weights, optimizer, step, version, trained entries)
+  push        <- policy-v{version} as a LoRA adapter (push.LoraPusher) or full weights through the
+                 weight-transfer phases (push.FullPusher); the policy pointer moves
+  ack         <- every episode of the step: consumed exactly once, XACK
+  log         <- one structlog line, TensorBoard scalars, a line of output_dir/steps.jsonl
 """
 
 from __future__ import annotations
@@ -58,11 +58,15 @@ class Learner:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.store = EpisodeStore.from_url(settings.redis_url, prefix=settings.key_prefix, timeout_s=10.0)
         self.stream = ClosedEpisodes(self.store, settings.group)
-        self.collector = Collector(self.stream, settings.consumer, tasks_per_step=settings.tasks_per_step,
-                                   rollouts_per_task=settings.rollouts_per_task,
-                                   max_group_wait_s=settings.max_group_wait_s,
-                                   singleton_groups=settings.singleton_groups,
-                                   success_threshold=settings.success_threshold)
+        self.collector = Collector(
+            self.stream,
+            settings.consumer,
+            tasks_per_step=settings.tasks_per_step,
+            rollouts_per_task=settings.rollouts_per_task,
+            max_group_wait_s=settings.max_group_wait_s,
+            singleton_groups=settings.singleton_groups,
+            success_threshold=settings.success_threshold,
+        )
         self.policy = Policy(settings)
         base_model = self.base_model = settings.served_model_name or str(settings.model)
         self.logprobs_checked = settings.logprob_check_tolerance <= 0
@@ -71,13 +75,21 @@ class Learner:
         self.pusher: LoraPusher | FullPusher
         api_key = settings.inference_api_key.get_secret_value() if settings.inference_api_key else None
         if settings.push == "lora":
-            self.pusher = LoraPusher(settings.inference_urls, self.output_dir / "adapters", self.store, base_model,
-                                     api_key=api_key)
+            self.pusher = LoraPusher(
+                settings.inference_urls, self.output_dir / "adapters", self.store, base_model, api_key=api_key
+            )
         else:
-            self.pusher = FullPusher(settings.inference_urls, self.output_dir / "weights", self.store, base_model,
-                                     settings.push_drain_s, transport=settings.push_transport,
-                                     nccl_address=settings.push_nccl_address, nccl_port=settings.push_nccl_port,
-                                     api_key=api_key)
+            self.pusher = FullPusher(
+                settings.inference_urls,
+                self.output_dir / "weights",
+                self.store,
+                base_model,
+                settings.push_drain_s,
+                transport=settings.push_transport,
+                nccl_address=settings.push_nccl_address,
+                nccl_port=settings.push_nccl_port,
+                api_key=api_key,
+            )
         self.step = 0
         self.version = 0
         self.writer = None
@@ -91,7 +103,9 @@ class Learner:
         if sys.stderr.isatty():  # a progress bar on a terminal; the log lines go on as they are
             from tqdm import tqdm
 
-            self.progress = tqdm(total=settings.max_steps or None, desc="learner", unit="step", file=sys.stderr)
+            self.progress = tqdm(
+                total=settings.max_steps or None, desc="learner", unit="step", file=sys.stderr
+            )
 
     async def run(self) -> None:
         try:
@@ -150,8 +164,12 @@ class Learner:
             except StoreUnavailable as exc:  # the step is trained: go on; the ack is the exactly-once point
                 log.warning("claim_renewal_failed", error=str(exc))
         if lost:
-            log.warning("claims_lost_during_step", episodes=lost, lease_s=self._lease_s,
-                        hint="the step ran longer than the lease: another learner may train these too")
+            log.warning(
+                "claims_lost_during_step",
+                episodes=lost,
+                lease_s=self._lease_s,
+                hint="the step ran longer than the lease: another learner may train these too",
+            )
         self.version += 1
         self.step += 1
         checkpoint.save(self.output_dir, self.step, self.version, self.policy, entries)
@@ -169,12 +187,15 @@ class Learner:
             "episodes": len(entries),
             "groups": len(views),
             "reward_mean": statistics.fmean(rewards) if rewards else math.nan,
-            "success_rate": sum(r >= s.success_threshold for r in rewards) / len(rewards) if rewards else math.nan,
+            "success_rate": sum(r >= s.success_threshold for r in rewards) / len(rewards)
+            if rewards
+            else math.nan,
             "val_episodes": val.episodes,
             "val_reward_mean": val.reward_sum / val.episodes if val.episodes else math.nan,
             "val_success_rate": val.successes / val.episodes if val.episodes else math.nan,
             "group_reward_std": statistics.fmean(
-                statistics.stdev([v.reward for v in g]) if len(g) > 1 else 0.0 for g in views),
+                statistics.stdev([v.reward for v in g]) if len(g) > 1 else 0.0 for g in views
+            ),
             "samples": stats.samples,
             "tokens": stats.tokens,
             "calls": counts["calls"],
@@ -200,8 +221,9 @@ class Learner:
         self._log(metrics)
         return metrics
 
-    async def _read_episodes(self, groups: list[Group]
-                             ) -> tuple[list[list[RolloutView]], list[ClosedEpisode], Counter]:
+    async def _read_episodes(
+        self, groups: list[Group]
+    ) -> tuple[list[list[RolloutView]], list[ClosedEpisode], Counter]:
         """The groups' rollouts with their calls, each claimed by this learner before it trains on it, so
         that an episode trains at most once per step and once ever:
 
@@ -239,8 +261,12 @@ class Learner:
                     counts["already_trained"] += 1
                     continue
                 if not _finite_rewards(view):
-                    log.warning("episode_skipped", rollout_id=view.rollout_id, problem="a reward is not finite "
-                                "in float32", reward=view.reward)
+                    log.warning(
+                        "episode_skipped",
+                        rollout_id=view.rollout_id,
+                        problem="a reward is not finite in float32",
+                        reward=view.reward,
+                    )
                     await self.stream.ack(entry)
                     counts["invalid_rewards"] += 1
                     continue
@@ -262,8 +288,10 @@ class Learner:
         s = self.settings
         fresh = [[t for t in episode if t.policy_version == self.version] for episode in per_episode]
         if s.logprobs_mode == "raw_logprobs":
-            fresh = [[dataclasses.replace(t, temperature=1.0, logit_bias=(), top_k=0, top_p=1.0) for t in ep]
-                     for ep in fresh]
+            fresh = [
+                [dataclasses.replace(t, temperature=1.0, logit_bias=(), top_k=0, top_p=1.0) for t in ep]
+                for ep in fresh
+            ]
         samples = build_samples(fresh, "transition")
         if not samples:
             return False
@@ -276,8 +304,14 @@ class Learner:
         if tokens == 0:  # only calls the server gave no log-probs for: nothing to compare yet
             return False
         mean_gap = gap / tokens
-        log.info("logprob_check", policy_version=self.version, tokens=int(tokens), mean_abs_gap=round(mean_gap, 6),
-                 tolerance=s.logprob_check_tolerance, logprobs_mode=s.logprobs_mode)
+        log.info(
+            "logprob_check",
+            policy_version=self.version,
+            tokens=int(tokens),
+            mean_abs_gap=round(mean_gap, 6),
+            tolerance=s.logprob_check_tolerance,
+            logprobs_mode=s.logprobs_mode,
+        )
         if mean_gap > s.logprob_check_tolerance:
             raise LogprobMismatch(
                 f"the inference server's log-probs differ from the learner's by {mean_gap:.3f} nats per token "
@@ -287,7 +321,8 @@ class Learner:
                 f"raw_logprobs: start it with --logprobs-mode processed_logprobs, or set the learner's "
                 f"logprobs_mode to the server's); or it serves other weights than the learner's (another "
                 f"model path, a different --served-model-name, a resumed learner whose adapter was not "
-                f"loaded). Set logprob_check_tolerance to 0 to skip this check.")
+                f"loaded). Set logprob_check_tolerance to 0 to skip this check."
+            )
         return True
 
     async def _ack(self, entries: list[ClosedEpisode]) -> None:
@@ -301,7 +336,9 @@ class Learner:
             self.progress.set_postfix_str(
                 f"v{metrics['policy_version']} reward {metrics['reward_mean']:.3f} "
                 f"success {metrics['success_rate']:.0%} {metrics['episodes_per_second']:.1f} episodes/s "
-                f"loss {metrics['loss']:.4f}", refresh=True)
+                f"loss {metrics['loss']:.4f}",
+                refresh=True,
+            )
         with (self.output_dir / "steps.jsonl").open("a") as f:
             f.write(json.dumps(metrics) + "\n")
         if self.writer is not None:

@@ -32,14 +32,23 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from learner._openrlhf import (
-    Actor, PolicyLoss, aggregate_loss, compute_approx_kl, log_probs_from_logits, masked_mean,
+    Actor,
+    PolicyLoss,
+    aggregate_loss,
+    compute_approx_kl,
+    log_probs_from_logits,
+    masked_mean,
 )
 from learner.samples import MicroBatch
 from learner.settings import LearnerSettings
 
 # OpenRLHF's named importance-correction schemes -> PolicyLoss(level, mode)
-IS_SCHEMES = {"off": ("off", "mask"), "tis": ("token", "clip"), "icepop": ("token", "mask"),
-              "seq-mask-tis": ("seq", "mask")}
+IS_SCHEMES = {
+    "off": ("off", "mask"),
+    "tis": ("token", "clip"),
+    "icepop": ("token", "mask"),
+    "seq-mask-tis": ("seq", "mask"),
+}
 
 
 @dataclass
@@ -129,8 +138,9 @@ class Policy:
         # a local folder, or a Hugging Face Hub id: taken from the Hugging Face cache (where vLLM downloads it
         # in compose), downloaded into it when missing (unless HF_HUB_OFFLINE=1)
         local = Path(settings.model).is_dir()
-        base = AutoModelForCausalLM.from_pretrained(str(settings.model), local_files_only=local, dtype=dtype,
-                                                    attn_implementation="sdpa")
+        base = AutoModelForCausalLM.from_pretrained(
+            str(settings.model), local_files_only=local, dtype=dtype, attn_implementation="sdpa"
+        )
         base.config.use_cache = False
         self.pad_token_id = base.config.pad_token_id if base.config.pad_token_id is not None else 0
         self.lora = settings.finetune == "lora"
@@ -139,9 +149,14 @@ class Policy:
             from peft import LoraConfig, TaskType, get_peft_model
 
             base.enable_input_require_grads()
-            config = LoraConfig(task_type=TaskType.CAUSAL_LM, r=settings.lora_rank,
-                                lora_alpha=settings.lora_alpha, target_modules=list(settings.lora_target_modules),
-                                lora_dropout=0.0, bias="none")
+            config = LoraConfig(
+                task_type=TaskType.CAUSAL_LM,
+                r=settings.lora_rank,
+                lora_alpha=settings.lora_alpha,
+                target_modules=list(settings.lora_target_modules),
+                lora_dropout=0.0,
+                bias="none",
+            )
             model = get_peft_model(base, config)
         else:
             model = base
@@ -157,21 +172,34 @@ class Policy:
         if settings.engine == "deepspeed":
             from learner._deepspeed import DeepSpeedEngine
 
-            self.deepspeed = DeepSpeedEngine(self.actor, self.device, zero_stage=settings.zero_stage,
-                                             learning_rate=settings.learning_rate,
-                                             weight_decay=settings.weight_decay,
-                                             max_grad_norm=settings.max_grad_norm, seed=settings.seed)
+            self.deepspeed = DeepSpeedEngine(
+                self.actor,
+                self.device,
+                zero_stage=settings.zero_stage,
+                learning_rate=settings.learning_rate,
+                weight_decay=settings.weight_decay,
+                max_grad_norm=settings.max_grad_norm,
+                seed=settings.seed,
+            )
             self.actor = self.deepspeed.actor  # its module is now the DeepSpeed engine
         else:
-            self.optimizer = torch.optim.AdamW(self.trainable, lr=settings.learning_rate,
-                                               weight_decay=settings.weight_decay)
+            self.optimizer = torch.optim.AdamW(
+                self.trainable, lr=settings.learning_rate, weight_decay=settings.weight_decay
+            )
         # raw_logprobs are not of the distribution sampled from: no importance correction against them
-        level, mode = IS_SCHEMES["off" if settings.logprobs_mode == "raw_logprobs" else settings.is_correction]
+        level, mode = IS_SCHEMES[
+            "off" if settings.logprobs_mode == "raw_logprobs" else settings.is_correction
+        ]
         self.loss_fn = PolicyLoss(
-            clip_eps_low=settings.clip_eps_low, clip_eps_high=settings.clip_eps_high,
-            dual_clip=settings.dual_clip, token_level_loss=settings.token_level_loss,
-            policy_loss_type=settings.policy_loss, is_correction_level=level, is_correction_mode=mode,
-            is_correction_threshold=[settings.is_threshold_low, settings.is_threshold_high])
+            clip_eps_low=settings.clip_eps_low,
+            clip_eps_high=settings.clip_eps_high,
+            dual_clip=settings.dual_clip,
+            token_level_loss=settings.token_level_loss,
+            policy_loss_type=settings.policy_loss,
+            is_correction_level=level,
+            is_correction_mode=mode,
+            is_correction_threshold=[settings.is_threshold_low, settings.is_threshold_high],
+        )
 
     @property
     def peft_model(self) -> Any:
@@ -179,8 +207,11 @@ class Policy:
         return getattr(self.actor.model, "module", self.actor.model)
 
     def _log_probs(self, batch: MicroBatch, actor: Actor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        output = (actor or self.actor)(batch.sequences.to(self.device),
-                                       attention_mask=batch.attention_mask.to(self.device), return_output=True)
+        output = (actor or self.actor)(
+            batch.sequences.to(self.device),
+            attention_mask=batch.attention_mask.to(self.device),
+            return_output=True,
+        )
         return processed_log_probs(output["logits"], batch)
 
     @torch.no_grad()
@@ -195,7 +226,9 @@ class Policy:
         with context:
             return self._log_probs(batch)[0]
 
-    def update(self, batches: list[MicroBatch], old_log_probs: list[torch.Tensor] | None = None) -> UpdateStats:
+    def update(
+        self, batches: list[MicroBatch], old_log_probs: list[torch.Tensor] | None = None
+    ) -> UpdateStats:
         """One optimizer step over `batches` (gradient accumulation). `old_log_probs` (per micro-batch) are
         the policy's log-probs before this step's first update; None means this is that first update and
         the current log-probs (detached) are the old ones."""
@@ -208,8 +241,19 @@ class Policy:
         self.actor.train()
         if self.deepspeed is None:
             self.optimizer.zero_grad(set_to_none=True)
-        sums = dict(loss=0.0, policy_loss=0.0, kl=0.0, clip=0.0, ppo_kl=0.0, rollout_kl=0.0, filt=0.0, entropy=0.0,
-                    w_mean=0.0, gap=0.0, outside=0.0)
+        sums = dict(
+            loss=0.0,
+            policy_loss=0.0,
+            kl=0.0,
+            clip=0.0,
+            ppo_kl=0.0,
+            rollout_kl=0.0,
+            filt=0.0,
+            entropy=0.0,
+            w_mean=0.0,
+            gap=0.0,
+            outside=0.0,
+        )
         w_max = 0.0
         for i, batch in enumerate(batches):
             mask = batch.action_mask.to(self.device)
@@ -220,17 +264,23 @@ class Policy:
             if bool(unknown.any()):
                 rollout_lp = torch.where(unknown, old, rollout_lp)
             policy_loss, clip_ratio, ppo_kl, rollout_kl, filtered = self.loss_fn(
-                log_probs, old, batch.advantages.to(self.device), action_mask=mask,
+                log_probs,
+                old,
+                batch.advantages.to(self.device),
+                action_mask=mask,
                 rollout_log_probs=rollout_lp,
-                batch_num_tokens=total_tokens, global_batch_size=total_samples)
+                batch_num_tokens=total_tokens,
+                global_batch_size=total_samples,
+            )
             loss = policy_loss
             if references is not None:
                 kl = compute_approx_kl(log_probs, references[i].to(self.device), kl_estimator=s.kl_estimator)
                 # as OpenRLHF's actor aggregates it (`ppo_actor.training_step`: aggregate_loss with the step's
                 # loss_batch_info and token_level_loss left at its default): a token mean over the step,
                 # whatever the policy loss's reduction
-                kl_loss = aggregate_loss(kl, mask, dp_size=1, batch_num_tokens=total_tokens,
-                                         global_batch_size=total_samples)
+                kl_loss = aggregate_loss(
+                    kl, mask, dp_size=1, batch_num_tokens=total_tokens, global_batch_size=total_samples
+                )
                 loss = loss + s.kl_coef * kl_loss
                 sums["kl"] += float(kl_loss.detach())
             if self.deepspeed is None:
@@ -246,15 +296,18 @@ class Policy:
                 sums["rollout_kl"] += float(rollout_kl) * share
                 sums["filt"] += float(filtered) * share
             else:
-                sums["rollout_kl"] += float(masked_mean(rollout_lp - log_probs.detach(),
-                                                        mask.float(), dim=None)) * share
+                sums["rollout_kl"] += (
+                    float(masked_mean(rollout_lp - log_probs.detach(), mask.float(), dim=None)) * share
+                )
             sums["entropy"] += masked_entropy(z, mask) * share
             if batch.num_actions:
                 log_w = (old - rollout_lp).detach()[mask]
                 w = log_w.exp()
                 sums["w_mean"] += float(w.sum()) / total_tokens
                 sums["gap"] += float(log_w.abs().sum()) / total_tokens
-                sums["outside"] += float(((w < s.is_threshold_low) | (w > s.is_threshold_high)).sum()) / total_tokens
+                sums["outside"] += (
+                    float(((w < s.is_threshold_low) | (w > s.is_threshold_high)).sum()) / total_tokens
+                )
                 w_max = max(w_max, float(w.max()))
         if self.deepspeed is not None:
             grad_norm = self.deepspeed.step()
@@ -262,16 +315,28 @@ class Policy:
             if s.max_grad_norm > 0:
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(self.trainable, s.max_grad_norm))
             else:
-                grad_norm = float(torch.norm(torch.stack([p.grad.norm() for p in self.trainable
-                                                          if p.grad is not None])))
+                grad_norm = float(
+                    torch.norm(torch.stack([p.grad.norm() for p in self.trainable if p.grad is not None]))
+                )
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        return UpdateStats(loss=sums["loss"], policy_loss=sums["policy_loss"], kl=sums["kl"],
-                           clip_ratio=sums["clip"], ppo_kl=sums["ppo_kl"], rollout_kl=sums["rollout_kl"],
-                           is_filter_ratio=sums["filt"], entropy=sums["entropy"], grad_norm=grad_norm,
-                           is_weight_mean=sums["w_mean"], is_weight_max=w_max, logprob_gap=sums["gap"],
-                           is_outside=sums["outside"],
-                           tokens=total_tokens, samples=total_samples)
+        return UpdateStats(
+            loss=sums["loss"],
+            policy_loss=sums["policy_loss"],
+            kl=sums["kl"],
+            clip_ratio=sums["clip"],
+            ppo_kl=sums["ppo_kl"],
+            rollout_kl=sums["rollout_kl"],
+            is_filter_ratio=sums["filt"],
+            entropy=sums["entropy"],
+            grad_norm=grad_norm,
+            is_weight_mean=sums["w_mean"],
+            is_weight_max=w_max,
+            logprob_gap=sums["gap"],
+            is_outside=sums["outside"],
+            tokens=total_tokens,
+            samples=total_samples,
+        )
 
     # -----------------------------------------------------------------------------------------------------
     # Saving and restoring
@@ -315,7 +380,9 @@ class Policy:
             self.deepspeed.save(directory)
             return
         trainable = {n: p.detach().clone() for n, p in self.actor.named_parameters() if p.requires_grad}
-        torch.save({"trainable": trainable, "optimizer": self.optimizer.state_dict()}, directory / "policy.pt")
+        torch.save(
+            {"trainable": trainable, "optimizer": self.optimizer.state_dict()}, directory / "policy.pt"
+        )
 
     def load(self, directory: Path) -> None:
         torch.set_rng_state(torch.load(directory / "rng.pt", weights_only=True)["torch_rng"])

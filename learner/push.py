@@ -49,8 +49,15 @@ def _auth(api_key: str | None) -> dict[str, str]:
 
 
 class LoraPusher:
-    def __init__(self, server_urls: list[str], adapters_dir: Path, store: EpisodeStore, base_model: str,
-                 timeout_s: float = 120.0, api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        server_urls: list[str],
+        adapters_dir: Path,
+        store: EpisodeStore,
+        base_model: str,
+        timeout_s: float = 120.0,
+        api_key: str | None = None,
+    ) -> None:
         self.headers = _auth(api_key)
         self.server_urls = [u.rstrip("/") for u in server_urls]
         self.adapters_dir = adapters_dir
@@ -69,20 +76,28 @@ class LoraPusher:
         policy.save_adapter(path)
         async with aiohttp.ClientSession(timeout=self.timeout, headers=self.headers) as session:
             for url in self.server_urls:
-                await _post(session, f"{url}/v1/load_lora_adapter",
-                                 {"lora_name": name, "lora_path": str(path), "load_inplace": True})
+                await _post(
+                    session,
+                    f"{url}/v1/load_lora_adapter",
+                    {"lora_name": name, "lora_path": str(path), "load_inplace": True},
+                )
             await self.store.set_policy(Policy(version=version, adapter=name, base_model=self.base_model))
             old = version - 2
             if old >= 1:
                 for url in self.server_urls:
-                    await _post(session, f"{url}/v1/unload_lora_adapter", {"lora_name": adapter_name(old)},
-                                     missing_ok=True)
+                    await _post(
+                        session,
+                        f"{url}/v1/unload_lora_adapter",
+                        {"lora_name": adapter_name(old)},
+                        missing_ok=True,
+                    )
                 shutil.rmtree(self.path(old), ignore_errors=True)
         return time.perf_counter() - t0
 
 
-
-async def _post(session: aiohttp.ClientSession, url: str, body: dict | None, missing_ok: bool = False) -> None:
+async def _post(
+    session: aiohttp.ClientSession, url: str, body: dict | None, missing_ok: bool = False
+) -> None:
     try:
         async with session.post(url, json=body) as response:
             text = await response.text()
@@ -112,9 +127,19 @@ class FullPusher:
     `/update_weights` and the version is set with `/update_weight_version`.
     """
 
-    def __init__(self, server_urls: list[str], weights_dir: Path, store: EpisodeStore, base_model: str,
-                 drain_s: float, timeout_s: float = 300.0, transport: str = "safetensors",
-                 nccl_address: str = "127.0.0.1", nccl_port: int = 29600, api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        server_urls: list[str],
+        weights_dir: Path,
+        store: EpisodeStore,
+        base_model: str,
+        drain_s: float,
+        timeout_s: float = 300.0,
+        transport: str = "safetensors",
+        nccl_address: str = "127.0.0.1",
+        nccl_port: int = 29600,
+        api_key: str | None = None,
+    ) -> None:
         self.headers = _auth(api_key)
         self.transport = transport
         self.nccl_address = nccl_address
@@ -148,8 +173,9 @@ class FullPusher:
                     if self.transport == "nccl":
                         from learner._vllm_nccl import VllmNcclSender
 
-                        self._senders[url] = await asyncio.to_thread(VllmNcclSender, url, self.nccl_address,
-                                                                     self.nccl_port + i)
+                        self._senders[url] = await asyncio.to_thread(
+                            VllmNcclSender, url, self.nccl_address, self.nccl_port + i
+                        )
                     else:
                         await _post(session, f"{url}/init_weight_transfer_engine", {"init_info": {}})
                     self.initialized.add(url)

@@ -83,9 +83,14 @@ def _new_sample(call: Transition) -> Sample:
 def _extend(sample: Sample, call: Transition) -> bool:
     """Append `call` to `sample` if its prompt continues the sample with the same processing."""
     n = len(sample.tokens)
-    if (call.temperature != sample.temperature or call.logit_bias != sample.logit_bias
-            or call.top_k != sample.top_k or call.top_p != sample.top_p
-            or len(call.prompt_ids) < n or tuple(sample.tokens) != call.prompt_ids[:n]):
+    if (
+        call.temperature != sample.temperature
+        or call.logit_bias != sample.logit_bias
+        or call.top_k != sample.top_k
+        or call.top_p != sample.top_p
+        or len(call.prompt_ids) < n
+        or tuple(sample.tokens) != call.prompt_ids[:n]
+    ):
         return False
     new_prompt = list(call.prompt_ids[n:])
     completion = list(call.completion_ids)
@@ -97,7 +102,9 @@ def _extend(sample: Sample, call: Transition) -> bool:
     return True
 
 
-def build_samples(episodes: Iterable[Sequence[Transition]], shape: SampleShape = "transition") -> list[Sample]:
+def build_samples(
+    episodes: Iterable[Sequence[Transition]], shape: SampleShape = "transition"
+) -> list[Sample]:
     """Samples from the trainable calls of each episode (in call order)."""
     if shape not in ("transition", "trajectory"):
         raise ValueError(f"unknown sample shape {shape!r}")
@@ -155,8 +162,9 @@ def collate(samples: Sequence[Sample], pad_token_id: int) -> MicroBatch:
     temperature = torch.tensor([s.temperature for s in samples], dtype=torch.float32)
     top_k = torch.tensor([s.top_k for s in samples], dtype=torch.long)
     top_p = torch.tensor([s.top_p for s in samples], dtype=torch.float32)
-    return MicroBatch(sequences, attention, action, advantages, rollout, temperature, bias, list(samples),
-                      top_k, top_p)
+    return MicroBatch(
+        sequences, attention, action, advantages, rollout, temperature, bias, list(samples), top_k, top_p
+    )
 
 
 def micro_batches(samples: Sequence[Sample], token_budget: int, pad_token_id: int) -> list[MicroBatch]:

@@ -18,81 +18,135 @@ class LearnerSettings(SharedSettings):
     # Where episodes come from and where weights go
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="The episode store.")
     key_prefix: str = Field("rlgate", description="The store's key prefix (as the gateway's).")
-    consumer: str = Field("learner-0", description="This learner's name in the consumer group; keep it "
-                          "stable across restarts, so a restarted learner takes back its own pending episodes.")
+    consumer: str = Field(
+        "learner-0",
+        description="This learner's name in the consumer group; keep it "
+        "stable across restarts, so a restarted learner takes back its own pending episodes.",
+    )
     group: str = Field("learners", description="The consumer group of the closed-episode stream.")
-    model: Path = Field(Path("model"), description="The base policy: a local Hugging Face folder, or a Hub id (e.g. "
-                       "Qwen/Qwen2.5-1.5B-Instruct) taken from the Hugging Face cache and downloaded there when "
-                       "missing.")
+    model: Path = Field(
+        Path("model"),
+        description="The base policy: a local Hugging Face folder, or a Hub id (e.g. "
+        "Qwen/Qwen2.5-1.5B-Instruct) taken from the Hugging Face cache and downloaded there when "
+        "missing.",
+    )
     served_model_name: str | None = Field(
-        None, description="The name the inference servers serve the base model under (what agents ask "
-        "for); default: the model path, as vLLM names it.")
+        None,
+        description="The name the inference servers serve the base model under (what agents ask "
+        "for); default: the model path, as vLLM names it.",
+    )
     inference_urls: list[str] = Field(
         ["http://127.0.0.1:8000"],
-        description="Every inference server's base URL (no /v1); adapters are loaded on each.")
+        description="Every inference server's base URL (no /v1); adapters are loaded on each.",
+    )
     inference_api_key: SecretStr | None = Field(
-        None, description="The inference servers' --api-key (vLLM and rlgate serve guard /v1 with it, the LoRA "
-        "routes included).")
-    output_dir: Path = Field(Path("learner_output"), description="Adapters, checkpoints and TensorBoard "
-                             "logs. The inference servers must read adapters from the same paths.")
+        None,
+        description="The inference servers' --api-key (vLLM and rlgate serve guard /v1 with it, the LoRA "
+        "routes included).",
+    )
+    output_dir: Path = Field(
+        Path("learner_output"),
+        description="Adapters, checkpoints and TensorBoard "
+        "logs. The inference servers must read adapters from the same paths.",
+    )
     push: Literal["lora", "full"] = Field(
-        "lora", description="How weights reach the inference servers: lora saves the adapter and loads it as "
+        "lora",
+        description="How weights reach the inference servers: lora saves the adapter and loads it as "
         "policy-v{N}; full sends the whole (merged) weights through vLLM's weight-transfer phases, with "
-        "the gateways drained and the servers paused meanwhile.")
+        "the gateways drained and the servers paused meanwhile.",
+    )
     push_transport: Literal["safetensors", "nccl"] = Field(
-        "safetensors", description="Full push: a safetensors file the servers read (rlgate serve; the servers "
-        "must see output_dir), or NCCL through vLLM's trainer-side client (vLLM on GPUs; not run yet).")
-    push_nccl_address: str = Field("127.0.0.1", description="NCCL transport: this learner's address as the "
-                                   "vLLM workers reach it.")
-    push_nccl_port: int = Field(29600, description="NCCL transport: the first rendezvous port (one per server).")
+        "safetensors",
+        description="Full push: a safetensors file the servers read (rlgate serve; the servers "
+        "must see output_dir), or NCCL through vLLM's trainer-side client (vLLM on GPUs; not run yet).",
+    )
+    push_nccl_address: str = Field(
+        "127.0.0.1", description="NCCL transport: this learner's address as the vLLM workers reach it."
+    )
+    push_nccl_port: int = Field(
+        29600, description="NCCL transport: the first rendezvous port (one per server)."
+    )
     finetune: Literal["lora", "full"] = Field("lora", description="Train a LoRA adapter, or every weight.")
-    push_drain_s: float = Field(0.5, ge=0, description="Full push: how long to wait after telling the "
-                                "gateways to hold new calls (at least twice their RLGATE_POLICY_POLL_S).")
-    resume: bool = Field(True, description="Continue from the last checkpoint in output_dir when there is one "
-                         "(its weights, optimizer, step and version; it re-pushes that version). --no-resume "
-                         "starts fresh from the base weights at version 0.")
+    push_drain_s: float = Field(
+        0.5,
+        ge=0,
+        description="Full push: how long to wait after telling the "
+        "gateways to hold new calls (at least twice their RLGATE_POLICY_POLL_S).",
+    )
+    resume: bool = Field(
+        True,
+        description="Continue from the last checkpoint in output_dir when there is one "
+        "(its weights, optimizer, step and version; it re-pushes that version). --no-resume "
+        "starts fresh from the base weights at version 0.",
+    )
 
     # Steps and groups
     tasks_per_step: int = Field(8, ge=1, description="Task groups per training step.")
     rollouts_per_task: int = Field(8, ge=1, description="Closed episodes a task needs to form its group.")
-    max_group_wait_s: float = Field(60.0, gt=0, description="An incomplete group trains after waiting this "
-                                    "long if it has at least two episodes.")
+    max_group_wait_s: float = Field(
+        60.0,
+        gt=0,
+        description="An incomplete group trains after waiting this long if it has at least two episodes.",
+    )
     singleton_groups: Literal["drop", "keep"] = Field(
-        "drop", description="A group of one episode (no task id, or alone after the wait) has no baseline: "
-        "drop it (acknowledged, counted) or keep it with advantage = its return.")
-    success_threshold: float = Field(1.0, description="An episode counts as a success in the logs when "
-                                     "its return is at least this.")
+        "drop",
+        description="A group of one episode (no task id, or alone after the wait) has no baseline: "
+        "drop it (acknowledged, counted) or keep it with advantage = its return.",
+    )
+    success_threshold: float = Field(
+        1.0, description="An episode counts as a success in the logs when its return is at least this."
+    )
     max_steps: int = Field(0, ge=0, description="Stop after this many steps (0: run until stopped).")
 
     # Credit and advantages
-    train_agents: list[str] = Field(default_factory=list, description="Only these agents' calls are "
-                                    "trained (X-Agent-Name); empty: all. Others still count for the return.")
+    train_agents: list[str] = Field(
+        default_factory=list,
+        description="Only these agents' calls are "
+        "trained (X-Agent-Name); empty: all. Others still count for the return.",
+    )
     credit: Literal["identical", "discounted", "last_only"] = "identical"
     gamma: float = Field(1.0, ge=0, le=1)
-    intermediate_rewards: bool = Field(False, description="Add the returns-to-go of per-call rewards "
-                                       "(webhook and automatic) to each call's credit.")
+    intermediate_rewards: bool = Field(
+        False,
+        description="Add the returns-to-go of per-call rewards "
+        "(webhook and automatic) to each call's credit.",
+    )
     estimator: Literal["group_norm", "rloo", "reinforce_baseline", "dr_grpo"] = "group_norm"
     stats_over: Literal["episodes", "transitions"] = "episodes"
     sample_shape: Literal["transition", "trajectory"] = "transition"
-    max_staleness: int = Field(4, ge=0, description="Calls served by a policy more than this many versions "
-                               "older than the one being trained are dropped.")
+    max_staleness: int = Field(
+        4,
+        ge=0,
+        description="Calls served by a policy more than this many versions "
+        "older than the one being trained are dropped.",
+    )
     logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = Field(
-        "processed_logprobs", description="What the inference servers' log-probs are (vLLM's --logprobs-mode; "
+        "processed_logprobs",
+        description="What the inference servers' log-probs are (vLLM's --logprobs-mode; "
         "vLLM defaults to raw_logprobs). processed_logprobs: of the distribution sampled from (after "
         "logit_bias and temperature), what the importance correction needs. raw_logprobs: of the raw "
-        "logits; the importance correction against them is turned off (is_correction is ignored).")
+        "logits; the importance correction against them is turned off (is_correction is ignored).",
+    )
     logprob_check_tolerance: float = Field(
-        0.5, ge=0, description="On the first step with calls served by the learner's current weights, the "
+        0.5,
+        ge=0,
+        description="On the first step with calls served by the learner's current weights, the "
         "learner recomputes their log-probs; a mean absolute gap above this (nats per token) stops it with "
-        "an error naming the likely cause (0: no check).")
-    default_temperature: float = Field(1.0, gt=0, description="The temperature a call was sampled with "
-                                       "when its request named none (the server's default).")
+        "an error naming the likely cause (0: no check).",
+    )
+    default_temperature: float = Field(
+        1.0,
+        gt=0,
+        description="The temperature a call was sampled with "
+        "when its request named none (the server's default).",
+    )
 
     # The update
     lora_rank: int = Field(8, ge=1)
     lora_alpha: int = Field(16, ge=1)
     lora_target_modules: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
     learning_rate: float = Field(5e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping (0: off).")
@@ -106,15 +160,21 @@ class LearnerSettings(SharedSettings):
     kl_coef: float = Field(0.0, ge=0, description="KL penalty against the frozen base policy (0: none).")
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     is_correction: Literal["off", "tis", "icepop", "seq-mask-tis"] = Field(
-        "tis", description="Importance correction against the rollout log-probs (OpenRLHF's options).")
+        "tis", description="Importance correction against the rollout log-probs (OpenRLHF's options)."
+    )
     is_threshold_low: float = 0.5
     is_threshold_high: float = 5.0
     engine: Literal["torch", "deepspeed"] = Field(
-        "torch", description="torch: AdamW in this process; deepspeed: OpenRLHF's DeepspeedStrategy (ZeRO "
-        "stage `zero_stage`, gloo on a CPU, nccl on a GPU; one process).")
+        "torch",
+        description="torch: AdamW in this process; deepspeed: OpenRLHF's DeepspeedStrategy (ZeRO "
+        "stage `zero_stage`, gloo on a CPU, nccl on a GPU; one process).",
+    )
     zero_stage: int = Field(1, ge=0, le=3, description="DeepSpeed ZeRO stage (engine=deepspeed).")
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the policy trains (auto: cuda "
-                                                   "if available); bf16 weights on a GPU, float32 on the CPU.")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto",
+        description="Where the policy trains (auto: cuda "
+        "if available); bf16 weights on a GPU, float32 on the CPU.",
+    )
     seed: int = 0
     threads: int = Field(0, ge=0, description="torch threads (0: torch's default).")
     tensorboard: bool = True

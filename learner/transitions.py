@@ -18,9 +18,8 @@ Per group (all episodes of one task in the step):
 
 from __future__ import annotations
 
-import math
-
 import dataclasses
+import math
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -35,8 +34,9 @@ from learner.samples import Transition
 from learner.settings import LearnerSettings
 
 
-def sampling_processing(request: dict[str, Any], default_temperature: float
-                        ) -> tuple[float, tuple[tuple[int, float], ...], int, float]:
+def sampling_processing(
+    request: dict[str, Any], default_temperature: float
+) -> tuple[float, tuple[tuple[int, float], ...], int, float]:
     """(temperature, logit_bias, top_k, top_p) the server applied to a call, from the request the agent
     sent. A temperature of 0 (greedy) reports log-probs of the unscaled, untruncated logits, i.e.
     temperature 1, no top-k, no top-p; temperatures in (0, 0.01) are raised to 0.01, as vLLM does."""
@@ -54,8 +54,12 @@ def sampling_processing(request: dict[str, Any], default_temperature: float
     return temperature, pairs, top_k, top_p
 
 
-def credited_transitions(groups: Sequence[Sequence[RolloutView]], settings: LearnerSettings, version: int,
-                         base_model: str | None = None) -> tuple[list[list[Transition]], Counter]:
+def credited_transitions(
+    groups: Sequence[Sequence[RolloutView]],
+    settings: LearnerSettings,
+    version: int,
+    base_model: str | None = None,
+) -> tuple[list[list[Transition]], Counter]:
     """Per episode, its trainable calls as transitions (episodes in group order). Also counts what was
     kept and dropped: calls, trained, failed, other_model, other_agent, stale, singleton_episodes.
     `base_model` is the name the servers serve the trained policy under (None: any model counts)."""
@@ -64,10 +68,18 @@ def credited_transitions(groups: Sequence[Sequence[RolloutView]], settings: Lear
     for views in groups:
         returns = []
         for view in views:
-            rewards = torch.tensor([(c.reward or 0.0) + (c.air_reward or 0.0) for c in view.calls],
-                                   dtype=torch.float32)
-            returns.append(assign_credit(float(view.reward), rewards, settings.credit, settings.gamma,
-                                         settings.intermediate_rewards))
+            rewards = torch.tensor(
+                [(c.reward or 0.0) + (c.air_reward or 0.0) for c in view.calls], dtype=torch.float32
+            )
+            returns.append(
+                assign_credit(
+                    float(view.reward),
+                    rewards,
+                    settings.credit,
+                    settings.gamma,
+                    settings.intermediate_rewards,
+                )
+            )
         advantages = group_advantages(returns, settings.estimator, settings.stats_over)
         if advantages is None:
             if settings.singleton_groups != "keep":
@@ -82,16 +94,28 @@ def credited_transitions(groups: Sequence[Sequence[RolloutView]], settings: Lear
                 if reason:
                     counts[reason] += 1
                     continue
-                temperature, bias, top_k, top_p = sampling_processing(call.request,
-                                                                      settings.default_temperature)
-                episode.append(Transition(
-                    rollout_id=view.rollout_id, index=call.index, prompt_ids=tuple(call.prompt_token_ids),
-                    completion_ids=tuple(call.completion_token_ids),
-                    rollout_logprobs=(tuple(call.completion_logprobs) if call.completion_logprobs is not None
-                                      else (math.nan,) * len(call.completion_token_ids)),  # see `trainable`
-                    advantage=a,
-                    policy_version=call.policy_version, temperature=temperature, logit_bias=bias,
-                    top_k=top_k, top_p=top_p))
+                temperature, bias, top_k, top_p = sampling_processing(
+                    call.request, settings.default_temperature
+                )
+                episode.append(
+                    Transition(
+                        rollout_id=view.rollout_id,
+                        index=call.index,
+                        prompt_ids=tuple(call.prompt_token_ids),
+                        completion_ids=tuple(call.completion_token_ids),
+                        rollout_logprobs=(
+                            tuple(call.completion_logprobs)
+                            if call.completion_logprobs is not None
+                            else (math.nan,) * len(call.completion_token_ids)
+                        ),  # see `trainable`
+                        advantage=a,
+                        policy_version=call.policy_version,
+                        temperature=temperature,
+                        logit_bias=bias,
+                        top_k=top_k,
+                        top_p=top_p,
+                    )
+                )
                 counts["trained"] += 1
                 counts["no_server_logprobs"] += call.completion_logprobs is None
                 counts["staleness_sum"] += version - call.policy_version
@@ -99,10 +123,15 @@ def credited_transitions(groups: Sequence[Sequence[RolloutView]], settings: Lear
     if settings.estimator == "reinforce_baseline":
         kept = [t for episode in out for t in episode]
         if kept:
-            whitened = iter(whiten([torch.tensor([t.advantage]) for t in kept],
-                                   [torch.tensor([len(t.completion_ids)]) for t in kept]))
-            out = [[dataclasses.replace(t, advantage=float(next(whitened))) for t in episode]
-                   for episode in out]
+            whitened = iter(
+                whiten(
+                    [torch.tensor([t.advantage]) for t in kept],
+                    [torch.tensor([len(t.completion_ids)]) for t in kept],
+                )
+            )
+            out = [
+                [dataclasses.replace(t, advantage=float(next(whitened))) for t in episode] for episode in out
+            ]
     return out, counts
 
 
@@ -112,7 +141,9 @@ def is_policy_model(model: str | None, base_model: str | None) -> bool:
     return model is None or base_model is None or model == base_model or bool(ADAPTER_NAME.fullmatch(model))
 
 
-def _skip_reason(call: IndexedCall, settings: LearnerSettings, version: int, base_model: str | None) -> str | None:
+def _skip_reason(
+    call: IndexedCall, settings: LearnerSettings, version: int, base_model: str | None
+) -> str | None:
     if not call.trainable:
         return "failed"
     if not is_policy_model(call.model, base_model):

@@ -63,12 +63,24 @@ def build_agl_router(store: EpisodeStore, settings: RewardSettings) -> APIRouter
     lifecycle = EpisodeLifecycle(store)
 
     body_schema = EventPost.model_json_schema()
-    extra = {"requestBody": {"required": False, "content": {"application/json": {"schema": body_schema}}},
-             "parameters": [{"name": "x-api-key", "in": "header", "required": False, "schema": {"type": "string"},
-                             "description": "An agent credential (instead of Authorization: Bearer)."}]}
+    extra = {
+        "requestBody": {"required": False, "content": {"application/json": {"schema": body_schema}}},
+        "parameters": [
+            {
+                "name": "x-api-key",
+                "in": "header",
+                "required": False,
+                "schema": {"type": "string"},
+                "description": "An agent credential (instead of Authorization: Bearer).",
+            }
+        ],
+    }
 
-    @router.post("/api/rollouts/{rollout_id}/attempt/{attempt_id}/events", openapi_extra=extra,
-                 response_model=EventAccepted)
+    @router.post(
+        "/api/rollouts/{rollout_id}/attempt/{attempt_id}/events",
+        openapi_extra=extra,
+        response_model=EventAccepted,
+    )
     async def post_event(rollout_id: str, attempt_id: str, request: Request) -> Response:
         raw = await request.body()
         try:
@@ -89,9 +101,12 @@ def build_agl_router(store: EpisodeStore, settings: RewardSettings) -> APIRouter
         credential = getattr(request.state, "credential", "operator")  # the control port: operator only
         if body.event_type == "reward":
             if credential != "operator" and not settings.agent_rewards:
-                raise errors.Forbidden("this gateway takes rewards from the operator only: an agent that grades "
-                                       "itself can post any reward (turn on RLGATE_AGENT_REWARDS to accept "
-                                       "Agent Lightning's self-reported rewards)", code="agent_rewards_off")
+                raise errors.Forbidden(
+                    "this gateway takes rewards from the operator only: an agent that grades "
+                    "itself can post any reward (turn on RLGATE_AGENT_REWARDS to accept "
+                    "Agent Lightning's self-reported rewards)",
+                    code="agent_rewards_off",
+                )
             value = body.data.get("value")
             try:
                 reward = check_reward(value, settings.max_abs_reward, "data.value")
@@ -101,7 +116,9 @@ def build_agl_router(store: EpisodeStore, settings: RewardSettings) -> APIRouter
             with _store_errors():
                 if index is None:
                     details = {k: v for k, v in body.data.items() if k != "value"}
-                    source = "agent_event" if credential == "agent" else "operator_event"  # never the agent's say
+                    source = (
+                        "agent_event" if credential == "agent" else "operator_event"
+                    )  # never the agent's say
                     try:
                         await lifecycle.close(episode, reward, {**details, "source": source})
                     except ValueError as exc:  # details that cannot be stored as JSON
@@ -109,24 +126,33 @@ def build_agl_router(store: EpisodeStore, settings: RewardSettings) -> APIRouter
                 elif isinstance(index, int) and not isinstance(index, bool) and index >= 0:
                     await lifecycle.set_call_reward(episode, index, reward)
                 else:
-                    raise errors.Unprocessable("data.call_index must be a call's index (an integer >= 0)",
-                                               param="data.call_index")
+                    raise errors.Unprocessable(
+                        "data.call_index must be a call's index (an integer >= 0)", param="data.call_index"
+                    )
         else:
-            event = RolloutEvent(event_type=body.event_type, attempt_id=attempt_id, timestamp=now, data=body.data)
+            event = RolloutEvent(
+                event_type=body.event_type, attempt_id=attempt_id, timestamp=now, data=body.data
+            )
             try:
                 size = len(event.model_dump_json())
             except ValueError as exc:
                 raise errors.Unprocessable(f"data cannot be stored as JSON: {exc}", param="data") from exc
             if size > episodes.EVENT_MAX_BYTES:
-                raise errors.Unprocessable(f"the event is {size} bytes of JSON; at most {episodes.EVENT_MAX_BYTES}",
-                                           param="data")
+                raise errors.Unprocessable(
+                    f"the event is {size} bytes of JSON; at most {episodes.EVENT_MAX_BYTES}", param="data"
+                )
             with _store_errors():
                 try:
                     await store.append_event(episode, event)
                 except episodes.RolloutFull as exc:
                     raise errors.Conflict(str(exc), code="rollout_full") from exc
-        answer = {"event_type": body.event_type, "rollout_id": rollout_id, "attempt_id": attempt_id,
-                  "timestamp": now, "data": body.data}
+        answer = {
+            "event_type": body.event_type,
+            "rollout_id": rollout_id,
+            "attempt_id": attempt_id,
+            "timestamp": now,
+            "data": body.data,
+        }
         return Response(orjson.dumps(answer), media_type="application/json")
 
     return router

@@ -44,9 +44,13 @@ class WebhookAuth:
     """Reads and authenticates a webhook request. Without a secret and without `is_operator`, every
     request passes (the open development mode)."""
 
-    def __init__(self, settings: RewardSettings, is_operator: Callable[[str | None], bool] | None = None) -> None:
+    def __init__(
+        self, settings: RewardSettings, is_operator: Callable[[str | None], bool] | None = None
+    ) -> None:
         settings.check_webhook_secret()  # an empty or short secret: refused before anything is served
-        self.secret = settings.webhook_secret.get_secret_value() if settings.webhook_secret is not None else None
+        self.secret = (
+            settings.webhook_secret.get_secret_value() if settings.webhook_secret is not None else None
+        )
         self.tolerance_s = settings.webhook_tolerance_s
         self.is_operator = is_operator
 
@@ -57,12 +61,21 @@ class WebhookAuth:
         if self.is_operator is not None and self.is_operator(request.headers.get("authorization")):
             return body
         if self.secret is None and self.is_operator is not None:
-            raise errors.Unauthorized("this route needs the operator token or a webhook signature, and no "
-                                      "webhook secret is configured", code="missing_operator_token")
+            raise errors.Unauthorized(
+                "this route needs the operator token or a webhook signature, and no "
+                "webhook secret is configured",
+                code="missing_operator_token",
+            )
         if self.secret is not None:
             try:
-                request.state.webhook_id = signing.verify(self.secret, request.method, request_path(request),
-                                                          body, request.headers, tolerance_s=self.tolerance_s)
+                request.state.webhook_id = signing.verify(
+                    self.secret,
+                    request.method,
+                    request_path(request),
+                    body,
+                    request.headers,
+                    tolerance_s=self.tolerance_s,
+                )
             except signing.SignatureError as exc:
                 raise errors.Unauthorized(str(exc), code=exc.code) from exc
         return body

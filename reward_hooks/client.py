@@ -22,16 +22,27 @@ class RewardRejected(Exception):
         self.body = body
 
 
-def post_reward(gateway_url: str, rollout_id: str, reward: float, metadata: dict[str, Any] | None = None,
-                secret: str | None = None, timeout_s: float = 10.0) -> dict[str, Any]:
+def post_reward(
+    gateway_url: str,
+    rollout_id: str,
+    reward: float,
+    metadata: dict[str, Any] | None = None,
+    secret: str | None = None,
+    timeout_s: float = 10.0,
+) -> dict[str, Any]:
     """POST /rollouts/{rollout_id}/reward, signed when `secret` is given. Returns the gateway's answer;
     raises `RewardRejected` with the status on a 4xx/5xx."""
     body = {"reward": reward, "metadata": metadata or {}}
     return _post(f"{gateway_url.rstrip('/')}/rollouts/{rollout_id}/reward", body, secret, timeout_s)
 
 
-def fail_rollout(gateway_url: str, rollout_id: str, reason: str | None = None, secret: str | None = None,
-                 timeout_s: float = 10.0) -> dict[str, Any]:
+def fail_rollout(
+    gateway_url: str,
+    rollout_id: str,
+    reason: str | None = None,
+    secret: str | None = None,
+    timeout_s: float = 10.0,
+) -> dict[str, Any]:
     """POST /rollouts/{rollout_id}/fail: close the rollout as failed (never trained on)."""
     body = {} if reason is None else {"reason": reason}
     return _post(f"{gateway_url.rstrip('/')}/rollouts/{rollout_id}/fail", body, secret, timeout_s)

@@ -30,8 +30,14 @@ log = structlog.get_logger("rlgate.reward")
 # Outcomes a retry cannot change: the job ends without retrying (and without failing a closed episode).
 _FINAL = (episodes.RewardConflict, episodes.RolloutExpired, episodes.RolloutNotOpen, episodes.RolloutNotFound)
 # Deterministic failures: the same input fails the same way again, so a retry only holds the worker longer.
-_NOT_RETRIED = (UnknownRewardFn, PermissionError, LookupError, RewardInputError, RewardOutOfRange,
-                JobTimeoutException)
+_NOT_RETRIED = (
+    UnknownRewardFn,
+    PermissionError,
+    LookupError,
+    RewardInputError,
+    RewardOutOfRange,
+    JobTimeoutException,
+)
 MAX_TIMEOUT_S = 60.0  # the most a request may ask a reward function to wait (timeout_s)
 
 
@@ -47,7 +53,9 @@ def compute_reward(rollout_id: str, key_prefix: str) -> float | None:
         return None
     except Exception as exc:
         if job is not None and job.retries_left and not isinstance(exc, _NOT_RETRIED):
-            log.warning("reward_job_retry", rollout_id=rollout_id, error=repr(exc), retries_left=job.retries_left)
+            log.warning(
+                "reward_job_retry", rollout_id=rollout_id, error=repr(exc), retries_left=job.retries_left
+            )
             raise
         if job is not None:
             job.retries_left = 0  # rq retries any job with retries left: this one is done
@@ -73,11 +81,20 @@ async def _compute(rollout_id: str, key_prefix: str, settings: RewardSettings) -
         reward_fn = get_allowed_reward_fn(view.finish.reward_fn, settings.reward_fn_modules)
         inp = reward_input(view)
         inp.params = worker_params(inp.params, settings)
-        reward = check_reward(reward_fn(inp), settings.max_abs_reward,
-                              f"the result of reward function {view.finish.reward_fn!r}")
+        reward = check_reward(
+            reward_fn(inp),
+            settings.max_abs_reward,
+            f"the result of reward function {view.finish.reward_fn!r}",
+        )
         result = await EpisodeLifecycle(store).close(rollout_id, reward, {"reward_fn": view.finish.reward_fn})
-        log.info("reward_job_done", rollout_id=rollout_id, task_id=view.task_id, reward=reward,
-                 reward_fn=view.finish.reward_fn, outcome=result.outcome)
+        log.info(
+            "reward_job_done",
+            rollout_id=rollout_id,
+            task_id=view.task_id,
+            reward=reward,
+            reward_fn=view.finish.reward_fn,
+            outcome=result.outcome,
+        )
         return reward
     finally:
         await store.aclose()
@@ -131,8 +148,9 @@ def reward_input(view: RolloutView) -> RewardInput:
             question = request["prompt"]
         if question is None and isinstance(request.get("input"), str):
             question = request["input"]
-    return RewardInput(answer=answer, ground_truth=view.finish.ground_truth, question=question,
-                       params=view.finish.params)
+    return RewardInput(
+        answer=answer, ground_truth=view.finish.ground_truth, question=question, params=view.finish.params
+    )
 
 
 def _text_of(message: dict[str, Any] | None, text: str | None, output: list[Any] | None) -> str:
@@ -140,8 +158,13 @@ def _text_of(message: dict[str, Any] | None, text: str | None, output: list[Any]
         return _content_text(message.get("content")) or ""
     if text is not None:
         return text
-    parts = [c.get("text", "") for item in output or () if isinstance(item, dict)
-             for c in item.get("content") or () if isinstance(c, dict) and c.get("type") == "output_text"]
+    parts = [
+        c.get("text", "")
+        for item in output or ()
+        if isinstance(item, dict)
+        for c in item.get("content") or ()
+        if isinstance(c, dict) and c.get("type") == "output_text"
+    ]
     return "".join(parts)
 
 

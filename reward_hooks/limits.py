@@ -29,11 +29,13 @@ def check_reward(value: Any, max_abs_reward: float, what: str = "reward") -> flo
     except OverflowError:  # an integer past float's range
         reward = math.inf if value > 0 else -math.inf
     except (TypeError, ValueError, RuntimeError) as exc:  # several elements, a signalling NaN, ...
-        raise RewardOutOfRange(f"{what} must be a number, got {type(value).__name__} {repr(value)[:100]}: "
-                               f"{exc}") from exc
+        raise RewardOutOfRange(
+            f"{what} must be a number, got {type(value).__name__} {repr(value)[:100]}: {exc}"
+        ) from exc
     if math.isnan(reward):
         raise RewardOutOfRange(f"{what} must be a finite number, got nan")
     if not abs(reward) <= max_abs_reward:
-        raise RewardOutOfRange(f"{what} must lie in [-{max_abs_reward:g}, {max_abs_reward:g}] (max_abs_reward), "
-                               f"got {reward!r}")
+        raise RewardOutOfRange(
+            f"{what} must lie in [-{max_abs_reward:g}, {max_abs_reward:g}] (max_abs_reward), got {reward!r}"
+        )
     return reward

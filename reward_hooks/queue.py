@@ -13,8 +13,11 @@ JOB = "reward_hooks.jobs.compute_reward"  # referenced by name: the worker impor
 
 def connect(settings: RewardSettings) -> redis.Redis:
     """A synchronous Redis client for rq (the queue lives in the same Redis as the episodes)."""
-    return redis.Redis.from_url(settings.redis_url, socket_timeout=settings.redis_timeout_s,
-                                socket_connect_timeout=settings.redis_timeout_s)
+    return redis.Redis.from_url(
+        settings.redis_url,
+        socket_timeout=settings.redis_timeout_s,
+        socket_connect_timeout=settings.redis_timeout_s,
+    )
 
 
 class RewardQueue:
@@ -26,7 +29,14 @@ class RewardQueue:
     def enqueue(self, rollout_id: str) -> str:
         """Enqueue the reward job of a rollout whose finish request is stored; returns the job id."""
         s = self.settings
-        retry = Retry(max=s.reward_job_retries, interval=s.reward_job_backoff_s) if s.reward_job_retries else None
-        job = self.queue.enqueue_call(JOB, args=[rollout_id, s.key_prefix], timeout=s.reward_job_timeout_s,
-                                      retry=retry, description=f"reward for rollout {rollout_id}")
+        retry = (
+            Retry(max=s.reward_job_retries, interval=s.reward_job_backoff_s) if s.reward_job_retries else None
+        )
+        job = self.queue.enqueue_call(
+            JOB,
+            args=[rollout_id, s.key_prefix],
+            timeout=s.reward_job_timeout_s,
+            retry=retry,
+            description=f"reward for rollout {rollout_id}",
+        )
         return job.id

@@ -44,16 +44,18 @@ MAX_REASON_CHARS = 2000
 class RewardPost(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    reward: float = Field(allow_inf_nan=False, description="The episode's final return: a finite number within "
-                          "max_abs_reward.")
+    reward: float = Field(
+        allow_inf_nan=False, description="The episode's final return: a finite number within max_abs_reward."
+    )
     metadata: dict[str, Any] = Field(default_factory=dict)
 
 
 class CallRewardPost(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    reward: float = Field(allow_inf_nan=False, description="The call's intermediate reward r_t, within "
-                          "max_abs_reward.")
+    reward: float = Field(
+        allow_inf_nan=False, description="The call's intermediate reward r_t, within max_abs_reward."
+    )
 
 
 class FinishPost(FinishRequest):
@@ -63,8 +65,12 @@ class FinishPost(FinishRequest):
 class FailPost(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    reason: str = Field("failed by the operator", min_length=1, max_length=MAX_REASON_CHARS,
-                        description="Why the episode failed: stored as the rollout's error.")
+    reason: str = Field(
+        "failed by the operator",
+        min_length=1,
+        max_length=MAX_REASON_CHARS,
+        description="Why the episode failed: stored as the rollout's error.",
+    )
 
 
 class RewardAccepted(BaseModel):
@@ -95,14 +101,28 @@ Auth = Callable[[Request], Awaitable[bytes]]
 
 # The signature headers (`reward_hooks.signing`), as the OpenAPI document lists them on every webhook route.
 SIGNATURE_PARAMETERS = [
-    {"name": signing.ID_HEADER, "in": "header", "required": False,
-     "schema": {"type": "string", "pattern": r"^[A-Za-z0-9_\-]{1,128}$"},
-     "description": "Unique per request; required with a webhook secret unless the operator token is sent."},
-    {"name": signing.TIMESTAMP_HEADER, "in": "header", "required": False,
-     "schema": {"type": "string", "pattern": r"^[0-9]{1,12}$"}, "description": "Unix seconds when signed."},
-    {"name": signing.SIGNATURE_HEADER, "in": "header", "required": False, "schema": {"type": "string"},
-     "description": "v1,<base64 HMAC-SHA256> of {id}.{timestamp}.{METHOD}.{path}.{body} under the webhook "
-                    "secret (docs/security.md, 'Webhook signatures')."},
+    {
+        "name": signing.ID_HEADER,
+        "in": "header",
+        "required": False,
+        "schema": {"type": "string", "pattern": r"^[A-Za-z0-9_\-]{1,128}$"},
+        "description": "Unique per request; required with a webhook secret unless the operator token is sent.",
+    },
+    {
+        "name": signing.TIMESTAMP_HEADER,
+        "in": "header",
+        "required": False,
+        "schema": {"type": "string", "pattern": r"^[0-9]{1,12}$"},
+        "description": "Unix seconds when signed.",
+    },
+    {
+        "name": signing.SIGNATURE_HEADER,
+        "in": "header",
+        "required": False,
+        "schema": {"type": "string"},
+        "description": "v1,<base64 HMAC-SHA256> of {id}.{timestamp}.{METHOD}.{path}.{body} under the webhook "
+        "secret (docs/security.md, 'Webhook signatures').",
+    },
 ]
 
 
@@ -114,12 +134,15 @@ def openapi_extra(model: type[BaseModel], max_abs_reward: float, required: bool 
     assert "$defs" not in schema, f"{model.__name__}: an inline body schema cannot hold $defs"
     if "reward" in schema.get("properties", {}):
         schema["properties"]["reward"].update(minimum=-max_abs_reward, maximum=max_abs_reward)
-    return {"requestBody": {"required": required, "content": {"application/json": {"schema": schema}}},
-            "parameters": SIGNATURE_PARAMETERS}
+    return {
+        "requestBody": {"required": required, "content": {"application/json": {"schema": schema}}},
+        "parameters": SIGNATURE_PARAMETERS,
+    }
 
 
-def build_router(store: EpisodeStore, settings: RewardSettings, queue: RewardQueue | None,
-                 auth: Auth | None = None) -> APIRouter:
+def build_router(
+    store: EpisodeStore, settings: RewardSettings, queue: RewardQueue | None, auth: Auth | None = None
+) -> APIRouter:
     """The webhook routes. `auth` reads and authenticates each request and returns its raw body (default:
     `WebhookAuth(settings)`). Without `queue`, /finish answers 503 (no reward worker configured)."""
     router = APIRouter()
@@ -136,8 +159,11 @@ def build_router(store: EpisodeStore, settings: RewardSettings, queue: RewardQue
                 async with store.guard():
                     fresh = await store.redis.set(store.keys.webhook(msg_id), b"1", nx=True, ex=replay_ttl_s)
             if not fresh:
-                raise errors.Conflict(f"webhook-id {msg_id!r} was already accepted: a signed request is "
-                                      "accepted once; sign each request with a new id", code="webhook_replayed")
+                raise errors.Conflict(
+                    f"webhook-id {msg_id!r} was already accepted: a signed request is "
+                    "accepted once; sign each request with a new id",
+                    code="webhook_replayed",
+                )
         return body
 
     authorized = Depends(checked_body)
@@ -156,7 +182,9 @@ def build_router(store: EpisodeStore, settings: RewardSettings, queue: RewardQue
         try:  # what is stored must be written back as JSON: integers past 64 bits, nesting past 254 levels
             orjson.dumps(body.model_dump())
         except orjson.JSONEncodeError as exc:
-            raise errors.Unprocessable(f"the body cannot be stored as JSON: {exc}", code="unstorable_json") from exc
+            raise errors.Unprocessable(
+                f"the body cannot be stored as JSON: {exc}", code="unstorable_json"
+            ) from exc
         return body
 
     def bounded(reward: float) -> float:
@@ -168,7 +196,9 @@ def build_router(store: EpisodeStore, settings: RewardSettings, queue: RewardQue
     def described(model: type[BaseModel], required: bool = True) -> dict[str, Any]:
         return openapi_extra(model, settings.max_abs_reward, required)
 
-    @router.post("/rollouts/{rollout_id}/reward", response_model=RewardAccepted, openapi_extra=described(RewardPost))
+    @router.post(
+        "/rollouts/{rollout_id}/reward", response_model=RewardAccepted, openapi_extra=described(RewardPost)
+    )
     async def post_reward(rollout_id: str, raw: bytes = authorized) -> Response:
         body: RewardPost = parse(raw, RewardPost, rollout_id)
         reward = bounded(body.reward)
@@ -177,11 +207,16 @@ def build_router(store: EpisodeStore, settings: RewardSettings, queue: RewardQue
                 result = await lifecycle.close(rollout_id, reward, body.metadata)
             except ValueError as exc:  # metadata that is not JSON (e.g. integers over 64 bits)
                 raise errors.Unprocessable(str(exc), param="metadata") from exc
-        answer = RewardAccepted(rollout_id=rollout_id, status="closed", reward=result.reward, outcome=result.outcome)
+        answer = RewardAccepted(
+            rollout_id=rollout_id, status="closed", reward=result.reward, outcome=result.outcome
+        )
         return Response(answer.model_dump_json(), media_type="application/json")
 
-    @router.post("/rollouts/{rollout_id}/calls/{index}/reward", response_model=CallRewardAccepted,
-                 openapi_extra=described(CallRewardPost))
+    @router.post(
+        "/rollouts/{rollout_id}/calls/{index}/reward",
+        response_model=CallRewardAccepted,
+        openapi_extra=described(CallRewardPost),
+    )
     async def post_call_reward(rollout_id: str, index: int, raw: bytes = authorized) -> Response:
         body: CallRewardPost = parse(raw, CallRewardPost, rollout_id)
         reward = bounded(body.reward)
@@ -189,11 +224,17 @@ def build_router(store: EpisodeStore, settings: RewardSettings, queue: RewardQue
             raise errors.NotFound(f"no call {index}", code="call_not_found")
         with _store_errors():
             await lifecycle.set_call_reward(rollout_id, index, reward)
-        return Response(orjson.dumps({"rollout_id": rollout_id, "index": index, "reward": reward}),
-                        media_type="application/json")
+        return Response(
+            orjson.dumps({"rollout_id": rollout_id, "index": index, "reward": reward}),
+            media_type="application/json",
+        )
 
-    @router.post("/rollouts/{rollout_id}/finish", status_code=202, response_model=FinishAccepted,
-                 openapi_extra=described(FinishPost))
+    @router.post(
+        "/rollouts/{rollout_id}/finish",
+        status_code=202,
+        response_model=FinishAccepted,
+        openapi_extra=described(FinishPost),
+    )
     async def post_finish(rollout_id: str, raw: bytes = authorized) -> Response:
         body: FinishPost = parse(raw, FinishPost, rollout_id)
         try:
@@ -208,11 +249,17 @@ def build_router(store: EpisodeStore, settings: RewardSettings, queue: RewardQue
             job_id = await run_in_threadpool(queue.enqueue, rollout_id)
         except RedisError as exc:
             raise errors.StoreUnavailable(f"the reward job could not be queued: {exc}") from exc
-        return Response(orjson.dumps({"rollout_id": rollout_id, "job_id": job_id}), status_code=202,
-                        media_type="application/json")
+        return Response(
+            orjson.dumps({"rollout_id": rollout_id, "job_id": job_id}),
+            status_code=202,
+            media_type="application/json",
+        )
 
-    @router.post("/rollouts/{rollout_id}/fail", response_model=RolloutFailed,
-                 openapi_extra=described(FailPost, required=False))
+    @router.post(
+        "/rollouts/{rollout_id}/fail",
+        response_model=RolloutFailed,
+        openapi_extra=described(FailPost, required=False),
+    )
     async def post_fail(rollout_id: str, raw: bytes = authorized) -> Response:
         """Close an open rollout as failed, exactly once: it is never published, so no learner trains on it
         (a second call, or one on a rollout that is closed, consumed or failed, is 409)."""

@@ -29,7 +29,6 @@ with no query string after it.
 from __future__ import annotations
 
 import base64
-import hashlib
 import hmac
 import re
 import secrets
@@ -65,17 +64,35 @@ def signature(secret: str, msg_id: str, timestamp: int | str, method: str, path:
     return "v1," + base64.b64encode(mac).decode()
 
 
-def sign(secret: str, method: str, path: str, body: bytes, *, msg_id: str | None = None,
-         timestamp: int | None = None) -> dict[str, str]:
+def sign(
+    secret: str,
+    method: str,
+    path: str,
+    body: bytes,
+    *,
+    msg_id: str | None = None,
+    timestamp: int | None = None,
+) -> dict[str, str]:
     """The three headers that sign a request to `path` (exactly as sent), now."""
     msg_id = msg_id or "msg_" + secrets.token_hex(16)
     timestamp = int(time.time()) if timestamp is None else timestamp
-    return {ID_HEADER: msg_id, TIMESTAMP_HEADER: str(timestamp),
-            SIGNATURE_HEADER: signature(secret, msg_id, timestamp, method, path, body)}
+    return {
+        ID_HEADER: msg_id,
+        TIMESTAMP_HEADER: str(timestamp),
+        SIGNATURE_HEADER: signature(secret, msg_id, timestamp, method, path, body),
+    }
 
 
-def verify(secret: str, method: str, path: str, body: bytes, headers: Mapping[str, str], *,
-           tolerance_s: float = DEFAULT_TOLERANCE_S, now: float | None = None) -> str:
+def verify(
+    secret: str,
+    method: str,
+    path: str,
+    body: bytes,
+    headers: Mapping[str, str],
+    *,
+    tolerance_s: float = DEFAULT_TOLERANCE_S,
+    now: float | None = None,
+) -> str:
     """Check a request's signature headers (`headers` looked up by lower-case name); returns its
     webhook-id, or raises `SignatureError`. Signatures are compared in constant time, after the cheap
     checks of the id and the timestamp."""
@@ -85,9 +102,14 @@ def verify(secret: str, method: str, path: str, body: bytes, headers: Mapping[st
             raise SignatureError(
                 f"{LEGACY_HEADER} (a signature of the body alone) is no longer accepted: sign the timestamp, "
                 f"method, path and body, with the headers {ID_HEADER}, {TIMESTAMP_HEADER} and "
-                f"{SIGNATURE_HEADER} (docs/security.md, 'Webhook signatures')", code="legacy_signature")
-        raise SignatureError(f"missing {SIGNATURE_HEADER} header: this route needs a signed request "
-                             "(docs/security.md, 'Webhook signatures')", code="missing_signature")
+                f"{SIGNATURE_HEADER} (docs/security.md, 'Webhook signatures')",
+                code="legacy_signature",
+            )
+        raise SignatureError(
+            f"missing {SIGNATURE_HEADER} header: this route needs a signed request "
+            "(docs/security.md, 'Webhook signatures')",
+            code="missing_signature",
+        )
     msg_id = headers.get(ID_HEADER) or ""
     if not _ID.fullmatch(msg_id):
         raise SignatureError(f"{ID_HEADER} must be 1-128 characters from A-Z a-z 0-9 _ -")
@@ -97,11 +119,16 @@ def verify(secret: str, method: str, path: str, body: bytes, headers: Mapping[st
     skew = (time.time() if now is None else now) - int(stamp)
     if abs(skew) > tolerance_s:
         how = "old" if skew > 0 else "ahead"
-        raise SignatureError(f"{TIMESTAMP_HEADER} is {abs(skew):.0f} s {how}, more than the {tolerance_s:g} s "
-                             "allowed: sign each request when it is sent", code="signature_expired")
+        raise SignatureError(
+            f"{TIMESTAMP_HEADER} is {abs(skew):.0f} s {how}, more than the {tolerance_s:g} s "
+            "allowed: sign each request when it is sent",
+            code="signature_expired",
+        )
     expected = signature(secret, msg_id, stamp, method, path, body).encode()
     for candidate in given.split():
         if hmac.compare_digest(candidate.encode(), expected):
             return msg_id
-    raise SignatureError(f"{SIGNATURE_HEADER} does not match this request (method, path and body, signed with "
-                         "the webhook secret)")
+    raise SignatureError(
+        f"{SIGNATURE_HEADER} does not match this request (method, path and body, signed with "
+        "the webhook secret)"
+    )

@@ -14,7 +14,9 @@ from reward_hooks.settings import RewardSettings
 log = structlog.get_logger("rlgate.sweeper")
 
 
-async def sweep_once(lifecycle: EpisodeLifecycle, settings: RewardSettings) -> tuple[dict[str, str], list[str]]:
+async def sweep_once(
+    lifecycle: EpisodeLifecycle, settings: RewardSettings
+) -> tuple[dict[str, str], list[str]]:
     expired = await lifecycle.expire_due(fill_reward=settings.expired_fill_reward)
     repaired = await lifecycle.repair_outbox(grace_s=settings.outbox_grace_s)
     for rollout_id, outcome in expired.items():

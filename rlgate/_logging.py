@@ -27,14 +27,18 @@ def configure_logging(level: str = "info", fmt: str = "auto") -> None:
     if fmt == "json":
         # Tracebacks without local variables: locals hold request headers and bodies (keys, prompts).
         tracebacks = structlog.processors.ExceptionRenderer(
-            structlog.tracebacks.ExceptionDictTransformer(show_locals=False))
-        renderer: list = [tracebacks,
-                          structlog.processors.JSONRenderer(serializer=orjson.dumps)]
+            structlog.tracebacks.ExceptionDictTransformer(show_locals=False)
+        )
+        renderer: list = [tracebacks, structlog.processors.JSONRenderer(serializer=orjson.dumps)]
         factory = structlog.BytesLoggerFactory(sys.stderr.buffer)
     else:
-        renderer = [structlog.dev.ConsoleRenderer(
-            exception_formatter=structlog.dev.RichTracebackFormatter(show_locals=False)
-            if structlog.dev.rich is not None else structlog.dev.plain_traceback)]
+        renderer = [
+            structlog.dev.ConsoleRenderer(
+                exception_formatter=structlog.dev.RichTracebackFormatter(show_locals=False)
+                if structlog.dev.rich is not None
+                else structlog.dev.plain_traceback
+            )
+        ]
         factory = structlog.PrintLoggerFactory(sys.stderr)
     structlog.configure(
         processors=[*shared, *renderer],
@@ -42,5 +46,6 @@ def configure_logging(level: str = "info", fmt: str = "auto") -> None:
         logger_factory=factory,
         cache_logger_on_first_use=True,
     )
-    logging.basicConfig(level=numeric, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s",
-                        force=True)
+    logging.basicConfig(
+        level=numeric, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s", force=True
+    )

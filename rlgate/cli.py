@@ -34,9 +34,9 @@ from pydantic import Field, SecretStr, ValidationError
 from pydantic_settings import (
     BaseSettings,
     CliApp,
-    CliToggleFlag,
     CliPositionalArg,
     CliSubCommand,
+    CliToggleFlag,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
 )
@@ -86,14 +86,14 @@ class GatewayCommand(GatewaySettings, RewardSettings):
     the reward webhook and expires open rollouts past their TTL."""
 
     def cli_cmd(self) -> None:
+        import asyncio
+
         from gateway import Gateway, serve
         from reward_hooks.agl import build_agl_router
         from reward_hooks.auth import WebhookAuth
         from reward_hooks.queue import RewardQueue
         from reward_hooks.routes import build_router
         from reward_hooks.sweeper import sweep_forever
-
-        import asyncio
 
         configure_logging(self.log_level, self.log_format)
         gateway_settings = GatewaySettings.model_validate(self.model_dump())
@@ -109,11 +109,15 @@ class GatewayCommand(GatewaySettings, RewardSettings):
         try:  # the gateway runs without Redis (503 to agents, or unrecorded with on_store_error=pass): say so
             asyncio.run(_check_redis(self.redis_url, self.key_prefix, self.redis_timeout_s))
         except StoreUnavailable as exc:
-            print(f"rlgate gateway: warning: {str(exc).rstrip('.')}: calls are refused (503) until Redis "
-                  f"answers at {_redact(self.redis_url)} (start redis-server or set RLGATE_REDIS_URL)",
-                  file=sys.stderr)
-        app.add_routes(build_router(app.store, reward_settings, RewardQueue(reward_settings), auth),
-                       signed=reward_settings.webhook_secret is not None)
+            print(
+                f"rlgate gateway: warning: {str(exc).rstrip('.')}: calls are refused (503) until Redis "
+                f"answers at {_redact(self.redis_url)} (start redis-server or set RLGATE_REDIS_URL)",
+                file=sys.stderr,
+            )
+        app.add_routes(
+            build_router(app.store, reward_settings, RewardQueue(reward_settings), auth),
+            signed=reward_settings.webhook_secret is not None,
+        )
         app.add_agent_routes(build_agl_router(app.store, reward_settings))
         app.add_background(lambda store: sweep_forever(store, reward_settings))
         serve(gateway_settings, app)
@@ -143,10 +147,13 @@ class WorkerCommand(SharedSettings):
     judge_model: str | None = _like(RewardSettings, "judge_model")
     judge_api_base: str | None = _like(RewardSettings, "judge_api_base")
     burst: bool = Field(False, description="Exit once the queue is empty.")
-    fork: bool = Field(True, description="Run each job in a forked work horse (rq's default: a crashing or "
-                       "leaking reward function cannot take the worker down). --no-fork runs jobs in the "
-                       "worker process (rq's SimpleWorker): several times more jobs per second for light "
-                       "reward functions such as math_answer.")
+    fork: bool = Field(
+        True,
+        description="Run each job in a forked work horse (rq's default: a crashing or "
+        "leaking reward function cannot take the worker down). --no-fork runs jobs in the "
+        "worker process (rq's SimpleWorker): several times more jobs per second for light "
+        "reward functions such as math_answer.",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
     log_format: Literal["auto", "json", "console"] = Field("auto", description="auto, json or console.")
 
@@ -163,11 +170,14 @@ class WorkerCommand(SharedSettings):
         for name in self.model_fields_set & set(RewardSettings.model_fields):
             value = getattr(self, name)
             if value is not None:
-                os.environ[f"RLGATE_{name.upper()}"] = json.dumps(value) if isinstance(value, list) else str(value)
+                os.environ[f"RLGATE_{name.upper()}"] = (
+                    json.dumps(value) if isinstance(value, list) else str(value)
+                )
         connection = connect(settings)
         connection.ping()  # Redis down: one line now rather than rq's retries
-        worker = (Worker if self.fork else SimpleWorker)([self.reward_queue], connection=connection,
-                                                         serializer=JSONSerializer)
+        worker = (Worker if self.fork else SimpleWorker)(
+            [self.reward_queue], connection=connection, serializer=JSONSerializer
+        )
         worker.work(burst=self.burst, with_scheduler=True)
 
 
@@ -178,8 +188,9 @@ class RewardCommand(SharedSettings):
 
     rollout_id: CliPositionalArg[str] = Field(description="The rollout to close.")
     value: CliPositionalArg[float] = Field(description="Its final reward.")
-    gateway_url: str = Field("http://127.0.0.1:8100", description="The gateway's base URL (its control port "
-                             "when it has one).")
+    gateway_url: str = Field(
+        "http://127.0.0.1:8100", description="The gateway's base URL (its control port when it has one)."
+    )
 
     def cli_cmd(self) -> None:
         from reward_hooks.client import RewardRejected, post_reward
@@ -187,12 +198,17 @@ class RewardCommand(SharedSettings):
         # the secret only from the environment: a command-line flag would show in the process list
         secret = RewardSettings().webhook_secret
         try:
-            answer = post_reward(self.gateway_url, self.rollout_id, self.value,
-                                 secret=secret.get_secret_value() if secret is not None else None)
+            answer = post_reward(
+                self.gateway_url,
+                self.rollout_id,
+                self.value,
+                secret=secret.get_secret_value() if secret is not None else None,
+            )
         except RewardRejected as exc:
-            raise UsageError(f"the gateway refused the reward: HTTP {exc.status}: {_error_message(exc.body)}"
-                             f"{_auth_hint(exc.status, 'RLGATE_WEBHOOK_SECRET or RLGATE_OPERATOR_TOKEN')}"
-                             ) from exc
+            raise UsageError(
+                f"the gateway refused the reward: HTTP {exc.status}: {_error_message(exc.body)}"
+                f"{_auth_hint(exc.status, 'RLGATE_WEBHOOK_SECRET or RLGATE_OPERATOR_TOKEN')}"
+            ) from exc
         except OSError as exc:
             raise _unreachable(self.gateway_url, exc) from exc
         print(json.dumps(answer))
@@ -212,8 +228,10 @@ def _auth_hint(status: int, what: str) -> str:
 
 def _unreachable(url: str, exc: OSError) -> UsageError:
     reason = getattr(exc, "reason", exc)
-    return UsageError(f"cannot reach the gateway at {_redact(url)} ({reason}): start it (rlgate gateway) or "
-                      "pass --gateway-url (RLGATE_GATEWAY_URL)")
+    return UsageError(
+        f"cannot reach the gateway at {_redact(url)} ({reason}): start it (rlgate gateway) or "
+        "pass --gateway-url (RLGATE_GATEWAY_URL)"
+    )
 
 
 class ExportCommand(SharedSettings):
@@ -227,10 +245,14 @@ class ExportCommand(SharedSettings):
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis holding the episodes.")
     key_prefix: str = Field("rlgate", description="Prefix of every Redis key.")
     redis_timeout_s: float = Field(5.0, description="Time limit of one Redis operation.")
-    status: list[str] = Field(["closed", "consumed"], description="Episode statuses to export (JSON list, or "
-                              "the flag repeated).")
-    since: Timestamp | None = Field(None, description="Only episodes closed at or after this time: unix "
-                                    "seconds, a date (2026-11-30) or a date and time (UTC unless it says).")
+    status: list[str] = Field(
+        ["closed", "consumed"], description="Episode statuses to export (JSON list, or the flag repeated)."
+    )
+    since: Timestamp | None = Field(
+        None,
+        description="Only episodes closed at or after this time: unix "
+        "seconds, a date (2026-11-30) or a date and time (UTC unless it says).",
+    )
     until: Timestamp | None = Field(None, description="Only episodes closed before this time (as --since).")
     task: str | None = Field(None, description="Only this task.")
     agent: str | None = Field(None, description="Only the calls of this agent (X-Agent-Name).")
@@ -245,7 +267,9 @@ class ExportCommand(SharedSettings):
         flt = ExportFilter(tuple(self.status), self.since, self.until, self.task, self.agent, self.min_reward)
 
         async def run() -> tuple[int, str | None]:
-            store = EpisodeStore.from_url(self.redis_url, prefix=self.key_prefix, timeout_s=self.redis_timeout_s)
+            store = EpisodeStore.from_url(
+                self.redis_url, prefix=self.key_prefix, timeout_s=self.redis_timeout_s
+            )
             try:
                 await store.ping()
                 rows = await export(store, self.out, self.format, flt)
@@ -287,11 +311,18 @@ class ExportCommand(SharedSettings):
             await count()
         where = f"key prefix {self.key_prefix!r} in {_redact(self.redis_url)}"
         if not statuses:
-            return (f"no rollouts under {where}: is this the Redis and key prefix the gateway records to? "
-                    "(--redis-url/RLGATE_REDIS_URL, --key-prefix/RLGATE_KEY_PREFIX)")
+            return (
+                f"no rollouts under {where}: is this the Redis and key prefix the gateway records to? "
+                "(--redis-url/RLGATE_REDIS_URL, --key-prefix/RLGATE_KEY_PREFIX)"
+            )
         wanted = [f"status {' or '.join(self.status)}"]
-        for name, value in (("task", self.task), ("agent", self.agent), ("since", self.since),
-                            ("until", self.until), ("min reward", self.min_reward)):
+        for name, value in (
+            ("task", self.task),
+            ("agent", self.agent),
+            ("since", self.since),
+            ("until", self.until),
+            ("min reward", self.min_reward),
+        ):
             if value is not None:
                 wanted.append(f"{name} {value}")
         found = ", ".join(f"{n} {status}" for status, n in statuses.most_common())
@@ -308,28 +339,40 @@ class ServeCommand(SharedSettings):
     model_config = SettingsConfigDict(env_prefix="RLGATE_SERVE_", cli_kebab_case=True, extra="ignore")
     shared_env: ClassVar[dict[str, str]] = {"api_key": "RLGATE_INFERENCE_API_KEY"}
 
-    model: Path = Field(description="A local Hugging Face causal LM folder (rlgate make-tiny-model builds one).")
+    model: Path = Field(
+        description="A local Hugging Face causal LM folder (rlgate make-tiny-model builds one)."
+    )
     host: str = Field("127.0.0.1", description="Interface to listen on.")
     port: int = Field(8000, description="Port to listen on (0: any free port).")
     served_model_name: str | None = Field(None, description="The model name clients use (default: --model).")
     batch_window_ms: float = Field(3.0, description="How long a batch waits for concurrent requests to join.")
     logprobs_mode: Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"] = Field(
-        "raw_logprobs", description="What log-probs report, as vLLM's --logprobs-mode (and its default): raw = of "
+        "raw_logprobs",
+        description="What log-probs report, as vLLM's --logprobs-mode (and its default): raw = of "
         "the model's logits, processed = of the distribution sampled from (temperature, logit_bias, top-k/top-p). "
-        "The learner needs processed_logprobs.")
+        "The learner needs processed_logprobs.",
+    )
     allow_runtime_lora_updating: bool | None = Field(
-        None, description="Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (else 404). Default: vLLM's "
-        "VLLM_ALLOW_RUNTIME_LORA_UPDATING (1 or true), else off.")
+        None,
+        description="Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (else 404). Default: vLLM's "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING (1 or true), else off.",
+    )
     dev_mode: bool | None = Field(
-        None, description="Serve vLLM's RL routes: /pause, /resume, /is_paused, the weight-update phases, "
-        "/update_weight_version, /weight_info (else 404). Default: vLLM's VLLM_SERVER_DEV_MODE (1), else off.")
+        None,
+        description="Serve vLLM's RL routes: /pause, /resume, /is_paused, the weight-update phases, "
+        "/update_weight_version, /weight_info (else 404). Default: vLLM's VLLM_SERVER_DEV_MODE (1), else off.",
+    )
     api_key: str | None = Field(
-        None, description="Require this key (Authorization: Bearer KEY) on /v1/..., as vLLM's --api-key (not on "
+        None,
+        description="Require this key (Authorization: Bearer KEY) on /v1/..., as vLLM's --api-key (not on "
         "/health, /tokenize or the dev-mode routes); prefer the variable to a flag that ps shows. Default: "
-        "vLLM's VLLM_API_KEY, else none.")
+        "vLLM's VLLM_API_KEY, else none.",
+    )
     weights_root: Path | None = Field(
-        None, description="Adapters (lora_path) and weight files (update_info.path) are read only from under this "
-        "folder; any other path is answered as missing. Default: the parent folder of --model.")
+        None,
+        description="Adapters (lora_path) and weight files (update_info.path) are read only from under this "
+        "folder; any other path is answered as missing. Default: the parent folder of --model.",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
     log_format: Literal["auto", "json", "console"] = Field("auto", description="auto, json or console.")
 
@@ -346,11 +389,18 @@ class ServeCommand(SharedSettings):
         lora = self.allow_runtime_lora_updating
         dev = self.dev_mode
         try:
-            serve(self.model, self.host, self.port, served_model_name=self.served_model_name,
-                  batch_window_s=self.batch_window_ms / 1000, logprobs_mode=self.logprobs_mode,
-                  allow_runtime_lora_updating=vllm_env.ALLOW_RUNTIME_LORA_UPDATING if lora is None else lora,
-                  dev_mode=vllm_env.SERVER_DEV_MODE if dev is None else dev,
-                  api_keys=[self.api_key or vllm_env.API_KEY or ""], weights_root=root)
+            serve(
+                self.model,
+                self.host,
+                self.port,
+                served_model_name=self.served_model_name,
+                batch_window_s=self.batch_window_ms / 1000,
+                logprobs_mode=self.logprobs_mode,
+                allow_runtime_lora_updating=vllm_env.ALLOW_RUNTIME_LORA_UPDATING if lora is None else lora,
+                dev_mode=vllm_env.SERVER_DEV_MODE if dev is None else dev,
+                api_keys=[self.api_key or vllm_env.API_KEY or ""],
+                weights_root=root,
+            )
         except KeyboardInterrupt:
             pass
 
@@ -361,8 +411,13 @@ class _FlagsOnly(BaseSettings):
     reads_env: ClassVar[bool] = False
 
     @classmethod
-    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
-                                   *args: Any, **kwargs: Any) -> tuple[PydanticBaseSettingsSource, ...]:
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        *args: Any,
+        **kwargs: Any,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
         return (init_settings,)
 
 
@@ -382,8 +437,13 @@ class MakeTinyModelCommand(_FlagsOnly):
         from inference.tiny_model import build_tiny_model
 
         try:
-            path = build_tiny_model(self.directory, seed=self.seed, hidden_size=self.hidden_size,
-                                    num_layers=self.num_layers, num_heads=self.num_heads)
+            path = build_tiny_model(
+                self.directory,
+                seed=self.seed,
+                hidden_size=self.hidden_size,
+                num_layers=self.num_layers,
+                num_heads=self.num_heads,
+            )
         except FileExistsError as exc:
             raise UsageError(f"{exc}: choose a new folder") from exc
         print(json.dumps({"path": str(path)}))
@@ -421,51 +481,72 @@ class DemoCommand(SharedSettings):
     the learner and parallel OpenAI-SDK agents learning to use a calculator (Calc-X in miniature). Shows
     live progress; writes summary.json and reward_curve.png into --workdir."""
 
-    model_config = SettingsConfigDict(env_prefix="RLGATE_DEMO_", cli_kebab_case=True, extra="ignore",
-                                      populate_by_name=True)
+    model_config = SettingsConfigDict(
+        env_prefix="RLGATE_DEMO_", cli_kebab_case=True, extra="ignore", populate_by_name=True
+    )
 
     workdir: Path = Field(Path("runs/demo"), description="Model, logs, adapters, summary and curve.")
     minutes: float = Field(10.0, description="Stop after this long at the latest.")
     target: float = Field(0.9, description="Stop once the success rate of the last 3 steps reaches this.")
     quick: bool = Field(False, description="CI mode: stop after at most 3 minutes.")
-    json_path: Path | None = Field(None, alias="json", description="Also write the JSON summary here (a flag "
-                                   "only: no variable).")
-    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis to use (a redis-server is started "
-                           "for the demo if none answers there).")
+    json_path: Path | None = Field(
+        None, alias="json", description="Also write the JSON summary here (a flag only: no variable)."
+    )
+    redis_url: str = Field(
+        "redis://127.0.0.1:6379/0",
+        description="Redis to use (a redis-server is started for the demo if none answers there).",
+    )
     concurrency: int = Field(16, description="Agent episodes in flight.")
     tasks_per_step: int = Field(16, description="Task groups per training step.")
     rollouts_per_task: int = Field(4, description="Episodes per task (the GRPO group).")
     learning_rate: float = Field(2e-3, description="The learner's AdamW learning rate (LoRA).")
-    max_backlog: int = Field(0, ge=0, description="The gateway holds new rollouts back while more episodes "
-                             "than this wait for rewards or training (0: two steps' worth).")
+    max_backlog: int = Field(
+        0,
+        ge=0,
+        description="The gateway holds new rollouts back while more episodes "
+        "than this wait for rewards or training (0: two steps' worth).",
+    )
     seed: int = Field(0, description="Seed of the tiny model, the questions and the learner.")
 
     def cli_cmd(self) -> None:
         from demo.run import DemoConfig, run
 
-        summary = run(DemoConfig(
-            workdir=self.workdir, minutes=min(self.minutes, 3.0) if self.quick else self.minutes,
-            target=self.target, quick=self.quick, redis_url=self.redis_url, concurrency=self.concurrency,
-            tasks_per_step=self.tasks_per_step,
-            rollouts_per_task=self.rollouts_per_task, learning_rate=self.learning_rate, seed=self.seed,
-            json_path=self.json_path,
-            max_backlog=self.max_backlog or 2 * self.tasks_per_step * self.rollouts_per_task))
+        summary = run(
+            DemoConfig(
+                workdir=self.workdir,
+                minutes=min(self.minutes, 3.0) if self.quick else self.minutes,
+                target=self.target,
+                quick=self.quick,
+                redis_url=self.redis_url,
+                concurrency=self.concurrency,
+                tasks_per_step=self.tasks_per_step,
+                rollouts_per_task=self.rollouts_per_task,
+                learning_rate=self.learning_rate,
+                seed=self.seed,
+                json_path=self.json_path,
+                max_backlog=self.max_backlog or 2 * self.tasks_per_step * self.rollouts_per_task,
+            )
+        )
         if not summary["curve"]:
             raise SystemExit(1)
-
-
 
 
 class _GatewayClient(SharedSettings):
     """What `rlgate rollouts` needs to reach the gateway's operator surface."""
 
-    model_config = SettingsConfigDict(env_prefix="RLGATE_", cli_kebab_case=True, extra="ignore",
-                                      hide_input_in_errors=True)
+    model_config = SettingsConfigDict(
+        env_prefix="RLGATE_", cli_kebab_case=True, extra="ignore", hide_input_in_errors=True
+    )
 
-    gateway_url: str = Field("http://127.0.0.1:8100", description="The gateway's operator surface: its base "
-                             "URL, or its control port's when it has one.")
-    operator_token: SecretStr | None = Field(None, description="The gateway's operator token, when it has one; "
-                                             "prefer the variable to a flag that ps shows.")
+    gateway_url: str = Field(
+        "http://127.0.0.1:8100",
+        description="The gateway's operator surface: its base URL, or its control port's when it has one.",
+    )
+    operator_token: SecretStr | None = Field(
+        None,
+        description="The gateway's operator token, when it has one; "
+        "prefer the variable to a flag that ps shows.",
+    )
 
     def get(self, path: str, params: dict[str, Any] | None = None) -> Any:
         """GET a JSON document from the gateway; its mistakes as one line (`UsageError`)."""
@@ -485,8 +566,10 @@ class _GatewayClient(SharedSettings):
             message = _error_message(exc.read().decode("utf-8", "replace"))
             if exc.code == 405:
                 message += ": this gateway has no GET /rollouts (an older rlgate; upgrade it)"
-            raise UsageError(f"the gateway answered HTTP {exc.code}: {message}"
-                             f"{_auth_hint(exc.code, 'RLGATE_OPERATOR_TOKEN')}") from exc
+            raise UsageError(
+                f"the gateway answered HTTP {exc.code}: {message}"
+                f"{_auth_hint(exc.code, 'RLGATE_OPERATOR_TOKEN')}"
+            ) from exc
         except OSError as exc:
             raise _unreachable(self.gateway_url, exc) from exc
 
@@ -497,22 +580,37 @@ class RolloutsListCommand(_GatewayClient):
 
     task: str | None = Field(None, description="Only the rollouts of this task.")
     status: Literal["open", "closed", "consumed", "expired", "failed"] | None = Field(
-        None, description="Only rollouts in this state.")
-    since: Timestamp | None = Field(None, description="Only rollouts created at or after this time: unix "
-                                    "seconds, a date (2026-11-30) or a date and time (UTC unless it says).")
+        None, description="Only rollouts in this state."
+    )
+    since: Timestamp | None = Field(
+        None,
+        description="Only rollouts created at or after this time: unix "
+        "seconds, a date (2026-11-30) or a date and time (UTC unless it says).",
+    )
     until: Timestamp | None = Field(None, description="Only rollouts created at or before this time.")
     limit: int = Field(20, ge=1, le=100_000, description="Show at most this many.")
-    cursor: str | None = Field(None, description="Go on from where a listing stopped (the cursor it printed).")
-    output: Literal["table", "jsonl"] = Field("table", description="table, or jsonl: one JSON object per "
-                                              "rollout.")
+    cursor: str | None = Field(
+        None, description="Go on from where a listing stopped (the cursor it printed)."
+    )
+    output: Literal["table", "jsonl"] = Field(
+        "table", description="table, or jsonl: one JSON object per rollout."
+    )
 
     def cli_cmd(self) -> None:
         rows: list[dict[str, Any]] = []
         cursor = self.cursor
         while len(rows) < self.limit:
-            page = self.get("/rollouts", {"task_id": self.task, "status": self.status, "since": self.since,
-                                          "until": self.until, "cursor": cursor,
-                                          "limit": min(1000, self.limit - len(rows))})
+            page = self.get(
+                "/rollouts",
+                {
+                    "task_id": self.task,
+                    "status": self.status,
+                    "since": self.since,
+                    "until": self.until,
+                    "cursor": cursor,
+                    "limit": min(1000, self.limit - len(rows)),
+                },
+            )
             rows += page["rollouts"]
             cursor = page["next_cursor"]
             if cursor is None:
@@ -525,8 +623,11 @@ class RolloutsListCommand(_GatewayClient):
         if cursor is not None:
             print(f"more: rlgate rollouts list --cursor {cursor} (with the same filters)", file=sys.stderr)
         elif not rows:
-            print("no rollouts matched (rollouts are listed from their creation on; the gateway keeps the "
-                  "newest RLGATE_ROLLOUT_INDEX_MAX)", file=sys.stderr)
+            print(
+                "no rollouts matched (rollouts are listed from their creation on; the gateway keeps the "
+                "newest RLGATE_ROLLOUT_INDEX_MAX)",
+                file=sys.stderr,
+            )
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
@@ -535,11 +636,21 @@ def _table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         created = datetime.fromtimestamp(r["created_at"], UTC).strftime("%Y-%m-%d %H:%M:%S")
         reward = "" if r.get("reward") is None else f"{r['reward']:g}"
-        lines.append((r["rollout_id"], r.get("task_id") or "", r["status"], r["mode"], created,
-                      str(r["calls"]), reward))
+        lines.append(
+            (
+                r["rollout_id"],
+                r.get("task_id") or "",
+                r["status"],
+                r["mode"],
+                created,
+                str(r["calls"]),
+                reward,
+            )
+        )
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
-                     for line in lines)
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip() for line in lines
+    )
 
 
 class RolloutsShowCommand(_GatewayClient):
@@ -578,19 +689,25 @@ class Rlgate(_FlagsOnly):
 
     model_config = SettingsConfigDict(cli_prog_name="rlgate", cli_kebab_case=True)
 
-    gateway: CliSubCommand[GatewayCommand] = Field(description="Run the recording gateway (and reward webhook).")
+    gateway: CliSubCommand[GatewayCommand] = Field(
+        description="Run the recording gateway (and reward webhook)."
+    )
     worker: CliSubCommand[WorkerCommand] = Field(description="Run the reward worker (rq).")
     reward: CliSubCommand[RewardCommand] = Field(description="Post an episode's reward to the gateway.")
     rollouts: CliSubCommand[RolloutsCommand] = Field(description="List and show recorded rollouts.")
     export: CliSubCommand[ExportCommand] = Field(description="Export episodes as training data.")
     learner: CliSubCommand[LearnerCommand] = Field(description="Train the policy on closed episodes.")
     demo: CliSubCommand[DemoCommand] = Field(description="Run the whole loop on this machine (tiny model).")
-    serve: CliSubCommand[ServeCommand] = Field(description="Serve a small model on the CPU, in vLLM's wire format.")
+    serve: CliSubCommand[ServeCommand] = Field(
+        description="Serve a small model on the CPU, in vLLM's wire format."
+    )
     make_tiny_model: CliSubCommand[MakeTinyModelCommand] = Field(
-        description="Build a tiny model and tokenizer in code (for the CPU server and tests).")
+        description="Build a tiny model and tokenizer in code (for the CPU server and tests)."
+    )
     version: CliToggleFlag[bool] = Field(False, description="Print rlgate's version and exit.")
-    debug: CliToggleFlag[bool] = Field(False, description="Show the traceback of an error, anywhere on the "
-                                         "command line (or RLGATE_DEBUG=1).")
+    debug: CliToggleFlag[bool] = Field(
+        False, description="Show the traceback of an error, anywhere on the command line (or RLGATE_DEBUG=1)."
+    )
 
     def cli_cmd(self) -> None:
         if self.version:

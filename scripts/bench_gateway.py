@@ -44,9 +44,15 @@ from gateway.auth import rollout_key
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "fake-model"
-REQUEST = {"model": MODEL, "max_tokens": 32, "temperature": 0.7,
-           "messages": [{"role": "system", "content": "You are a careful assistant. Answer briefly."},
-                        {"role": "user", "content": "What is the capital of France? Explain in one line."}]}
+REQUEST = {
+    "model": MODEL,
+    "max_tokens": 32,
+    "temperature": 0.7,
+    "messages": [
+        {"role": "system", "content": "You are a careful assistant. Answer briefly."},
+        {"role": "user", "content": "What is the capital of France? Explain in one line."},
+    ],
+}
 CPU_PROXY, CPU_LOAD = 0, 1
 BENCH_KEY = "sk-rlgate-bench-5f0c2a9e7d314b6c8a1e4f2d9b7c3a60"  # LiteLLM's master key; ignored by the others
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -65,8 +71,11 @@ def free_port() -> int:
 def capture_bodies(path: Path) -> None:
     """Ask tests/fake_vllm.py once for the four answers the canned upstream replays."""
     port = free_port()
-    fake = subprocess.Popen([sys.executable, str(ROOT / "tests/fake_vllm.py"), "--port", str(port)],
-                            stdout=subprocess.PIPE, text=True)
+    fake = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests/fake_vllm.py"), "--port", str(port)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert fake.stdout.readline().startswith("READY")
 
     async def fetch() -> dict[str, str]:
@@ -74,9 +83,15 @@ def capture_bodies(path: Path) -> None:
         async with aiohttp.ClientSession() as session:
             for stream in (False, True):
                 for full in (False, True):
-                    body = {**REQUEST, "stream": stream, **({"return_token_ids": True, "logprobs": True} if full else {})}
+                    body = {
+                        **REQUEST,
+                        "stream": stream,
+                        **({"return_token_ids": True, "logprobs": True} if full else {}),
+                    }
                     async with session.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body) as r:
-                        out[f"{'stream' if stream else 'unary'}-{'full' if full else 'plain'}"] = await r.text()
+                        out[
+                            f"{'stream' if stream else 'unary'}-{'full' if full else 'plain'}"
+                        ] = await r.text()
         return out
 
     path.write_text(json.dumps(asyncio.run(fetch())))
@@ -91,11 +106,21 @@ def serve_upstream(port: int, bodies_path: Path) -> None:
     for key, text in bodies.items():
         body = text.encode()
         kind = b"text/event-stream; charset=utf-8" if key.startswith("stream") else b"application/json"
-        answers[key] = (b"HTTP/1.1 200 OK\r\ncontent-type: " + kind + b"\r\ncontent-length: "
-                        + str(len(body)).encode() + b"\r\n\r\n" + body)
+        answers[key] = (
+            b"HTTP/1.1 200 OK\r\ncontent-type: "
+            + kind
+            + b"\r\ncontent-length: "
+            + str(len(body)).encode()
+            + b"\r\n\r\n"
+            + body
+        )
     models = json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]}).encode()
-    models_answer = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
-                     + str(len(models)).encode() + b"\r\n\r\n" + models)
+    models_answer = (
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+        + str(len(models)).encode()
+        + b"\r\n\r\n"
+        + models
+    )
 
     class Upstream(asyncio.Protocol):
         def connection_made(self, transport):
@@ -177,15 +202,19 @@ def tree_cpu_seconds(pid: int) -> float:
 # Load
 
 
-async def drive(url: str, stream: bool, concurrency: int, n: int, rollout_keys: bytes | None = None
-                ) -> tuple[float, list[float], list[float]]:
+async def drive(
+    url: str, stream: bool, concurrency: int, n: int, rollout_keys: bytes | None = None
+) -> tuple[float, list[float], list[float]]:
     body = json.dumps({**REQUEST, "stream": stream}).encode()
     latencies: list[float] = []
     ttfbs: list[float] = []
     remaining = n
     connector = aiohttp.TCPConnector(limit=concurrency, limit_per_host=concurrency)
-    async with aiohttp.ClientSession(connector=connector, headers={"content-type": "application/json",
-                                                                   "authorization": f"Bearer {BENCH_KEY}"}) as s:
+    async with aiohttp.ClientSession(
+        connector=connector,
+        headers={"content-type": "application/json", "authorization": f"Bearer {BENCH_KEY}"},
+    ) as s:
+
         async def worker(i: int) -> None:
             nonlocal remaining
             headers = {"x-rollout-id": f"bench-{i}"}
@@ -211,7 +240,11 @@ async def drive(url: str, stream: bool, concurrency: int, n: int, rollout_keys: 
 
 
 def pct(values: list[float], q: float) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] * 1000 if len(values) > 1 else values[0] * 1000
+    return (
+        statistics.quantiles(values, n=100, method="inclusive")[q - 1] * 1000
+        if len(values) > 1
+        else values[0] * 1000
+    )
 
 
 def main() -> None:
@@ -219,13 +252,22 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--requests", type=int, default=2000, help="requests per cell per round")
     ap.add_argument("--litellm", default=shutil.which("litellm") or "none", help="litellm binary, or none")
-    ap.add_argument("--cells", default="unary:1,unary:32,stream:1,stream:32",
-                    help="which cells to run, as mode:concurrency (mode unary or stream)")
-    ap.add_argument("--py-spy", metavar="PREFIX",
-                    help="profile the gateway with py-spy during its cells (last round): PREFIX-<cell>.svg "
-                    "flame graphs; py-spy comes with the bench extra")
-    ap.add_argument("--rollout-keys", action="store_true",
-                    help="the gateway requires rollout-scoped keys; each agent sends its rollout's key")
+    ap.add_argument(
+        "--cells",
+        default="unary:1,unary:32,stream:1,stream:32",
+        help="which cells to run, as mode:concurrency (mode unary or stream)",
+    )
+    ap.add_argument(
+        "--py-spy",
+        metavar="PREFIX",
+        help="profile the gateway with py-spy during its cells (last round): PREFIX-<cell>.svg "
+        "flame graphs; py-spy comes with the bench extra",
+    )
+    ap.add_argument(
+        "--rollout-keys",
+        action="store_true",
+        help="the gateway requires rollout-scoped keys; each agent sends its rollout's key",
+    )
     ap.add_argument("--upstream-only", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--bodies", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -239,27 +281,57 @@ def main() -> None:
     try:
         capture_bodies(tmp / "bodies.json")
         up_port = free_port()
-        upstream = subprocess.Popen([sys.executable, __file__, "--upstream-only", str(up_port), "--bodies",
-                                     str(tmp / "bodies.json")], stdout=subprocess.PIPE, text=True,
-                                    preexec_fn=pinned(CPU_LOAD))
+        upstream = subprocess.Popen(
+            [sys.executable, __file__, "--upstream-only", str(up_port), "--bodies", str(tmp / "bodies.json")],
+            stdout=subprocess.PIPE,
+            text=True,
+            preexec_fn=pinned(CPU_LOAD),
+        )
         procs.append(upstream)
         assert upstream.stdout.readline().startswith("READY")
         upstream_url = f"http://127.0.0.1:{up_port}/v1"
 
         redis_port = free_port()
-        procs.append(subprocess.Popen(["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1",
-                                       "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL,
-                                      preexec_fn=pinned(CPU_LOAD)))
+        procs.append(
+            subprocess.Popen(
+                [
+                    "redis-server",
+                    "--port",
+                    str(redis_port),
+                    "--bind",
+                    "127.0.0.1",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                ],
+                stdout=subprocess.DEVNULL,
+                preexec_fn=pinned(CPU_LOAD),
+            )
+        )
         gw_port = free_port()
-        env = {**os.environ, "RLGATE_UPSTREAM_URL": upstream_url, "RLGATE_PORT": str(gw_port),
-               "RLGATE_REDIS_URL": f"redis://127.0.0.1:{redis_port}/0", "RLGATE_LOG_FORMAT": "json"}
+        env = {
+            **os.environ,
+            "RLGATE_UPSTREAM_URL": upstream_url,
+            "RLGATE_PORT": str(gw_port),
+            "RLGATE_REDIS_URL": f"redis://127.0.0.1:{redis_port}/0",
+            "RLGATE_LOG_FORMAT": "json",
+        }
         secret = os.urandom(16).hex().encode() if args.rollout_keys else None
         if secret is not None:
-            env.update(RLGATE_ROLLOUT_KEY_SECRET=secret.decode(), RLGATE_REQUIRE_ROLLOUT_KEYS="true",
-                       RLGATE_OPERATOR_TOKEN=os.urandom(16).hex())
-        gateway = subprocess.Popen([sys.executable, "-m", "rlgate", "gateway"], env=env, cwd=ROOT,
-                                   stdout=(tmp / "gateway.log").open("wb"), stderr=subprocess.STDOUT,
-                                   preexec_fn=pinned(CPU_PROXY))
+            env.update(
+                RLGATE_ROLLOUT_KEY_SECRET=secret.decode(),
+                RLGATE_REQUIRE_ROLLOUT_KEYS="true",
+                RLGATE_OPERATOR_TOKEN=os.urandom(16).hex(),
+            )
+        gateway = subprocess.Popen(
+            [sys.executable, "-m", "rlgate", "gateway"],
+            env=env,
+            cwd=ROOT,
+            stdout=(tmp / "gateway.log").open("wb"),
+            stderr=subprocess.STDOUT,
+            preexec_fn=pinned(CPU_PROXY),
+        )
         procs.append(gateway)
         wait_http(f"http://127.0.0.1:{gw_port}/healthz")
         targets = {"direct": (upstream_url, None), "rlgate": (f"http://127.0.0.1:{gw_port}/v1", gateway.pid)}
@@ -267,13 +339,19 @@ def main() -> None:
         if args.litellm != "none":
             ll_port = free_port()
             config = tmp / "litellm.yaml"
-            config.write_text(f"model_list:\n  - model_name: {MODEL}\n    litellm_params:\n"
-                              f"      model: hosted_vllm/{MODEL}\n      api_base: {upstream_url}\n"
-                              f"      api_key: none\n")
-            litellm = subprocess.Popen([args.litellm, "--config", str(config), "--port", str(ll_port),
-                                        "--num_workers", "1"], cwd=tmp, stdout=(tmp / "litellm.log").open("wb"),
-                                       stderr=subprocess.STDOUT, preexec_fn=pinned(CPU_PROXY),
-                                       env={**os.environ, "LITELLM_LOG": "ERROR", "LITELLM_MASTER_KEY": BENCH_KEY})
+            config.write_text(
+                f"model_list:\n  - model_name: {MODEL}\n    litellm_params:\n"
+                f"      model: hosted_vllm/{MODEL}\n      api_base: {upstream_url}\n"
+                f"      api_key: none\n"
+            )
+            litellm = subprocess.Popen(
+                [args.litellm, "--config", str(config), "--port", str(ll_port), "--num_workers", "1"],
+                cwd=tmp,
+                stdout=(tmp / "litellm.log").open("wb"),
+                stderr=subprocess.STDOUT,
+                preexec_fn=pinned(CPU_PROXY),
+                env={**os.environ, "LITELLM_LOG": "ERROR", "LITELLM_MASTER_KEY": BENCH_KEY},
+            )
             procs.append(litellm)
             try:
                 wait_http(f"http://127.0.0.1:{ll_port}/health/liveliness", timeout=180)
@@ -282,39 +360,63 @@ def main() -> None:
                 raise
             targets["litellm"] = (f"http://127.0.0.1:{ll_port}/v1", litellm.pid)
 
-        cells = [(mode == "stream", int(conc)) for mode, conc in
-                 (cell.split(":") for cell in args.cells.split(","))]
+        cells = [
+            (mode == "stream", int(conc))
+            for mode, conc in (cell.split(":") for cell in args.cells.split(","))
+        ]
         results: dict[tuple[str, bool, int], dict[str, list[float]]] = {}
         for name, (url, _) in targets.items():  # warm-up
             for stream, conc in cells:
-                asyncio.run(drive(f"{url}/chat/completions", stream, conc, 200, secret if name == "rlgate" else None))
+                asyncio.run(
+                    drive(f"{url}/chat/completions", stream, conc, 200, secret if name == "rlgate" else None)
+                )
         for r in range(args.rounds):
             for stream, conc in cells:
                 for name, (url, pid) in targets.items():
                     spy = None
                     if args.py_spy and name == "rlgate" and r == args.rounds - 1:
                         out = f"{args.py_spy}-{'stream' if stream else 'unary'}-c{conc}.svg"
-                        spy = subprocess.Popen([shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(pid), "--rate", "1000",
-                                                "--nonblocking", "--output", out], stdout=subprocess.DEVNULL,
-                                               stderr=subprocess.DEVNULL)
+                        spy = subprocess.Popen(
+                            [
+                                shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy"),
+                                "record",
+                                "--pid",
+                                str(pid),
+                                "--rate",
+                                "1000",
+                                "--nonblocking",
+                                "--output",
+                                out,
+                            ],
+                            stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL,
+                        )
                         time.sleep(1.0)  # py-spy attaches
                     cpu0 = tree_cpu_seconds(pid) if pid else 0.0
                     keys = secret if name == "rlgate" else None
-                    wall, lat, ttfb = uvloop.run(drive(f"{url}/chat/completions", stream, conc, args.requests, keys))
+                    wall, lat, ttfb = uvloop.run(
+                        drive(f"{url}/chat/completions", stream, conc, args.requests, keys)
+                    )
                     cpu = (tree_cpu_seconds(pid) - cpu0) if pid else float("nan")
                     if spy is not None:
                         spy.send_signal(signal.SIGINT)  # py-spy writes its flame graph and exits
                         spy.wait(timeout=60)
-                    cell = results.setdefault((name, stream, conc), {"rps": [], "lat": [], "ttfb": [], "cpu": []})
+                    cell = results.setdefault(
+                        (name, stream, conc), {"rps": [], "lat": [], "ttfb": [], "cpu": []}
+                    )
                     cell["rps"].append(len(lat) / wall)
                     cell["lat"].extend(lat)
                     cell["ttfb"].extend(ttfb)
                     cell["cpu"].append(cpu / len(lat) * 1000)
             print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
 
-        print(f"\n{args.rounds} rounds x {args.requests} requests per cell; proxies on CPU {CPU_PROXY}, "
-              f"load + upstream + redis on CPU {CPU_LOAD}\n")
-        print("| target | stream | concurrency | req/s | p50 ms | p99 ms | TTFB p50 ms | added p50 ms | proxy CPU ms/req |")
+        print(
+            f"\n{args.rounds} rounds x {args.requests} requests per cell; proxies on CPU {CPU_PROXY}, "
+            f"load + upstream + redis on CPU {CPU_LOAD}\n"
+        )
+        print(
+            "| target | stream | concurrency | req/s | p50 ms | p99 ms | TTFB p50 ms | added p50 ms | proxy CPU ms/req |"
+        )
         print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
         for stream, conc in cells:
             base = pct(results[("direct", stream, conc)]["lat"], 50)
@@ -322,10 +424,12 @@ def main() -> None:
                 c = results[(name, stream, conc)]
                 p50 = pct(c["lat"], 50)
                 cpu = statistics.median(c["cpu"])
-                print(f"| {name} | {'yes' if stream else 'no'} | {conc} | {statistics.median(c['rps']):,.0f} | "
-                      f"{p50:.2f} | {pct(c['lat'], 99):.2f} | {pct(c['ttfb'], 50):.2f} | "
-                      f"{'' if name == 'direct' else f'{p50 - base:+.2f}'} | "
-                      f"{'' if name == 'direct' else f'{cpu:.3f}'} |")
+                print(
+                    f"| {name} | {'yes' if stream else 'no'} | {conc} | {statistics.median(c['rps']):,.0f} | "
+                    f"{p50:.2f} | {pct(c['lat'], 99):.2f} | {pct(c['ttfb'], 50):.2f} | "
+                    f"{'' if name == 'direct' else f'{p50 - base:+.2f}'} | "
+                    f"{'' if name == 'direct' else f'{cpu:.3f}'} |"
+                )
     finally:
         for p in reversed(procs):
             p.send_signal(signal.SIGTERM)

@@ -24,6 +24,7 @@ Run (full: about 4 min on a 2-vCPU VM; --quick: about 30 s)
   /tmp/clientbench-venv/bin/pip install aiohttp httpx httpcore sniffio uvloop  # optional: httpx2
   /tmp/clientbench-venv/bin/python scripts/bench_http_clients.py [--quick] [--no-uvloop]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,13 +50,23 @@ except ImportError:  # pragma: no cover
 
 PATH = "/v1/chat/completions"
 TEXT = "The quick brown fox jumps over the lazy dog. " * 40
-REQ = {"model": "Qwen/Qwen2.5-7B-Instruct", "max_tokens": 256, "temperature": 0.7, "top_p": 0.95,
-       "messages": [{"role": "system", "content": "You are a helpful assistant."},
-                    {"role": "user", "content": TEXT[:800]}]}
+REQ = {
+    "model": "Qwen/Qwen2.5-7B-Instruct",
+    "max_tokens": 256,
+    "temperature": 0.7,
+    "top_p": 0.95,
+    "messages": [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": TEXT[:800]},
+    ],
+}
 PLAIN_BODY = json.dumps({**REQ, "stream": False}).encode()
 STREAM_BODY = json.dumps({**REQ, "stream": True}).encode()
-BASE = {"id": "chatcmpl-8f2c1e6b0d4a4c5e9b7a3f1d2e6c8a90", "created": 1732890000,
-        "model": "Qwen/Qwen2.5-7B-Instruct"}
+BASE = {
+    "id": "chatcmpl-8f2c1e6b0d4a4c5e9b7a3f1d2e6c8a90",
+    "created": 1732890000,
+    "model": "Qwen/Qwen2.5-7B-Instruct",
+}
 
 
 def _http(status_extra: bytes, body: bytes = b"") -> bytes:
@@ -63,19 +74,53 @@ def _http(status_extra: bytes, body: bytes = b"") -> bytes:
 
 
 def _build_responses() -> tuple[bytes, bytes, list[bytes]]:
-    body = json.dumps({**BASE, "object": "chat.completion", "choices": [{
-        "index": 0, "message": {"role": "assistant", "content": TEXT[:1100], "tool_calls": [],
-                                "reasoning_content": None},
-        "logprobs": None, "finish_reason": "stop", "stop_reason": None}],
-        "usage": {"prompt_tokens": 190, "total_tokens": 440, "completion_tokens": 250,
-                  "prompt_tokens_details": None}, "prompt_logprobs": None}).encode()
+    body = json.dumps(
+        {
+            **BASE,
+            "object": "chat.completion",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {
+                        "role": "assistant",
+                        "content": TEXT[:1100],
+                        "tool_calls": [],
+                        "reasoning_content": None,
+                    },
+                    "logprobs": None,
+                    "finish_reason": "stop",
+                    "stop_reason": None,
+                }
+            ],
+            "usage": {
+                "prompt_tokens": 190,
+                "total_tokens": 440,
+                "completion_tokens": 250,
+                "prompt_tokens_details": None,
+            },
+            "prompt_logprobs": None,
+        }
+    ).encode()
     plain = _http(b"content-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body), body)
     events = []
     for i in range(20):
         delta = {"role": "assistant", "content": ""} if i == 0 else {"content": f" tok{i:02d}en"}
-        events.append(json.dumps({**BASE, "object": "chat.completion.chunk", "choices": [{
-            "index": 0, "delta": delta, "logprobs": None,
-            "finish_reason": "stop" if i == 19 else None}]}).encode())
+        events.append(
+            json.dumps(
+                {
+                    **BASE,
+                    "object": "chat.completion.chunk",
+                    "choices": [
+                        {
+                            "index": 0,
+                            "delta": delta,
+                            "logprobs": None,
+                            "finish_reason": "stop" if i == 19 else None,
+                        }
+                    ],
+                }
+            ).encode()
+        )
     events = [b"data: " + e + b"\n\n" for e in events] + [b"data: [DONE]\n\n"]
     chunks = [b"%x\r\n%s\r\n" % (len(e), e) for e in events] + [b"0\r\n\r\n"]
     head = _http(b"content-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
@@ -99,7 +144,7 @@ def serve() -> None:
                 total = end + 4 + (int(m.group(1)) if m else 0)
                 if len(self.buf) < total:
                     return
-                body, self.buf = self.buf[end + 4:total], self.buf[total:]
+                body, self.buf = self.buf[end + 4 : total], self.buf[total:]
                 if b'"stream": true' in body or b'"stream":true' in body:
                     self.task = asyncio.ensure_future(self.stream())  # keep a reference
                 else:
@@ -140,16 +185,21 @@ async def make_client(lib: str, conc: int, url: str):
                 async for chunk in r.chunks():
                     n += len(chunk)
             return n
+
         return plain, stream, c.aclose
     mod = importlib.import_module(lib)
     if lib == "aiohttp":
-        s = mod.ClientSession(connector=mod.TCPConnector(limit=conc, limit_per_host=conc),
-                              auto_decompress=False)
+        s = mod.ClientSession(
+            connector=mod.TCPConnector(limit=conc, limit_per_host=conc), auto_decompress=False
+        )
         post, kw, close = partial(s.post, url, headers=hdrs), "data", s.close
         read, chunks = methodcaller("read"), (lambda r: r.content.iter_any())
     elif lib.startswith("httpx"):  # client.post() is stream() + aread() internally
-        c = mod.AsyncClient(limits=mod.Limits(max_connections=conc, max_keepalive_connections=conc),
-                            timeout=30.0, trust_env=False)
+        c = mod.AsyncClient(
+            limits=mod.Limits(max_connections=conc, max_keepalive_connections=conc),
+            timeout=30.0,
+            trust_env=False,
+        )
         post, kw, close = partial(c.stream, "POST", url, headers=hdrs), "content", c.aclose
         read, chunks = methodcaller("aread"), methodcaller("aiter_raw")
     else:  # httpcore / httpcore2
@@ -167,6 +217,7 @@ async def make_client(lib: str, conc: int, url: str):
             async for chunk in chunks(r):
                 n += len(chunk)
         return n
+
     return plain, stream, close
 
 
@@ -183,6 +234,7 @@ async def drive(fn, body: bytes, conc: int, n: int, lat: list | None = None) -> 
             nbytes += got
             if lat is not None:
                 lat.append(clock() - t)
+
     await asyncio.gather(*(worker() for _ in range(conc)))
     return nbytes
 
@@ -218,8 +270,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--requests", type=int, default=3000, help="requests per cell per round")
     ap.add_argument("--warmup", type=int, default=300)
-    ap.add_argument("--clients", default="rlgate,aiohttp,httpx,httpcore,httpx2,httpcore2",
-                    help="comma-separated; ones not installed are skipped (httpx2/httpcore2 optional)")
+    ap.add_argument(
+        "--clients",
+        default="rlgate,aiohttp,httpx,httpcore,httpx2,httpcore2",
+        help="comma-separated; ones not installed are skipped (httpx2/httpcore2 optional)",
+    )
     ap.add_argument("--no-uvloop", action="store_true", help="run all clients on the stdlib loop")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -236,8 +291,10 @@ def main() -> None:
         url = f"http://127.0.0.1:{int(srv.stdout.readline())}{PATH}"
         os.sched_setaffinity(0, {0})
         plain, _, chunks = _build_responses()
-        expect = {"plain": len(plain.split(b"\r\n\r\n", 1)[1]),
-                  "stream": sum(len(c.split(b"\r\n", 1)[1]) - 2 for c in chunks)}
+        expect = {
+            "plain": len(plain.split(b"\r\n\r\n", 1)[1]),
+            "stream": sum(len(c.split(b"\r\n", 1)[1]) - 2 for c in chunks),
+        }
         loops = {"uvloop": uvloop.new_event_loop} if use_uv else {}
         loops["asyncio"] = asyncio.new_event_loop
         main_loop = "uvloop" if use_uv else "asyncio"
@@ -251,21 +308,40 @@ def main() -> None:
                 for lib, loop in variants:
                     with asyncio.Runner(loop_factory=loops[loop]) as r:
                         out = r.run(run_cell(lib, mode, conc, a.requests, a.warmup, url, srv.pid, expect))
-                    print(f"round {rnd + 1} {lib}/{loop:7} {mode:6} c={conc:<2} "
-                          f"{out['n'] / out['wall']:8.0f} req/s {out['cpu'] / out['n'] * 1e6:6.1f} us/req",
-                          file=sys.stderr)
+                    print(
+                        f"round {rnd + 1} {lib}/{loop:7} {mode:6} c={conc:<2} "
+                        f"{out['n'] / out['wall']:8.0f} req/s {out['cpu'] / out['n'] * 1e6:6.1f} us/req",
+                        file=sys.stderr,
+                    )
                     res.setdefault((lib, loop, mode, conc), []).append(out)
     finally:
         srv.terminate()
         srv.wait()
 
-    print(f"\nPython {platform.python_version()} | " + " | ".join(
-        f"{p} {md.version(p)}" for p in ("aiohttp", "httpx", "httpcore", "httpx2", "httpcore2", "h11",
-                                         "anyio", "sniffio", "uvloop") if _installed(p)))
+    print(
+        f"\nPython {platform.python_version()} | "
+        + " | ".join(
+            f"{p} {md.version(p)}"
+            for p in (
+                "aiohttp",
+                "httpx",
+                "httpcore",
+                "httpx2",
+                "httpcore2",
+                "h11",
+                "anyio",
+                "sniffio",
+                "uvloop",
+            )
+            if _installed(p)
+        )
+    )
     if not _installed("sniffio"):
         print("WARNING: sniffio missing: httpcore 1.x retries `import sniffio` per lock (slow)")
-    print(f"client loop: {main_loop}; {a.rounds} rounds x {a.requests} req/cell (+{a.warmup} warm-up); "
-          "client CPU 0, upstream CPU 1")
+    print(
+        f"client loop: {main_loop}; {a.rounds} rounds x {a.requests} req/cell (+{a.warmup} warm-up); "
+        "client CPU 0, upstream CPU 1"
+    )
     print("CPU us/req: pooled over rounds (min-max of rounds)\n")
     print("| client | mode | concurrency | req/s | CPU us/req | p50 ms | p99 ms | upstream CPU % |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
@@ -276,9 +352,11 @@ def main() -> None:
             cpu, srv_cpu = sum(r["cpu"] for r in rs), sum(r["srv"] for r in rs)
             per = sorted(r["cpu"] / r["n"] * 1e6 for r in rs)
             q = statistics.quantiles([x for r in rs for x in r["lat"]], n=100, method="inclusive")
-            print(f"| {lib}/{loop} | {mode} | {conc} | {n / wall:,.0f} | "
-                  f"{cpu / n * 1e6:.0f} ({per[0]:.0f}-{per[-1]:.0f}) | "
-                  f"{q[49] * 1e3:.3f} | {q[98] * 1e3:.3f} | {srv_cpu / wall * 100:.0f} |")
+            print(
+                f"| {lib}/{loop} | {mode} | {conc} | {n / wall:,.0f} | "
+                f"{cpu / n * 1e6:.0f} ({per[0]:.0f}-{per[-1]:.0f}) | "
+                f"{q[49] * 1e3:.3f} | {q[98] * 1e3:.3f} | {srv_cpu / wall * 100:.0f} |"
+            )
 
 
 if __name__ == "__main__":

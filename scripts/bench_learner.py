@@ -33,9 +33,20 @@ from learner.settings import LearnerSettings  # noqa: E402
 
 
 def episodes(n: int, prompt: int, completion: int, rng: random.Random) -> list[list[Transition]]:
-    return [[Transition(f"r{i}", 0, tuple(rng.randrange(256) for _ in range(prompt)),
-                        tuple(rng.randrange(256) for _ in range(completion)), tuple([-2.0] * completion),
-                        rng.choice([1.0, -1.0]), 0)] for i in range(n)]
+    return [
+        [
+            Transition(
+                f"r{i}",
+                0,
+                tuple(rng.randrange(256) for _ in range(prompt)),
+                tuple(rng.randrange(256) for _ in range(completion)),
+                tuple([-2.0] * completion),
+                rng.choice([1.0, -1.0]),
+                0,
+            )
+        ]
+        for i in range(n)
+    ]
 
 
 def bench_updates(settings: LearnerSettings, sizes: list[int], args: argparse.Namespace) -> list[dict]:
@@ -43,8 +54,11 @@ def bench_updates(settings: LearnerSettings, sizes: list[int], args: argparse.Na
     rng = random.Random(0)
     rows = []
     for size in sizes:
-        batches = micro_batches(build_samples(episodes(size, args.prompt, args.completion, rng)),
-                                settings.micro_batch_tokens, policy.pad_token_id)
+        batches = micro_batches(
+            build_samples(episodes(size, args.prompt, args.completion, rng)),
+            settings.micro_batch_tokens,
+            policy.pad_token_id,
+        )
         policy.update(batches)  # warm-up
         times = []
         for _ in range(args.repeat):
@@ -56,14 +70,21 @@ def bench_updates(settings: LearnerSettings, sizes: list[int], args: argparse.Na
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
         step = statistics.median(times)
-        rows.append({"samples": size, "micro_batches": len(batches), "step_s": step,
-                     "action_tokens_per_s": stats.tokens / step,
-                     "tokens_per_s": size * (args.prompt + args.completion) / step})
+        rows.append(
+            {
+                "samples": size,
+                "micro_batches": len(batches),
+                "step_s": step,
+                "action_tokens_per_s": stats.tokens / step,
+                "tokens_per_s": size * (args.prompt + args.completion) / step,
+            }
+        )
     return rows
 
 
-async def bench_push(settings: LearnerSettings, model: Path, repeat: int, redis_url: str
-                     ) -> dict[str, list[float]]:
+async def bench_push(
+    settings: LearnerSettings, model: Path, repeat: int, redis_url: str
+) -> dict[str, list[float]]:
     from episodes import EpisodeStore
     from learner.push import FullPusher, LoraPusher
 
@@ -77,9 +98,11 @@ async def bench_push(settings: LearnerSettings, model: Path, repeat: int, redis_
     try:
         policy = Policy(settings)
         times: dict[str, list[float]] = {"lora": [], "full": []}
-        pushers = {"lora": LoraPusher([serve.url], logs / "adapters", store, "tiny"),
-                   # no gateway polls this store: no drain wait
-                   "full": FullPusher([serve.url], logs / "weights", store, "tiny", drain_s=0.0)}
+        pushers = {
+            "lora": LoraPusher([serve.url], logs / "adapters", store, "tiny"),
+            # no gateway polls this store: no drain wait
+            "full": FullPusher([serve.url], logs / "weights", store, "tiny", drain_s=0.0),
+        }
         for kind, pusher in pushers.items():
             for version in range(1, repeat + 2):
                 seconds = await pusher.push(version, policy)
@@ -107,26 +130,39 @@ if __name__ == "__main__":
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model = build_tiny_model(Path(tempfile.mkdtemp(prefix="bench_model_")) / "m", seed=0, hidden_size=args.hidden,
-                             num_layers=args.layers, num_heads=max(4, args.hidden // 64))
+    model = build_tiny_model(
+        Path(tempfile.mkdtemp(prefix="bench_model_")) / "m",
+        seed=0,
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        num_heads=max(4, args.hidden // 64),
+    )
     settings = LearnerSettings(model=model, tensorboard=False, device=args.device, micro_batch_tokens=8192)
     params = sum(p.numel() for p in Policy(settings).actor.parameters())
     rows = bench_updates(settings, [int(s) for s in args.sizes.split(",")], args)
-    print(f"\nmodel: {params / 1e6:.2f}M parameters (hidden {args.hidden}, {args.layers} layers), LoRA r=8, "
-          f"device {args.device}, torch threads {args.threads}, samples of {args.prompt}+{args.completion} tokens\n")
+    print(
+        f"\nmodel: {params / 1e6:.2f}M parameters (hidden {args.hidden}, {args.layers} layers), LoRA r=8, "
+        f"device {args.device}, torch threads {args.threads}, samples of {args.prompt}+{args.completion} tokens\n"
+    )
     print("| samples per step | micro-batches | update s | action tokens/s | all tokens/s |")
     print("|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['samples']} | {r['micro_batches']} | {r['step_s']:.3f} | {r['action_tokens_per_s']:,.0f} | "
-              f"{r['tokens_per_s']:,.0f} |")
+        print(
+            f"| {r['samples']} | {r['micro_batches']} | {r['step_s']:.3f} | {r['action_tokens_per_s']:,.0f} | "
+            f"{r['tokens_per_s']:,.0f} |"
+        )
     push: dict[str, list[float]] = {}
     if args.device == "cpu":
         push = asyncio.run(bench_push(settings, model, args.repeat, args.redis_url))
         print("\n| push to rlgate serve | median ms | max ms | pushes |\n|---|---:|---:|---:|")
-        labels = {"lora": "LoRA (save adapter, load_lora_adapter, pointer, unload v-2)",
-                  "full": "full (save safetensors, pause, start/update/finish, resume, pointer)"}
+        labels = {
+            "lora": "LoRA (save adapter, load_lora_adapter, pointer, unload v-2)",
+            "full": "full (save safetensors, pause, start/update/finish, resume, pointer)",
+        }
         for kind, times in push.items():
-            print(f"| {labels[kind]} | {statistics.median(times) * 1000:.1f} | {max(times) * 1000:.1f} | "
-                  f"{len(times)} |")
+            print(
+                f"| {labels[kind]} | {statistics.median(times) * 1000:.1f} | {max(times) * 1000:.1f} | "
+                f"{len(times)} |"
+            )
     if args.json:
         args.json.write_text(json.dumps({"updates": rows, "push_s": push}, indent=2))

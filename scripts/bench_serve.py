@@ -41,6 +41,7 @@ async def drive(url: str, body: bytes, concurrency: int, n: int) -> tuple[float,
     remaining = n
     connector = aiohttp.TCPConnector(limit=concurrency)
     async with aiohttp.ClientSession(connector=connector, headers={"content-type": "application/json"}) as s:
+
         async def worker() -> None:
             nonlocal remaining, tokens
             while remaining > 0:
@@ -60,9 +61,10 @@ async def drive(url: str, body: bytes, concurrency: int, n: int) -> tuple[float,
 
 def time_lora(base_url: str, model: Path, tmp: Path, runs: int = 5) -> dict[str, list[float]]:
     """Wall time of loading and unloading a saved peft adapter through the server's vLLM-style routes."""
+    import urllib.request
+
     import peft
     import transformers
-    import urllib.request
 
     adapter = tmp / "adapter"
     base = transformers.AutoModelForCausalLM.from_pretrained(model, local_files_only=True)
@@ -70,8 +72,12 @@ def time_lora(base_url: str, model: Path, tmp: Path, runs: int = 5) -> dict[str,
     peft.get_peft_model(base, config).save_pretrained(adapter)
 
     def post(path: str, body: dict) -> float:
-        request = urllib.request.Request(f"{base_url}{path}", data=json.dumps(body).encode(),
-                                         headers={"content-type": "application/json"}, method="POST")
+        request = urllib.request.Request(
+            f"{base_url}{path}",
+            data=json.dumps(body).encode(),
+            headers={"content-type": "application/json"},
+            method="POST",
+        )
         t0 = time.perf_counter()
         with urllib.request.urlopen(request, timeout=60) as response:
             response.read()
@@ -79,13 +85,17 @@ def time_lora(base_url: str, model: Path, tmp: Path, runs: int = 5) -> dict[str,
 
     times: dict[str, list[float]] = {"LoRA load": [], "LoRA unload": [], "full-weight update": []}
     for _ in range(runs):
-        times["LoRA load"].append(post("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": str(adapter)}))
+        times["LoRA load"].append(
+            post("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": str(adapter)})
+        )
         times["LoRA unload"].append(post("/v1/unload_lora_adapter", {"lora_name": "a"}))
 
     from safetensors.torch import save_file
 
     weights = tmp / "weights.safetensors"
-    plain = transformers.AutoModelForCausalLM.from_pretrained(model, local_files_only=True)  # peft changed `base`
+    plain = transformers.AutoModelForCausalLM.from_pretrained(
+        model, local_files_only=True
+    )  # peft changed `base`
     save_file({n: p.detach().contiguous() for n, p in plain.named_parameters()}, str(weights))
     post("/init_weight_transfer_engine", {"init_info": {}})
     for version in range(runs):
@@ -105,30 +115,65 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="rlgate-bench-serve-") as tmp:
         model = Path(tmp) / "tiny"
-        subprocess.run([sys.executable, "-m", "rlgate", "make-tiny-model", str(model)], check=True,
-                       capture_output=True, cwd=ROOT)
+        subprocess.run(
+            [sys.executable, "-m", "rlgate", "make-tiny-model", str(model)],
+            check=True,
+            capture_output=True,
+            cwd=ROOT,
+        )
         port = free_port()
-        server = subprocess.Popen([sys.executable, "-m", "rlgate", "serve", "--model", str(model), "--port",
-                                   str(port), "--served-model-name", "tiny", "--log-level", "warning",
-                                   # the LoRA and weight-update routes it times, reading files under tmp only
-                                   "--allow-runtime-lora-updating", "true", "--dev-mode", "true",
-                                   "--weights-root", tmp],
-                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
+        server = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "rlgate",
+                "serve",
+                "--model",
+                str(model),
+                "--port",
+                str(port),
+                "--served-model-name",
+                "tiny",
+                "--log-level",
+                "warning",
+                # the LoRA and weight-update routes it times, reading files under tmp only
+                "--allow-runtime-lora-updating",
+                "true",
+                "--dev-mode",
+                "true",
+                "--weights-root",
+                tmp,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            cwd=ROOT,
+        )
         try:
             assert server.stdout.readline().startswith("READY"), "rlgate serve did not start"
             url = f"http://127.0.0.1:{port}/v1/chat/completions"
-            body = json.dumps({"model": "tiny", "max_tokens": args.max_tokens, "temperature": 1.0,
-                               "messages": [{"role": "user", "content": "What is 17 + 25?"}]}).encode()
+            body = json.dumps(
+                {
+                    "model": "tiny",
+                    "max_tokens": args.max_tokens,
+                    "temperature": 1.0,
+                    "messages": [{"role": "user", "content": "What is 17 + 25?"}],
+                }
+            ).encode()
             asyncio.run(drive(url, body, 4, 40))  # warm-up
-            print(f"\n{args.requests} requests per cell, max_tokens {args.max_tokens}, "
-                  f"server and load generator on the same {len(os.sched_getaffinity(0))} cores\n")
+            print(
+                f"\n{args.requests} requests per cell, max_tokens {args.max_tokens}, "
+                f"server and load generator on the same {len(os.sched_getaffinity(0))} cores\n"
+            )
             print("| concurrency | completions/s | tokens/s | p50 ms | p99 ms |")
             print("|---:|---:|---:|---:|---:|")
             for concurrency in args.concurrency:
                 wall, latencies, tokens = asyncio.run(drive(url, body, concurrency, args.requests))
                 q = statistics.quantiles(latencies, n=100, method="inclusive")
-                print(f"| {concurrency} | {len(latencies) / wall:,.0f} | {tokens / wall:,.0f} | "
-                      f"{q[49] * 1000:.1f} | {q[98] * 1000:.1f} |")
+                print(
+                    f"| {concurrency} | {len(latencies) / wall:,.0f} | {tokens / wall:,.0f} | "
+                    f"{q[49] * 1000:.1f} | {q[98] * 1000:.1f} |"
+                )
             print("\n| operation | median ms (5 runs) |\n|---|---:|")
             for name, seconds in time_lora(f"http://127.0.0.1:{port}", model, Path(tmp)).items():
                 print(f"| {name} | {statistics.median(seconds) * 1000:.1f} |")

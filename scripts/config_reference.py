@@ -68,15 +68,23 @@ def render() -> str:
         "",
     ]
     for path, cls in _commands(Rlgate, "rlgate"):
-        lines += [f"## `{path}`", "", _cell((cls.__doc__ or "").strip().split("\n\n")[0]), "",
-                  "| option | environment | default | meaning |", "|---|---|---|---|"]
+        lines += [
+            f"## `{path}`",
+            "",
+            _cell((cls.__doc__ or "").strip().split("\n\n")[0]),
+            "",
+            "| option | environment | default | meaning |",
+            "|---|---|---|---|",
+        ]
         children = subcommands(cls)
         for name, field in cls.model_fields.items():
             if name.replace("_", "-") in children:
                 continue
             env = ", ".join(f"`{e}`" for e in env_names(cls, name)) or "-"
-            lines.append(f"| `--{name.replace('_', '-')}` | {env} | {_cell(_default(field))} | "
-                         f"{_cell(field.description or '')} |")
+            lines.append(
+                f"| `--{name.replace('_', '-')}` | {env} | {_cell(_default(field))} | "
+                f"{_cell(field.description or '')} |"
+            )
         lines.append("")
     return "\n".join(lines)
 

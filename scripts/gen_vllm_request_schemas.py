@@ -20,14 +20,20 @@ from pathlib import Path
 from typing import Any
 
 OUT = Path(__file__).resolve().parent.parent / "gateway" / "vllm_requests.json"
-REQUESTS = {"chat.completions": "ChatCompletionRequest", "completions": "CompletionRequest",
-            "responses": "ResponsesRequest"}
+REQUESTS = {
+    "chat.completions": "ChatCompletionRequest",
+    "completions": "CompletionRequest",
+    "responses": "ResponsesRequest",
+}
 
 
 def _strip(node: Any, keep_descriptions: bool) -> Any:
     if isinstance(node, dict):
-        return {k: _strip(v, False) for k, v in node.items()
-                if keep_descriptions or k not in ("description", "examples", "title")}
+        return {
+            k: _strip(v, False)
+            for k, v in node.items()
+            if keep_descriptions or k not in ("description", "examples", "title")
+        }
     if isinstance(node, list):
         return [_strip(v, False) for v in node]
     return node
@@ -61,11 +67,16 @@ def generate() -> str:
     for name in sorted(names):
         schema = _strip(schemas[name], False)
         if name in REQUESTS.values():  # the request models keep their field descriptions
-            schema = {**schema, "properties": {k: _strip(v, True) for k, v in schemas[name]["properties"].items()}}
+            schema = {
+                **schema,
+                "properties": {k: _strip(v, True) for k, v in schemas[name]["properties"].items()},
+            }
         out[name] = schema
     # one schema a line: a vLLM upgrade shows as a readable diff
     head = json.dumps({"vllm_version": vllm.__version__, "requests": REQUESTS}, sort_keys=True)[:-1]
-    lines = [f" {json.dumps(name)}: {json.dumps(schema, sort_keys=True)}" for name, schema in sorted(out.items())]
+    lines = [
+        f" {json.dumps(name)}: {json.dumps(schema, sort_keys=True)}" for name, schema in sorted(out.items())
+    ]
     return head + ', "schemas": {\n' + ",\n".join(lines) + "\n}}\n"
 
 

@@ -76,7 +76,9 @@ def start_fake_vllm(tmp_path: Path, *args: str, port: int | None = None) -> Proc
     port = port or free_port()
     process = subprocess.Popen(
         [sys.executable, str(ROOT / "tests" / "fake_vllm.py"), "--port", str(port), *args],
-        stdout=subprocess.PIPE, stderr=log_path.open("wb"), text=True,
+        stdout=subprocess.PIPE,
+        stderr=log_path.open("wb"),
+        text=True,
     )
     line = process.stdout.readline()
     assert line.startswith("READY"), f"fake vLLM did not start: {line!r} {log_path.read_text()}"
@@ -90,16 +92,32 @@ def fake_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
     proc.kill(signal.SIGTERM)
 
 
-def start_gateway(tmp_path: Path, upstream_url: str, redis_url: str = REDIS_URL, port: int | None = None,
-                  wait_healthy: bool = True, **settings: str) -> Proc:
+def start_gateway(
+    tmp_path: Path,
+    upstream_url: str,
+    redis_url: str = REDIS_URL,
+    port: int | None = None,
+    wait_healthy: bool = True,
+    **settings: str,
+) -> Proc:
     """`rlgate gateway` as a real process, configured through RLGATE_* variables."""
     port = port or free_port()
-    env = {**os.environ, "RLGATE_UPSTREAM_URL": upstream_url, "RLGATE_REDIS_URL": redis_url,
-           "RLGATE_PORT": str(port), "RLGATE_LOG_FORMAT": "json"}
+    env = {
+        **os.environ,
+        "RLGATE_UPSTREAM_URL": upstream_url,
+        "RLGATE_REDIS_URL": redis_url,
+        "RLGATE_PORT": str(port),
+        "RLGATE_LOG_FORMAT": "json",
+    }
     env.update({f"RLGATE_{k.upper()}": v for k, v in settings.items()})
     log_path = tmp_path / f"gateway_{port}_{time.monotonic_ns()}.log"
-    process = subprocess.Popen([sys.executable, "-m", "rlgate", "gateway"], env=env,
-                               stdout=log_path.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "rlgate", "gateway"],
+        env=env,
+        stdout=log_path.open("wb"),
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+    )
     proc = Proc(process, f"http://127.0.0.1:{port}", log_path)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -122,10 +140,18 @@ def gateway(fake_vllm: Proc, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     proc.kill(signal.SIGTERM)
 
 
-def start_rlgate_serve(model_dir: Path, log_dir: Path, served_model_name: str,
-                       logprobs_mode: str | None = "processed_logprobs", *, lora: bool = False,
-                       dev_mode: bool = False, weights_root: Path | None = None, api_key: str | None = None,
-                       env: dict[str, str] | None = None) -> Proc:
+def start_rlgate_serve(
+    model_dir: Path,
+    log_dir: Path,
+    served_model_name: str,
+    logprobs_mode: str | None = "processed_logprobs",
+    *,
+    lora: bool = False,
+    dev_mode: bool = False,
+    weights_root: Path | None = None,
+    api_key: str | None = None,
+    env: dict[str, str] | None = None,
+) -> Proc:
     """`rlgate serve` as a real process; its `url` is the server's base (no /v1). It reports the log-probs
     of the distribution it samples from unless told otherwise, as the learner needs (None: the server's
     default, vLLM's raw_logprobs). Its gates are off unless asked for, whatever this shell's environment
@@ -141,10 +167,28 @@ def start_rlgate_serve(model_dir: Path, log_dir: Path, served_model_name: str,
     args += [] if api_key is None else ["--api-key", api_key]
     gates = ("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_SERVER_DEV_MODE", "VLLM_API_KEY")
     environ = {k: v for k, v in os.environ.items() if k not in gates and not k.startswith("RLGATE_SERVE_")}
-    process = subprocess.Popen([sys.executable, "-m", "rlgate", "serve", "--model", str(model_dir), "--port",
-                                str(port), "--served-model-name", served_model_name, "--log-format", "json", *args],
-                               stdout=subprocess.PIPE, stderr=log_path.open("wb"), text=True, cwd=ROOT,
-                               env={**environ, **(env or {})})
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "rlgate",
+            "serve",
+            "--model",
+            str(model_dir),
+            "--port",
+            str(port),
+            "--served-model-name",
+            served_model_name,
+            "--log-format",
+            "json",
+            *args,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=log_path.open("wb"),
+        text=True,
+        cwd=ROOT,
+        env={**environ, **(env or {})},
+    )
     line = process.stdout.readline()
     assert line.strip() == f"READY {port}", f"rlgate serve did not start: {line!r} {log_path.read_text()}"
     return Proc(process, f"http://127.0.0.1:{port}", log_path)

@@ -55,10 +55,40 @@ MAX_N = 64  # choices per request: more is refused (vLLM takes any n; the fake s
 OFFSET, EOS = 5, 2
 TOOL_START, TOOL_END = "<tool_call>", "</tool_call>"
 SPECIAL = ("<pad>", "<bos>", "<eos>", TOOL_START, TOOL_END)  # ids 0-4; byte b is id b + OFFSET
-WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india",
-         "juliet", "kilo", "lima", "mike", "november", "oscar", "papa", "quebec", "romeo",
-         "sierra", "tango", "uniform", "victor", "whiskey", "xray", "yankee", "zulu", "amber",
-         "cobalt", "ember", "frost", "maple", "river")
+WORDS = (
+    "alpha",
+    "bravo",
+    "charlie",
+    "delta",
+    "echo",
+    "foxtrot",
+    "golf",
+    "hotel",
+    "india",
+    "juliet",
+    "kilo",
+    "lima",
+    "mike",
+    "november",
+    "oscar",
+    "papa",
+    "quebec",
+    "romeo",
+    "sierra",
+    "tango",
+    "uniform",
+    "victor",
+    "whiskey",
+    "xray",
+    "yankee",
+    "zulu",
+    "amber",
+    "cobalt",
+    "ember",
+    "frost",
+    "maple",
+    "river",
+)
 NAME_RE, ARGS_RE = re.compile(r'"name"\s*:\s*"([^"]+)"'), re.compile(r'"arguments"\s*:\s*')
 DONE = b"data: [DONE]\n\n"
 
@@ -84,8 +114,16 @@ class ApiError(Exception):
 
     def __init__(self, status: int, message: str, etype: str | None = None, param: str | None = None):
         super().__init__(message)
-        etype = etype or {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError",
-                          503: "ServiceUnavailableError"}.get(status) or HTTPStatus(status).phrase
+        etype = (
+            etype
+            or {
+                400: "BadRequestError",
+                404: "NotFoundError",
+                500: "InternalServerError",
+                503: "ServiceUnavailableError",
+            }.get(status)
+            or HTTPStatus(status).phrase
+        )
         self.status = status
         self.body = {"error": {"message": message, "type": etype, "param": param, "code": status}}
 
@@ -96,6 +134,7 @@ def validation_error(detail: str, param: str | None) -> ApiError:
 
 
 # ---------------------------------------------------------------- the "model"
+
 
 def render_chat(messages: list, tools: list | None) -> str:
     """Our stand-in for the model's chat template (messages in, prompt text out)."""
@@ -114,8 +153,15 @@ def render_chat(messages: list, tools: list | None) -> str:
 class Choice:
     """One generated sequence: its token ids, final text, and the text each token adds."""
 
-    def __init__(self, prompt_ids: list[int], seed: int, index: int, max_tokens: int,
-                 stops: list[str], tool: dict | None):
+    def __init__(
+        self,
+        prompt_ids: list[int],
+        seed: int,
+        index: int,
+        max_tokens: int,
+        stops: list[str],
+        tool: dict | None,
+    ):
         key = bytes(t & 0xFF for t in prompt_ids[-512:]) + f"|{len(prompt_ids)}|{seed}|{index}".encode()
         h = hashlib.blake2b(key, digest_size=16).digest()
         self.salt = int.from_bytes(h[:4], "little")
@@ -126,7 +172,7 @@ class Choice:
             body = f'\n{{"name": {json.dumps(fn["name"])}, "arguments": {args}}}\n'
             toks = [(3, TOOL_START), *((b + OFFSET, chr(b)) for b in body.encode()), (4, TOOL_END)]
         else:
-            text = " ".join(WORDS[b % len(WORDS)] for b in h[1:4 + h[0] % 6]).capitalize() + "."
+            text = " ".join(WORDS[b % len(WORDS)] for b in h[1 : 4 + h[0] % 6]).capitalize() + "."
             toks = [(b + OFFSET, chr(b)) for b in text.encode()]  # ASCII: one char per token
         toks.append((EOS, ""))
         full, ends = "", []
@@ -141,7 +187,12 @@ class Choice:
             if k <= max_tokens:
                 n, self.text, self.stop_reason = k, full[:pos], stop
         if n > max_tokens:
-            n, self.finish, self.stop_reason, self.text = max_tokens, "length", None, full[:ends[max_tokens - 1]]
+            n, self.finish, self.stop_reason, self.text = (
+                max_tokens,
+                "length",
+                None,
+                full[: ends[max_tokens - 1]],
+            )
         self.ids = [t for t, _ in toks[:n]]
         # Text streamed per token. With stop strings vLLM's detokenizer holds back
         # (longest stop - 1) chars until the sequence finishes.
@@ -176,8 +227,11 @@ def response_logprob(c: Choice, pos: int, k: int) -> dict:
 
 def stream_logprob(entry: dict) -> dict:
     """A Responses `output_text.delta` entry: no bytes (vLLM's _to_stream_logprobs)."""
-    return {"token": entry["token"], "logprob": entry["logprob"],
-            "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]} for t in entry["top_logprobs"]]}
+    return {
+        "token": entry["token"],
+        "logprob": entry["logprob"],
+        "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]} for t in entry["top_logprobs"]],
+    }
 
 
 def completion_logprobs(c: Choice, lo: int, hi: int, k: int, offset: int) -> tuple[dict, int]:
@@ -187,7 +241,7 @@ def completion_logprobs(c: Choice, lo: int, hi: int, k: int, offset: int) -> tup
         cands = c.top(pos, k)
         lp["tokens"].append(tok := tok_str(cands[0][0]))
         lp["token_logprobs"].append(cands[0][1])
-        lp["top_logprobs"].append({tok_str(t): v for t, v in cands[:k + 1]})
+        lp["top_logprobs"].append({tok_str(t): v for t, v in cands[: k + 1]})
         lp["text_offset"].append(offset)
         offset += len(tok)
     return lp, offset
@@ -206,24 +260,29 @@ def hermes_deltas(c: Choice, tool_id: str) -> list[dict | None]:
         if end > sent:  # plain text before the tag, minus what may be a partial tag
             content, sent = text[sent:end], end
         if start >= 0:
-            body = text[start + len(TOOL_START):]
+            body = text[start + len(TOOL_START) :]
             if TOOL_END in body:
-                body, done = body[:body.index(TOOL_END)].strip(), True
+                body, done = body[: body.index(TOOL_END)].strip(), True
             else:
-                body = body[:len(body) - _overlap(body, TOOL_END)].strip()
+                body = body[: len(body) - _overlap(body, TOOL_END)].strip()
                 done = _is_json(body)
             if not named and (m := NAME_RE.search(body)):
                 named = True
-                calls.append({"id": tool_id, "type": "function", "index": 0, "function": {"name": m.group(1)}})
+                calls.append(
+                    {"id": tool_id, "type": "function", "index": 0, "function": {"name": m.group(1)}}
+                )
             if named and (m := ARGS_RE.search(body)):
-                args = body[m.end():].rstrip() if done else body[m.end():]
+                args = body[m.end() :].rstrip() if done else body[m.end() :]
                 args = args[:-1].rstrip() if done and args.endswith("}") else args  # drop the outer "}"
                 if len(args) > len(args_sent):
-                    calls.append({"index": 0, "function": {"arguments": args[len(args_sent):]}})
+                    calls.append({"index": 0, "function": {"arguments": args[len(args_sent) :]}})
                     args_sent = args
         # vLLM's DeltaMessage leaves an empty tool_calls list out of the chunk
-        out.append(({"content": content, "tool_calls": calls} if calls else {"content": content})
-                   if content or calls else None)
+        out.append(
+            ({"content": content, "tool_calls": calls} if calls else {"content": content})
+            if content or calls
+            else None
+        )
     return out
 
 
@@ -256,6 +315,7 @@ def parse_tool_call(c: Choice, tool_id: str) -> tuple[str | None, list]:
 
 # ---------------------------------------------------------------- HTTP layer
 
+
 def jresp(obj: dict, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
 
@@ -265,8 +325,13 @@ def sse(obj: dict) -> bytes:
 
 
 def usage(p: int, c: int) -> dict:
-    return {"prompt_tokens": p, "total_tokens": p + c, "completion_tokens": c,
-            "prompt_tokens_details": None, "completion_tokens_details": None}
+    return {
+        "prompt_tokens": p,
+        "total_tokens": p + c,
+        "completion_tokens": c,
+        "prompt_tokens_details": None,
+        "completion_tokens_details": None,
+    }
 
 
 def fail_frame(chat: bool) -> bytes:
@@ -297,8 +362,9 @@ class FakeVLLM:
                 raise validation_error("Unsupported Media Type: Only 'application/json' is allowed", None)
             raw = await request.read()
             if not raw:
-                raise validation_error("{'type': 'missing', 'loc': 'body', 'msg': 'Field required', "
-                                       "'input': 'None'}", "body")
+                raise validation_error(
+                    "{'type': 'missing', 'loc': 'body', 'msg': 'Field required', 'input': 'None'}", "body"
+                )
             try:
                 body = orjson.loads(raw)
             except orjson.JSONDecodeError:
@@ -307,17 +373,23 @@ class FakeVLLM:
                     e = json.JSONDecodeError("Expecting value", "", 0)
                 except json.JSONDecodeError as je:
                     e = je
-                raise validation_error(f"{{'type': 'json_invalid', 'loc': 'body.{e.pos}', 'msg': 'JSON "
-                                       f"decode error', 'input': '<dict of 0 items>', 'ctx': {{'error': "
-                                       f"'{e.msg}'}}}}", f"body.{e.pos}") from None
+                raise validation_error(
+                    f"{{'type': 'json_invalid', 'loc': 'body.{e.pos}', 'msg': 'JSON "
+                    f"decode error', 'input': '<dict of 0 items>', 'ctx': {{'error': "
+                    f"'{e.msg}'}}}}",
+                    f"body.{e.pos}",
+                ) from None
             if not isinstance(body, dict):
                 raise validation_error("Input should be a valid dictionary", "body")
             code = body.get("fake_status")
             if isinstance(code, int) and not isinstance(code, bool) and code >= 400:
                 raise ApiError(code, f"fake_status {code} requested")
             if body.get("model") not in (None, "", self.model):
-                raise ApiError(404, f"The model `{body['model']}` does not exist. "
-                               f"Valid aliases: {self.model}.", param="model")
+                raise ApiError(
+                    404,
+                    f"The model `{body['model']}` does not exist. Valid aliases: {self.model}.",
+                    param="model",
+                )
             if self.validate is not None:
                 self.validate(kind, body)
             if not isinstance(body.get("n") or 1, int) or not 1 <= (body.get("n") or 1) <= MAX_N:
@@ -335,16 +407,28 @@ class FakeVLLM:
         silently clamps max_tokens to what is left of the context otherwise."""
         mt = body.get(param)
         if mt is not None and mt > MAX_MODEL_LEN:
-            raise ApiError(400, f"{param}={mt} cannot be greater than max_model_len={MAX_MODEL_LEN}. "
-                           f"Please request fewer output tokens. (parameter={param}, value={mt})", param=param)
+            raise ApiError(
+                400,
+                f"{param}={mt} cannot be greater than max_model_len={MAX_MODEL_LEN}. "
+                f"Please request fewer output tokens. (parameter={param}, value={mt})",
+                param=param,
+            )
         if (n := len(prompt_ids)) > MAX_MODEL_LEN:
-            raise ApiError(400, f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, "
-                           f"your prompt contains {n} input tokens, which exceeds this limit even without "
-                           f"any output tokens. Please reduce the length of the input prompt. "
-                           f"(parameter=input_tokens, value={n})", param="input_tokens")
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, "
+                f"your prompt contains {n} input tokens, which exceeds this limit even without "
+                f"any output tokens. Please reduce the length of the input prompt. "
+                f"(parameter=input_tokens, value={n})",
+                param="input_tokens",
+            )
         stop = body.get("stop") or []
-        return (min(MAX_MODEL_LEN if mt is None else mt, MAX_MODEL_LEN - n),
-                [stop] if isinstance(stop, str) else list(stop), body.get("seed") or 0, body.get("n") or 1)
+        return (
+            min(MAX_MODEL_LEN if mt is None else mt, MAX_MODEL_LEN - n),
+            [stop] if isinstance(stop, str) else list(stop),
+            body.get("seed") or 0,
+            body.get("n") or 1,
+        )
 
     async def stream(self, request: web.Request, frames, body: dict) -> web.StreamResponse:
         """Send SSE frames; one write unless --chunk-delay-ms (or fake_chunk_delay_ms) asks for pacing."""
@@ -362,7 +446,7 @@ class FakeVLLM:
         if write_size:  # small TCP writes: events arrive split across the client's reads
             data = b"".join(frames)
             for i in range(0, len(data), write_size):
-                await resp.write(data[i:i + write_size])
+                await resp.write(data[i : i + write_size])
                 await asyncio.sleep(0)
         elif chunk_delay:
             for i, f in enumerate(frames):
@@ -386,16 +470,28 @@ class FakeVLLM:
         return resp
 
     def usage_frame(self, head: dict, p: int, c: int) -> bytes:  # dumped with exclude_none
-        return sse({**head, "choices": [], "usage": {"prompt_tokens": p, "total_tokens": p + c,
-                   "completion_tokens": c}, "system_fingerprint": self.fingerprint})
+        return sse(
+            {
+                **head,
+                "choices": [],
+                "usage": {"prompt_tokens": p, "total_tokens": p + c, "completion_tokens": c},
+                "system_fingerprint": self.fingerprint,
+            }
+        )
 
     async def chat(self, request: web.Request, body: dict) -> web.StreamResponse:
         if not isinstance(body.get("messages"), list):
-            raise validation_error(f"{{'type': 'missing', 'loc': 'body.messages', 'msg': 'Field required', "
-                                   f"'input': '<dict of {len(body)} items>'}}", "body.messages")
+            raise validation_error(
+                f"{{'type': 'missing', 'loc': 'body.messages', 'msg': 'Field required', "
+                f"'input': '<dict of {len(body)} items>'}}",
+                "body.messages",
+            )
         if body.get("top_logprobs") and not body.get("logprobs"):  # a gateway injecting logprobs hides this
-            raise ApiError(400, "when using `top_logprobs`, `logprobs` must be set to true. "
-                           "(parameter=top_logprobs)", param="top_logprobs")
+            raise ApiError(
+                400,
+                "when using `top_logprobs`, `logprobs` must be set to true. (parameter=top_logprobs)",
+                param="top_logprobs",
+            )
         msgs, tools, choice = body["messages"], body.get("tools"), body.get("tool_choice")
         tool, named = None, isinstance(choice, dict)
         if tools and choice != "none" and not (msgs and msgs[-1].get("role") == "tool"):
@@ -406,40 +502,87 @@ class FakeVLLM:
         max_tokens, stops, seed, n = self.limits(body, prompt_ids, param)
         choices = [Choice(prompt_ids, seed, i, max_tokens, stops, tool) for i in range(n)]
         tool_ids = [f"chatcmpl-tool-{rid()}" for _ in choices]
-        rti, lp, k, P = bool(body.get("return_token_ids")), bool(body.get("logprobs")), \
-            body.get("top_logprobs") or 0, len(prompt_ids)
-        head = {"id": f"chatcmpl-{request.headers.get('X-Request-Id') or rid()}",
-                "object": "chat.completion.chunk" if body.get("stream") else "chat.completion",
-                "created": int(time.time()), "model": self.model}
+        rti, lp, k, P = (
+            bool(body.get("return_token_ids")),
+            bool(body.get("logprobs")),
+            body.get("top_logprobs") or 0,
+            len(prompt_ids),
+        )
+        head = {
+            "id": f"chatcmpl-{request.headers.get('X-Request-Id') or rid()}",
+            "object": "chat.completion.chunk" if body.get("stream") else "chat.completion",
+            "created": int(time.time()),
+            "model": self.model,
+        }
         if not body.get("stream"):  # ChatCompletionResponse.model_dump(): every field present
             out = []
             for i, c in enumerate(choices):
                 content, calls = parse_tool_call(c, tool_ids[i]) if tool else (c.text, [])
-                msg = {"role": "assistant", "content": (content or "") if named or choice == "required"
-                       else content, "refusal": None, "annotations": None, "audio": None, "function_call": None}
+                msg = {
+                    "role": "assistant",
+                    "content": (content or "") if named or choice == "required" else content,
+                    "refusal": None,
+                    "annotations": None,
+                    "audio": None,
+                    "function_call": None,
+                }
                 if calls:  # ChatMessage drops an empty tool_calls list
                     msg["tool_calls"] = calls
                 msg["reasoning"] = None
-                out.append({"index": i, "message": msg,
-                            "logprobs": chat_logprobs(c, 0, len(c.ids), k) if lp else None,
-                            "finish_reason": "tool_calls" if calls and c.finish == "stop" and not named
-                            else c.finish, "stop_reason": c.stop_reason,
-                            "token_ids": c.ids if rti else None, "routed_experts": None, "weight_versions": None})
-            return await self.reply({**head, "choices": out, "service_tier": None,
-                "system_fingerprint": self.fingerprint, "usage": usage(P, sum(len(c.ids) for c in choices)),
-                "prompt_logprobs": None, "prompt_token_ids": prompt_ids if rti else None, "prompt_text": None,
-                "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}, body)
+                out.append(
+                    {
+                        "index": i,
+                        "message": msg,
+                        "logprobs": chat_logprobs(c, 0, len(c.ids), k) if lp else None,
+                        "finish_reason": "tool_calls"
+                        if calls and c.finish == "stop" and not named
+                        else c.finish,
+                        "stop_reason": c.stop_reason,
+                        "token_ids": c.ids if rti else None,
+                        "routed_experts": None,
+                        "weight_versions": None,
+                    }
+                )
+            return await self.reply(
+                {
+                    **head,
+                    "choices": out,
+                    "service_tier": None,
+                    "system_fingerprint": self.fingerprint,
+                    "usage": usage(P, sum(len(c.ids) for c in choices)),
+                    "prompt_logprobs": None,
+                    "prompt_token_ids": prompt_ids if rti else None,
+                    "prompt_text": None,
+                    "kv_transfer_params": None,
+                    "ec_transfer_params": None,
+                    "metrics": None,
+                },
+                body,
+            )
         opts = body.get("stream_options") or {}
         inc_usage = bool(opts.get("include_usage"))
         cont, fail_after = inc_usage and bool(opts.get("continuous_usage_stats")), body.get("fake_fail_after")
 
         def frames():  # chunks are dumped with exclude_unset: only fields vLLM set appear
             for i in range(n):  # first chunk per choice: the role (and the prompt ids)
-                f = {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                          "logprobs": None, "finish_reason": None}]}
+                f = {
+                    **head,
+                    "choices": [
+                        {
+                            "index": i,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                }
                 if cont:
-                    f["usage"] = {"prompt_tokens": P, "total_tokens": P, "completion_tokens": 0,
-                                  "completion_tokens_details": None}
+                    f["usage"] = {
+                        "prompt_tokens": P,
+                        "total_tokens": P,
+                        "completion_tokens": 0,
+                        "completion_tokens_details": None,
+                    }
                 yield sse({**f, "prompt_token_ids": prompt_ids if rti else None, "prompt_text": None})
             deltas = [hermes_deltas(c, tool_ids[i]) for i, c in enumerate(choices)]
             tools_sent, sent = [False] * n, 0
@@ -450,19 +593,28 @@ class FakeVLLM:
                         continue
                     d = {}
                 tools_sent[i] = tools_sent[i] or bool(d.get("tool_calls"))
-                ch = {"index": i, "delta": d, "logprobs": chat_logprobs(c, pos, pos + 1, k) if lp else None,
-                      "finish_reason": None}
+                ch = {
+                    "index": i,
+                    "delta": d,
+                    "logprobs": chat_logprobs(c, pos, pos + 1, k) if lp else None,
+                    "finish_reason": None,
+                }
                 if last:
-                    ch["finish_reason"] = ("tool_calls" if tools_sent[i] and c.finish == "stop" and not named
-                                           else c.finish)
+                    ch["finish_reason"] = (
+                        "tool_calls" if tools_sent[i] and c.finish == "stop" and not named else c.finish
+                    )
                     ch["stop_reason"] = c.stop_reason
                 ch["token_ids"] = [c.ids[pos]] if rti else None
                 if last:
                     ch["weight_versions"] = None
                 f = {**head, "choices": [ch]}
                 if cont:
-                    f["usage"] = {"prompt_tokens": P, "total_tokens": P + pos + 1, "completion_tokens": pos + 1,
-                                  "completion_tokens_details": None}
+                    f["usage"] = {
+                        "prompt_tokens": P,
+                        "total_tokens": P + pos + 1,
+                        "completion_tokens": pos + 1,
+                        "completion_tokens_details": None,
+                    }
                 if last and not inc_usage:
                     f["system_fingerprint"] = self.fingerprint
                 f["kv_transfer_params"] = None
@@ -475,6 +627,7 @@ class FakeVLLM:
                 if inc_usage:
                     yield self.usage_frame(head, P, sum(len(c.ids) for c in choices))
             yield DONE
+
         return await self.stream(request, frames(), body)
 
     async def completions(self, request: web.Request, body: dict) -> web.StreamResponse:
@@ -485,21 +638,48 @@ class FakeVLLM:
         if body.get("max_tokens") is None:  # the completions API default (null also means 16)
             body["max_tokens"] = 16
         _, stops, seed, n = self.limits(body, max(prompts, key=len), "max_tokens")
-        pairs = [(pi, Choice(ids, seed, i, min(body["max_tokens"], MAX_MODEL_LEN - len(ids)), stops, None))
-                 for pi, ids in enumerate(prompts) for i in range(n)]
+        pairs = [
+            (pi, Choice(ids, seed, i, min(body["max_tokens"], MAX_MODEL_LEN - len(ids)), stops, None))
+            for pi, ids in enumerate(prompts)
+            for i in range(n)
+        ]
         choices, rti, k = [c for _, c in pairs], bool(body.get("return_token_ids")), body.get("logprobs")
-        head = {"id": f"cmpl-{request.headers.get('X-Request-Id') or rid()}", "object": "text_completion",
-                "created": int(time.time()), "model": self.model}
+        head = {
+            "id": f"cmpl-{request.headers.get('X-Request-Id') or rid()}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.model,
+        }
         P = sum(len(x) for x in prompts)
         if not body.get("stream"):
-            out = [{"index": j, "text": c.text,
+            out = [
+                {
+                    "index": j,
+                    "text": c.text,
                     "logprobs": completion_logprobs(c, 0, len(c.ids), k, 0)[0] if k is not None else None,
-                    "finish_reason": c.finish, "stop_reason": c.stop_reason, "token_ids": c.ids if rti else None,
-                    "prompt_logprobs": None, "prompt_token_ids": prompts[pi] if rti else None,
-                    "routed_experts": None, "weight_versions": None} for j, (pi, c) in enumerate(pairs)]
-            return await self.reply({**head, "choices": out, "service_tier": None,
-                "system_fingerprint": self.fingerprint, "usage": usage(P, sum(len(c.ids) for c in choices)),
-                "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}, body)
+                    "finish_reason": c.finish,
+                    "stop_reason": c.stop_reason,
+                    "token_ids": c.ids if rti else None,
+                    "prompt_logprobs": None,
+                    "prompt_token_ids": prompts[pi] if rti else None,
+                    "routed_experts": None,
+                    "weight_versions": None,
+                }
+                for j, (pi, c) in enumerate(pairs)
+            ]
+            return await self.reply(
+                {
+                    **head,
+                    "choices": out,
+                    "service_tier": None,
+                    "system_fingerprint": self.fingerprint,
+                    "usage": usage(P, sum(len(c.ids) for c in choices)),
+                    "kv_transfer_params": None,
+                    "ec_transfer_params": None,
+                    "metrics": None,
+                },
+                body,
+            )
         opts = body.get("stream_options") or {}
         inc_usage = bool(opts.get("include_usage"))
         cont, fail_after = inc_usage and bool(opts.get("continuous_usage_stats")), body.get("fake_fail_after")
@@ -510,13 +690,27 @@ class FakeVLLM:
                 lps, pids = None, prompts[pairs[j][0]]
                 if k is not None:
                     lps, offsets[j] = completion_logprobs(c, pos, pos + 1, k, offsets[j])
-                f = {**head, "choices": [{"index": j, "text": c.pieces[pos], "logprobs": lps,
-                     "finish_reason": c.finish if last else None, "stop_reason": c.stop_reason if last else None,
-                     "prompt_token_ids": pids if rti and pos == 0 else None,
-                     "token_ids": [c.ids[pos]] if rti else None, "weight_versions": None}]}
+                f = {
+                    **head,
+                    "choices": [
+                        {
+                            "index": j,
+                            "text": c.pieces[pos],
+                            "logprobs": lps,
+                            "finish_reason": c.finish if last else None,
+                            "stop_reason": c.stop_reason if last else None,
+                            "prompt_token_ids": pids if rti and pos == 0 else None,
+                            "token_ids": [c.ids[pos]] if rti else None,
+                            "weight_versions": None,
+                        }
+                    ],
+                }
                 if cont:
-                    f["usage"] = {"prompt_tokens": len(pids), "total_tokens": len(pids) + pos + 1,
-                                  "completion_tokens": pos + 1}
+                    f["usage"] = {
+                        "prompt_tokens": len(pids),
+                        "total_tokens": len(pids) + pos + 1,
+                        "completion_tokens": pos + 1,
+                    }
                 if last and not inc_usage:
                     f["system_fingerprint"] = self.fingerprint
                 f["kv_transfer_params"] = None
@@ -528,14 +722,18 @@ class FakeVLLM:
                 if inc_usage:
                     yield self.usage_frame(head, P, sum(len(c.ids) for c in choices))
             yield DONE
+
         return await self.stream(request, frames(), body)
 
     async def responses(self, request: web.Request, body: dict) -> web.StreamResponse:
         """Text output only; token ids only with enable_response_messages (vLLM's only way: input_messages /
         output_messages), log-probs only with include ["message.output_text.logprobs"] (+ top_logprobs)."""
         inp = body.get("input")
-        msgs = [{"role": "user", "content": inp}] if isinstance(inp, str) else [
-            {"role": m.get("role", "user"), "content": m.get("content")} for m in inp or []]
+        msgs = (
+            [{"role": "user", "content": inp}]
+            if isinstance(inp, str)
+            else [{"role": m.get("role", "user"), "content": m.get("content")} for m in inp or []]
+        )
         if body.get("instructions"):
             msgs.insert(0, {"role": "system", "content": body["instructions"]})
         prompt_ids = encode(render_chat(msgs, None))
@@ -549,8 +747,14 @@ class FakeVLLM:
         lps = [response_logprob(c, pos, k) for pos in range(len(c.ids))] if want_lp else None
         # non-streamed: every generated token's log-prob (EOS included) on the text part
         part = {"annotations": [], "text": c.text, "type": "output_text", "logprobs": lps}
-        item = {"id": msg_id, "content": [part] if c.text else [], "role": "assistant",
-                "status": status, "type": "message", "phase": None}
+        item = {
+            "id": msg_id,
+            "content": [part] if c.text else [],
+            "role": "assistant",
+            "status": status,
+            "type": "message",
+            "phase": None,
+        }
 
         def g(key: str, default):  # the request's value, or vLLM's default when absent/null
             return default if body.get(key) is None else body[key]
@@ -558,30 +762,70 @@ class FakeVLLM:
         resp_id, now = f"resp_{rid()}", int(time.time())
 
         def response(status: str, output: list, use: dict | None) -> dict:
-            return {"id": resp_id, "created_at": now, "incomplete_details": {"reason": "max_output_tokens"}
-                    if status == "incomplete" else None, "instructions": g("instructions", None),
-                    "metadata": g("metadata", None), "model": self.model, "object": "response",
-                    "output": output, "parallel_tool_calls": g("parallel_tool_calls", True),
-                    "temperature": float(g("temperature", 1.0)),
-                    "tool_choice": g("tool_choice", "auto" if body.get("tools") else "none"),
-                    "tools": g("tools", []), "top_p": float(g("top_p", 1.0)), "background": g("background", False),
-                    "max_output_tokens": max_tokens, "max_tool_calls": g("max_tool_calls", None),
-                    "previous_response_id": g("previous_response_id", None), "prompt": None,
-                    "prompt_cache_options": None, "prompt_cache_key": g("prompt_cache_key", None),
-                    "prompt_cache_retention": None, "reasoning": g("reasoning", None), "safety_identifier": None,
-                    "service_tier": g("service_tier", "auto"), "status": status, "text": g("text", None),
-                    "top_logprobs": k, "truncation": g("truncation", "disabled"), "usage": use,
-                    "user": g("user", None), "presence_penalty": 0.0, "frequency_penalty": 0.0,
-                    "kv_transfer_params": None, "ec_transfer_params": None,
-                    "input_messages": None, "output_messages": None}
-        final = response(status, [item], {
-            "input_tokens": len(prompt_ids), "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0,
-            "input_tokens_per_turn": [], "cached_tokens_per_turn": []}, "output_tokens": len(c.ids),
-            "output_tokens_details": {"reasoning_tokens": 0, "tool_output_tokens": 0, "output_tokens_per_turn": [],
-            "tool_output_tokens_per_turn": []}, "total_tokens": len(prompt_ids) + len(c.ids)})
+            return {
+                "id": resp_id,
+                "created_at": now,
+                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+                "instructions": g("instructions", None),
+                "metadata": g("metadata", None),
+                "model": self.model,
+                "object": "response",
+                "output": output,
+                "parallel_tool_calls": g("parallel_tool_calls", True),
+                "temperature": float(g("temperature", 1.0)),
+                "tool_choice": g("tool_choice", "auto" if body.get("tools") else "none"),
+                "tools": g("tools", []),
+                "top_p": float(g("top_p", 1.0)),
+                "background": g("background", False),
+                "max_output_tokens": max_tokens,
+                "max_tool_calls": g("max_tool_calls", None),
+                "previous_response_id": g("previous_response_id", None),
+                "prompt": None,
+                "prompt_cache_options": None,
+                "prompt_cache_key": g("prompt_cache_key", None),
+                "prompt_cache_retention": None,
+                "reasoning": g("reasoning", None),
+                "safety_identifier": None,
+                "service_tier": g("service_tier", "auto"),
+                "status": status,
+                "text": g("text", None),
+                "top_logprobs": k,
+                "truncation": g("truncation", "disabled"),
+                "usage": use,
+                "user": g("user", None),
+                "presence_penalty": 0.0,
+                "frequency_penalty": 0.0,
+                "kv_transfer_params": None,
+                "ec_transfer_params": None,
+                "input_messages": None,
+                "output_messages": None,
+            }
+
+        final = response(
+            status,
+            [item],
+            {
+                "input_tokens": len(prompt_ids),
+                "input_tokens_details": {
+                    "cached_tokens": 0,
+                    "cache_write_tokens": 0,
+                    "input_tokens_per_turn": [],
+                    "cached_tokens_per_turn": [],
+                },
+                "output_tokens": len(c.ids),
+                "output_tokens_details": {
+                    "reasoning_tokens": 0,
+                    "tool_output_tokens": 0,
+                    "output_tokens_per_turn": [],
+                    "tool_output_tokens_per_turn": [],
+                },
+                "total_tokens": len(prompt_ids) + len(c.ids),
+            },
+        )
         if body.get("enable_response_messages"):
-            final["input_messages"] = [{"message": render_chat(msgs, None), "tokens": prompt_ids,
-                                        "type": "raw_message_tokens"}]
+            final["input_messages"] = [
+                {"message": render_chat(msgs, None), "tokens": prompt_ids, "type": "raw_message_tokens"}
+            ]
             final["output_messages"] = [{"message": c.text, "tokens": c.ids, "type": "raw_message_tokens"}]
         if not body.get("stream"):
             return await self.reply(final, body)
@@ -595,30 +839,88 @@ class FakeVLLM:
             part = {**part, "logprobs": [lp for _, lp in streamed] if want_lp else None}
             item = {**item, "content": [part]}
             final["output"] = [item]
-            ev += [("response.output_item.added", {"item": {**item, "content": [], "status": "in_progress"},
-                                                   "output_index": 0}),
-                   ("response.content_part.added", {"content_index": 0, **ids,
-                                                    "part": {**part, "text": "", "logprobs": []}})]
-            ev += [("response.output_text.delta", {"content_index": 0, "delta": d, "item_id": msg_id,
-                                                   "logprobs": [] if lp is None else [stream_logprob(lp)],
-                                                   "output_index": 0}) for d, lp in streamed]
-            ev += [("response.output_text.done", {"content_index": 0, "item_id": msg_id, "logprobs": [],
-                                                  "output_index": 0, "sequence_number": 0, "text": c.text}),
-                   ("response.content_part.done", {"content_index": 0, **ids, "part": part}),
-                   ("response.output_item.done", {"item": item, "output_index": 0})]
+            ev += [
+                (
+                    "response.output_item.added",
+                    {"item": {**item, "content": [], "status": "in_progress"}, "output_index": 0},
+                ),
+                (
+                    "response.content_part.added",
+                    {"content_index": 0, **ids, "part": {**part, "text": "", "logprobs": []}},
+                ),
+            ]
+            ev += [
+                (
+                    "response.output_text.delta",
+                    {
+                        "content_index": 0,
+                        "delta": d,
+                        "item_id": msg_id,
+                        "logprobs": [] if lp is None else [stream_logprob(lp)],
+                        "output_index": 0,
+                    },
+                )
+                for d, lp in streamed
+            ]
+            ev += [
+                (
+                    "response.output_text.done",
+                    {
+                        "content_index": 0,
+                        "item_id": msg_id,
+                        "logprobs": [],
+                        "output_index": 0,
+                        "sequence_number": 0,
+                        "text": c.text,
+                    },
+                ),
+                ("response.content_part.done", {"content_index": 0, **ids, "part": part}),
+                ("response.output_item.done", {"item": item, "output_index": 0}),
+            ]
         ev.append((f"response.{status}", {"response": final}))
-        return await self.stream(request, [b"event: %s\ndata: %s\n\n" % (
-            t.encode(), orjson.dumps({**d, "sequence_number": i, "type": t})) for i, (t, d) in enumerate(ev)], body)
+        return await self.stream(
+            request,
+            [
+                b"event: %s\ndata: %s\n\n"
+                % (t.encode(), orjson.dumps({**d, "sequence_number": i, "type": t}))
+                for i, (t, d) in enumerate(ev)
+            ],
+            body,
+        )
 
     async def models(self, request: web.Request) -> web.Response:
         now = int(time.time())
-        perm = {"id": f"modelperm-{rid()}", "object": "model_permission", "created": now,
-                "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
-                "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
-                "organization": "*", "group": None, "is_blocking": False}
-        return jresp({"object": "list", "data": [{"id": self.model, "object": "model", "created": now,
-                      "owned_by": "vllm", "root": self.model, "parent": None, "max_model_len": MAX_MODEL_LEN,
-                      "permission": [perm]}]})
+        perm = {
+            "id": f"modelperm-{rid()}",
+            "object": "model_permission",
+            "created": now,
+            "allow_create_engine": False,
+            "allow_sampling": True,
+            "allow_logprobs": True,
+            "allow_search_indices": False,
+            "allow_view": True,
+            "allow_fine_tuning": False,
+            "organization": "*",
+            "group": None,
+            "is_blocking": False,
+        }
+        return jresp(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.model,
+                        "object": "model",
+                        "created": now,
+                        "owned_by": "vllm",
+                        "root": self.model,
+                        "parent": None,
+                        "max_model_len": MAX_MODEL_LEN,
+                        "permission": [perm],
+                    }
+                ],
+            }
+        )
 
 
 def _schema_validator():
@@ -629,27 +931,39 @@ def _schema_validator():
 
     import jsonschema
 
-    document = json.loads((Path(__file__).resolve().parent.parent / "gateway" / "vllm_requests.json").read_text())
+    document = json.loads(
+        (Path(__file__).resolve().parent.parent / "gateway" / "vllm_requests.json").read_text()
+    )
     root = {"components": {"schemas": document["schemas"]}}
-    validators = {kind: jsonschema.Draft202012Validator({**root, "$ref": f"#/components/schemas/{name}"})
-                  for kind, name in (("chat", document["requests"]["chat.completions"]),
-                                     ("completions", document["requests"]["completions"]),
-                                     ("responses", document["requests"]["responses"]))}
+    validators = {
+        kind: jsonschema.Draft202012Validator({**root, "$ref": f"#/components/schemas/{name}"})
+        for kind, name in (
+            ("chat", document["requests"]["chat.completions"]),
+            ("completions", document["requests"]["completions"]),
+            ("responses", document["requests"]["responses"]),
+        )
+    }
 
     def validate(kind: str, body: dict) -> None:
         error = jsonschema.exceptions.best_match(validators[kind].iter_errors(body))
         if error is not None:
             where = ".".join(str(p) for p in error.absolute_path) or "body"
             raise ApiError(400, f"1 validation error: {where}: {error.message[:300]}", param=where)
+
     return validate
 
 
-def build_app(model: str = "fake-model", delay_ms: float = 0, chunk_delay_ms: float = 0,
-              validate: bool = False) -> web.Application:
+def build_app(
+    model: str = "fake-model", delay_ms: float = 0, chunk_delay_ms: float = 0, validate: bool = False
+) -> web.Application:
     fake = FakeVLLM(model, delay_ms, chunk_delay_ms, validate)
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app["fake"] = fake
-    for path, kind in (("chat/completions", "chat"), ("completions", "completions"), ("responses", "responses")):
+    for path, kind in (
+        ("chat/completions", "chat"),
+        ("completions", "completions"),
+        ("responses", "responses"),
+    ):
         app.router.add_post(f"/v1/{path}", lambda r, kind=kind: fake.handle(r, kind))
     app.router.add_get("/v1/models", fake.models)
     app.router.add_get("/health", lambda r: web.Response(status=200))
@@ -657,7 +971,9 @@ def build_app(model: str = "fake-model", delay_ms: float = 0, chunk_delay_ms: fl
 
 
 async def _serve(args: argparse.Namespace) -> None:
-    runner = web.AppRunner(build_app(args.model, args.delay_ms, args.chunk_delay_ms, args.validate), access_log=None)
+    runner = web.AppRunner(
+        build_app(args.model, args.delay_ms, args.chunk_delay_ms, args.validate), access_log=None
+    )
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()

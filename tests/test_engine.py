@@ -17,9 +17,16 @@ VOCAB, PAD, EOS = 300, 0, 1
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    config = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                      tie_word_embeddings=True)
+    config = transformers.Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
     return transformers.Qwen2ForCausalLM(config).eval()
 
 
@@ -43,11 +50,16 @@ def direct_logprobs(model, prompt, completion, params):
     return out
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(max_tokens=8, temperature=0.7, seed=1),
-    SamplingParams(max_tokens=8, temperature=1.3, top_k=7, top_p=0.8, seed=2, logit_bias={12: 3.0, 40: -2.0}),
-    SamplingParams(max_tokens=8, temperature=0, seed=3),
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=8, temperature=0.7, seed=1),
+        SamplingParams(
+            max_tokens=8, temperature=1.3, top_k=7, top_p=0.8, seed=2, logit_bias={12: 3.0, 40: -2.0}
+        ),
+        SamplingParams(max_tokens=8, temperature=0, seed=3),
+    ],
+)
 def test_logprobs_are_those_of_the_sampled_distribution(model, engine, params):
     outs = engine.generate(PROMPTS, [params] * len(PROMPTS))
     for prompt, out in zip(PROMPTS, outs, strict=True):
@@ -70,8 +82,9 @@ def test_a_row_does_not_depend_on_its_batch(engine):
 
 def test_greedy_matches_transformers_generate(model, engine):
     out = engine.generate([PROMPTS[0]], [SamplingParams(max_tokens=12, temperature=0)])[0]
-    reference = model.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=12, do_sample=False,
-                               eos_token_id=EOS, pad_token_id=PAD)[0, len(PROMPTS[0]):].tolist()
+    reference = model.generate(
+        torch.tensor([PROMPTS[0]]), max_new_tokens=12, do_sample=False, eos_token_id=EOS, pad_token_id=PAD
+    )[0, len(PROMPTS[0]) :].tolist()
     assert out.token_ids == reference
 
 
@@ -81,11 +94,14 @@ def test_logit_bias_stops_and_lengths(engine):
     assert forced.logprobs == pytest.approx([0.0] * 5, abs=1e-6)
     stopped = engine.generate([PROMPTS[0]], [SamplingParams(max_tokens=5, logit_bias={EOS: 100.0})])[0]
     assert stopped.token_ids == [EOS] and stopped.finish_reason == "stop" and stopped.stop_token_id == EOS
-    custom = engine.generate([PROMPTS[0]], [SamplingParams(max_tokens=5, logit_bias={9: 100.0},
-                                                           stop_token_ids=(9,))])[0]
+    custom = engine.generate(
+        [PROMPTS[0]], [SamplingParams(max_tokens=5, logit_bias={9: 100.0}, stop_token_ids=(9,))]
+    )[0]
     assert custom.token_ids == [9] and custom.finish_reason == "stop"
-    never = engine.generate([PROMPTS[0]], [SamplingParams(max_tokens=20, temperature=0,
-                                                          logit_bias={t: -100.0 for t in range(100, 300)})])[0]
+    never = engine.generate(
+        [PROMPTS[0]],
+        [SamplingParams(max_tokens=20, temperature=0, logit_bias={t: -100.0 for t in range(100, 300)})],
+    )[0]
     assert all(t < 100 for t in never.token_ids)
 
 
@@ -121,7 +137,9 @@ def test_scheduler_batches_concurrent_requests(engine):
         scheduler = Scheduler(engine, window_s=0.01)
         scheduler.start()
         try:
-            results = await asyncio.gather(*(scheduler.generate(p, q) for p, q in zip(prompts, params, strict=True)))
+            results = await asyncio.gather(
+                *(scheduler.generate(p, q) for p, q in zip(prompts, params, strict=True))
+            )
         finally:
             await scheduler.aclose()
         return results, scheduler.batches
@@ -137,13 +155,17 @@ def test_engine_on_the_tiny_model_built_by_the_cli(tmp_path):
     import sys
 
     path = tmp_path / "tiny"
-    subprocess.run([sys.executable, "-m", "rlgate", "make-tiny-model", str(path), "--seed", "3"], check=True,
-                   capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "rlgate", "make-tiny-model", str(path), "--seed", "3"],
+        check=True,
+        capture_output=True,
+    )
     tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
     model = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
     engine = Engine(model, pad_token_id=tokenizer.pad_token_id, eos_token_ids=(tokenizer.eos_token_id,))
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
-                                         tokenize=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
     assert text.endswith("<|im_start|>assistant\n")
     prompt = tokenizer.encode(text)
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -151,7 +173,9 @@ def test_engine_on_the_tiny_model_built_by_the_cli(tmp_path):
     assert out.token_ids == [end] and out.finish_reason == "stop"
     [free] = engine.generate([prompt], [SamplingParams(max_tokens=6, seed=0)])
     assert len(free.token_ids) >= 1 and len(free.logprobs) == len(free.token_ids)
-    assert free.logprobs == pytest.approx(direct_logprobs(model, prompt, free.token_ids, SamplingParams()), abs=2e-4)
+    assert free.logprobs == pytest.approx(
+        direct_logprobs(model, prompt, free.token_ids, SamplingParams()), abs=2e-4
+    )
 
 
 def test_a_stop_callback_ends_its_row_and_no_other(engine):
@@ -180,8 +204,11 @@ def test_stop_strings_end_generation_where_the_answer_is_cut(tmp_path):
     from inference.model import Model
 
     path = tmp_path / "tiny"
-    subprocess.run([sys.executable, "-m", "rlgate", "make-tiny-model", str(path), "--seed", "3"], check=True,
-                   capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "rlgate", "make-tiny-model", str(path), "--seed", "3"],
+        check=True,
+        capture_output=True,
+    )
     model = Model(path, "tiny", batch_window_s=0.0)
     prompt = model.tokenizer.encode("hello there")
     rng = random.Random(0)
@@ -197,8 +224,12 @@ def test_stop_strings_end_generation_where_the_answer_is_cut(tmp_path):
                     continue
                 # a random byte-level model writes invalid UTF-8 too (U+FFFD in the text): stop strings
                 # holding U+FFFD are cut afterwards only, by design, so take ones without it
-                candidates = [whole.text[i:i + n] for i in range(len(whole.text) - 3) for n in (1, 2, 3)
-                              if "\ufffd" not in whole.text[i:i + n]]
+                candidates = [
+                    whole.text[i : i + n]
+                    for i in range(len(whole.text) - 3)
+                    for n in (1, 2, 3)
+                    if "\ufffd" not in whole.text[i : i + n]
+                ]
                 if not candidates:
                     continue
                 stop = rng.choice(candidates)
@@ -206,7 +237,9 @@ def test_stop_strings_end_generation_where_the_answer_is_cut(tmp_path):
                 early = await model.generate(prompt, params, [stop])  # with the early stop
                 assert early == late, (seed, stop)
                 assert early.finish_reason == "stop" and early.stop_reason == stop
-                sampled = model.engine.generate([prompt], [replace(params, stop=model._stop_check([stop]))])[0]
+                sampled = model.engine.generate([prompt], [replace(params, stop=model._stop_check([stop]))])[
+                    0
+                ]
                 assert sampled.token_ids == early.token_ids  # nothing generated past the cut
                 cases += 1
             return cases
@@ -219,7 +252,13 @@ def test_stop_strings_end_generation_where_the_answer_is_cut(tmp_path):
 def test_temperatures_below_vllms_floor_are_raised_to_it():
     """vLLM's SamplingParams raises 0 < T < 0.01 to 0.01 (z / T stays finite); 0 stays greedy."""
     assert [SamplingParams(temperature=t).temperature for t in (1e-45, 1e-3, 0.0099, 0.01, 0.5, 0.0)] == [
-        0.01, 0.01, 0.01, 0.01, 0.5, 0.0]
+        0.01,
+        0.01,
+        0.01,
+        0.01,
+        0.5,
+        0.0,
+    ]
     z = processed_logits(torch.tensor([50.0, 10.0, -30.0]), SamplingParams(temperature=1e-45))
     assert torch.isfinite(z).all() and z.tolist() == pytest.approx([5000.0, 1000.0, -3000.0])
 
@@ -237,8 +276,12 @@ def test_one_rows_failure_does_not_fail_its_batch_mates(engine):
 
     normal = SamplingParams(max_tokens=6, seed=4)
     tiny_t = SamplingParams(max_tokens=6, seed=5, temperature=1e-45)
-    rows = [SamplingParams(max_tokens=6, logit_bias={10 * VOCAB: 1.0}), normal, tiny_t,
-            SamplingParams(max_tokens=6, seed=6, stop=broken)]
+    rows = [
+        SamplingParams(max_tokens=6, logit_bias={10 * VOCAB: 1.0}),
+        normal,
+        tiny_t,
+        SamplingParams(max_tokens=6, seed=6, stop=broken),
+    ]
     prompts = [PROMPTS[i % 3] for i in range(len(rows))]
     out = engine.generate(prompts, rows)
     assert [o.finish_reason for o in out] == ["error", "length", "length", "error"]
@@ -251,8 +294,10 @@ def test_one_rows_failure_does_not_fail_its_batch_mates(engine):
         scheduler = Scheduler(engine, window_s=0.05)
         scheduler.start()
         try:
-            return await asyncio.gather(*(scheduler.generate(p, q) for p, q in zip(prompts, rows, strict=True)),
-                                        return_exceptions=True)
+            return await asyncio.gather(
+                *(scheduler.generate(p, q) for p, q in zip(prompts, rows, strict=True)),
+                return_exceptions=True,
+            )
         finally:
             await scheduler.aclose()
 
@@ -270,13 +315,23 @@ def test_one_logprobs_mode_default_everywhere():
     from inference.model import Model
     from inference.server import build_app, serve
 
-    defaults = {f.__qualname__: inspect.signature(f).parameters["logprobs_mode"].default
-                for f in (Engine, sample, Model, Adapters, build_app, serve)}
+    defaults = {
+        f.__qualname__: inspect.signature(f).parameters["logprobs_mode"].default
+        for f in (Engine, sample, Model, Adapters, build_app, serve)
+    }
     from rlgate.cli import ServeCommand
 
     defaults["rlgate serve --logprobs-mode"] = ServeCommand.model_fields["logprobs_mode"].default
     assert set(defaults.values()) == {"raw_logprobs"}, defaults
-    model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=64)).eval()
+    model = transformers.Qwen2ForCausalLM(
+        transformers.Qwen2Config(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=64,
+        )
+    ).eval()
     assert Engine(model, pad_token_id=PAD, eos_token_ids=(EOS,)).logprobs_mode == "raw_logprobs"

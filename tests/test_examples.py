@@ -41,14 +41,29 @@ def tool_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("example", EXAMPLES)
 def test_example_agent_is_recorded_with_its_tool_calls(example: str, tool_stack: Proc, redis_client):
-    pytest.importorskip({"langchain_agent": "langchain_openai", "openai_agents_sdk_agent": "agents",
-                         "autogen_agent": "autogen_ext"}.get(example, "openai"))
+    pytest.importorskip(
+        {
+            "langchain_agent": "langchain_openai",
+            "openai_agents_sdk_agent": "agents",
+            "autogen_agent": "autogen_ext",
+        }.get(example, "openai")
+    )
     gateway = tool_stack
     rid = uuid.uuid4().hex
-    env = {**os.environ, "OPENAI_BASE_URL": f"{gateway.url}/tasks/calc-17-25/rollouts/{rid}/v1",
-           "OPENAI_API_KEY": "unused", "OPENAI_MODEL": "policy"}
-    result = subprocess.run([sys.executable, str(ROOT / "examples" / f"{example}.py")], env=env, cwd=ROOT,
-                            capture_output=True, text=True, timeout=120)
+    env = {
+        **os.environ,
+        "OPENAI_BASE_URL": f"{gateway.url}/tasks/calc-17-25/rollouts/{rid}/v1",
+        "OPENAI_API_KEY": "unused",
+        "OPENAI_MODEL": "policy",
+    }
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / f"{example}.py")],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert "42" in out["answer"] and out["reward"] == 1.0
@@ -61,21 +76,25 @@ def test_example_agent_is_recorded_with_its_tool_calls(example: str, tool_stack:
 
     for call in calls:
         assert call["error"] is None and call["prompt_token_ids"] and call["completion_token_ids"]
-        assert CallRecord.model_validate({k: v for k, v in call.items() if k not in ("index", "reward", "air_reward")}
-                                         ).trainable
+        assert CallRecord.model_validate(
+            {k: v for k, v in call.items() if k not in ("index", "reward", "air_reward")}
+        ).trainable
     if example == "openai_agents_sdk_agent":  # the Responses API, the SDK's default
         assert {c["endpoint"] for c in calls} == {"responses"}
         assert [t["name"] for t in calls[0]["request"]["tools"]] == ["calculator"]
         [tool_call] = [i for i in calls[0]["response"]["output"] if i["type"] == "function_call"]
-        assert tool_call["name"] == "calculator" and json.loads(tool_call["arguments"]) == {"expression": "17 + 25"}
+        assert tool_call["name"] == "calculator" and json.loads(tool_call["arguments"]) == {
+            "expression": "17 + 25"
+        }
         # vLLM reports no log-probs for an answer of tool calls only (the learner takes its own then); the
         # text answer has one per token
         assert calls[0]["completion_logprobs"] is None
         assert len(calls[-1]["completion_logprobs"]) == len(calls[-1]["completion_token_ids"])
         outputs = [i for i in calls[1]["request"]["input"] if i.get("type") == "function_call_output"]
         assert outputs and outputs[0]["output"] == "42"
-        assert "42" in "".join(p["text"] for i in calls[-1]["response"]["output"] if i["type"] == "message"
-                               for p in i["content"])
+        assert "42" in "".join(
+            p["text"] for i in calls[-1]["response"]["output"] if i["type"] == "message" for p in i["content"]
+        )
         return
     for call in calls:
         assert call["endpoint"] == "chat.completions"

@@ -10,18 +10,17 @@ import signal
 import subprocess
 import sys
 import threading
-import uuid
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
 import redis
-
 from conftest import REDIS_URL, ROOT, Proc, free_port, start_gateway
-from reward_hooks.client import post_reward
 from test_gateway_errors import assert_openai_error
 from test_gateway_proxy import MESSAGES, MODEL
+
+from reward_hooks.client import post_reward
 
 OPERATOR = "op-" + "5e" * 16
 API_KEY = "agent-key-" + "7a" * 8
@@ -42,8 +41,13 @@ class CountingUpstream:
                 body = self.rfile.read(int(self.headers.get("content-length") or 0))
                 if method == "POST":
                     outer.posts += 1
-                answer = httpx.request(method, target + self.path.removeprefix("/v1"), content=body or None,
-                                       headers={"content-type": "application/json"}, timeout=30)
+                answer = httpx.request(
+                    method,
+                    target + self.path.removeprefix("/v1"),
+                    content=body or None,
+                    headers={"content-type": "application/json"},
+                    timeout=30,
+                )
                 self.send_response(answer.status_code)
                 self.send_header("content-type", answer.headers.get("content-type", "application/json"))
                 self.send_header("content-length", str(len(answer.content)))
@@ -80,8 +84,11 @@ def bearer(token: str) -> dict[str, str]:
 
 
 def create(gateway_url: str, rollout_id: str, task_id: str | None = None) -> dict:
-    response = httpx.post(f"{gateway_url}/rollouts", json={"rollout_id": rollout_id, "task_id": task_id},
-                          headers=bearer(OPERATOR))
+    response = httpx.post(
+        f"{gateway_url}/rollouts",
+        json={"rollout_id": rollout_id, "task_id": task_id},
+        headers=bearer(OPERATOR),
+    )
     assert response.status_code == 201, response.text
     return response.json()
 
@@ -111,8 +118,14 @@ def operator_requests(rid: str) -> list[tuple[str, str, dict | None]]:
 
 
 def test_operator_surface_needs_the_operator_token(counting: CountingUpstream, tmp_path, redis_client):
-    proc = start_gateway(tmp_path, counting.url, operator_token=OPERATOR, api_keys=API_KEY,
-                         rollout_key_secret=ROLLOUT_SECRET, webhook_secret=WEBHOOK_SECRET)
+    proc = start_gateway(
+        tmp_path,
+        counting.url,
+        operator_token=OPERATOR,
+        api_keys=API_KEY,
+        rollout_key_secret=ROLLOUT_SECRET,
+        webhook_secret=WEBHOOK_SECRET,
+    )
     try:
         created = create(proc.url, "r-a", "task-a")
         key_a = created["api_key"]
@@ -121,9 +134,13 @@ def test_operator_surface_needs_the_operator_token(counting: CountingUpstream, t
         ok = httpx.post(f"{created['base_url']}/chat/completions", json=CHAT, headers=bearer(key_a))
         assert ok.status_code == 200, ok.text
         before = {k: redis_client.dump(k) for k in rollout_keys(redis_client)}
-        attempts = {"no credential": {}, "a wrong token": bearer("not-the-operator-token-at-all"),
-                    "an agent API key": bearer(API_KEY), "the rollout's own key": bearer(key_a),
-                    "a basic header": {"Authorization": "Basic " + OPERATOR}}
+        attempts = {
+            "no credential": {},
+            "a wrong token": bearer("not-the-operator-token-at-all"),
+            "an agent API key": bearer(API_KEY),
+            "the rollout's own key": bearer(key_a),
+            "a basic header": {"Authorization": "Basic " + OPERATOR},
+        }
         for who, headers in attempts.items():
             for method, path, body in operator_requests("r-a"):
                 response = httpx.request(method, proc.url + path, json=body, headers=headers)
@@ -141,8 +158,9 @@ def test_operator_surface_needs_the_operator_token(counting: CountingUpstream, t
         assert "rlgate_gateway_calls" in httpx.get(f"{proc.url}/metrics", headers=bearer(OPERATOR)).text
         assert httpx.get(f"{proc.url}/openapi.json", headers=bearer(OPERATOR)).status_code == 200
         # reward routes: the operator token, or a valid signature instead, each on its own
-        answer = httpx.post(f"{proc.url}/rollouts/r-a/calls/0/reward", json={"reward": 0.5},
-                            headers=bearer(OPERATOR))
+        answer = httpx.post(
+            f"{proc.url}/rollouts/r-a/calls/0/reward", json={"reward": 0.5}, headers=bearer(OPERATOR)
+        )
         assert answer.status_code == 200, answer.text
         assert post_reward(proc.url, "r-a", 1.0, secret=WEBHOOK_SECRET)["outcome"] == "closed"
         assert read(proc.url, "r-a")["reward"] == 1.0
@@ -154,10 +172,12 @@ def test_operator_surface_needs_the_operator_token(counting: CountingUpstream, t
         assert secret not in log
 
 
-def test_agent_surface_refuses_the_operator_token_and_other_rollouts_keys(counting: CountingUpstream,
-                                                                          tmp_path, redis_client):
-    proc = start_gateway(tmp_path, counting.url, operator_token=OPERATOR, api_keys=API_KEY,
-                         rollout_key_secret=ROLLOUT_SECRET)
+def test_agent_surface_refuses_the_operator_token_and_other_rollouts_keys(
+    counting: CountingUpstream, tmp_path, redis_client
+):
+    proc = start_gateway(
+        tmp_path, counting.url, operator_token=OPERATOR, api_keys=API_KEY, rollout_key_secret=ROLLOUT_SECRET
+    )
     try:
         key_a = create(proc.url, "r-a")["api_key"]
         create(proc.url, "r-b", "task-b")
@@ -179,18 +199,27 @@ def test_agent_surface_refuses_the_operator_token_and_other_rollouts_keys(counti
         ]
         for path, headers, status in refused:
             method = "GET" if path.endswith("/models") else "POST"
-            response = httpx.request(method, proc.url + path, json=None if method == "GET" else CHAT,
-                                     headers=headers)
+            response = httpx.request(
+                method, proc.url + path, json=None if method == "GET" else CHAT, headers=headers
+            )
             error = assert_openai_error(response, status)
             if status == 403:
                 assert error["code"] in ("wrong_credential", "rollout_key_mismatch"), (path, error)
         assert counting.posts == 0  # the upstream never saw a refused call
         assert read(proc.url, "r-b")["calls"] == [] and rollout_keys(redis_client) == keys_before
         # the right credentials do work: the rollout's key on its rollout, an API key on any
-        assert httpx.post(f"{proc.url}/rollouts/r-a/v1/chat/completions", json=CHAT,
-                          headers=bearer(key_a)).status_code == 200
-        assert httpx.post(f"{proc.url}/rollouts/r-b/v1/chat/completions", json=CHAT,
-                          headers=bearer(API_KEY)).status_code == 200
+        assert (
+            httpx.post(
+                f"{proc.url}/rollouts/r-a/v1/chat/completions", json=CHAT, headers=bearer(key_a)
+            ).status_code
+            == 200
+        )
+        assert (
+            httpx.post(
+                f"{proc.url}/rollouts/r-b/v1/chat/completions", json=CHAT, headers=bearer(API_KEY)
+            ).status_code
+            == 200
+        )
         assert counting.posts == 2
         assert len(read(proc.url, "r-a")["calls"]) == 1 and len(read(proc.url, "r-b")["calls"]) == 1
         # without a webhook secret, the reward routes take the operator token alone
@@ -198,26 +227,39 @@ def test_agent_surface_refuses_the_operator_token_and_other_rollouts_keys(counti
             response = httpx.post(f"{proc.url}/rollouts/r-a/reward", json={"reward": 1}, headers=headers)
             assert_openai_error(response, 403 if headers else 401)
         assert read(proc.url, "r-a")["status"] == "open"
-        assert httpx.post(f"{proc.url}/rollouts/r-a/reward", json={"reward": 1},
-                          headers=bearer(OPERATOR)).json()["outcome"] == "closed"
+        assert (
+            httpx.post(
+                f"{proc.url}/rollouts/r-a/reward", json={"reward": 1}, headers=bearer(OPERATOR)
+            ).json()["outcome"]
+            == "closed"
+        )
     finally:
         proc.kill()
 
 
 def test_required_rollout_keys(counting: CountingUpstream, tmp_path, redis_client):
-    proc = start_gateway(tmp_path, counting.url, operator_token=OPERATOR, api_keys=API_KEY,
-                         rollout_key_secret=ROLLOUT_SECRET, require_rollout_keys="true")
+    proc = start_gateway(
+        tmp_path,
+        counting.url,
+        operator_token=OPERATOR,
+        api_keys=API_KEY,
+        rollout_key_secret=ROLLOUT_SECRET,
+        require_rollout_keys="true",
+    )
     try:
         key_a = create(proc.url, "r-a")["api_key"]
         create(proc.url, "r-b")
         for headers in (bearer(API_KEY), {}, bearer(OPERATOR)):
             response = httpx.post(f"{proc.url}/rollouts/r-b/v1/chat/completions", json=CHAT, headers=headers)
             assert_openai_error(response, 403 if headers == bearer(OPERATOR) else 401)
-        error = assert_openai_error(httpx.post(f"{proc.url}/rollouts/r-b/v1/chat/completions", json=CHAT,
-                                               headers=bearer(API_KEY)), 401)
+        error = assert_openai_error(
+            httpx.post(f"{proc.url}/rollouts/r-b/v1/chat/completions", json=CHAT, headers=bearer(API_KEY)),
+            401,
+        )
         assert error["code"] == "rollout_key_required"
-        error = assert_openai_error(httpx.post(f"{proc.url}/rollouts/r-b/v1/chat/completions", json=CHAT,
-                                               headers=bearer(key_a)), 403)
+        error = assert_openai_error(
+            httpx.post(f"{proc.url}/rollouts/r-b/v1/chat/completions", json=CHAT, headers=bearer(key_a)), 403
+        )
         assert error["code"] == "rollout_key_mismatch"
         assert counting.posts == 0 and read(proc.url, "r-b")["calls"] == []
         # a call that names no rollout goes to its key's rollout
@@ -229,11 +271,18 @@ def test_required_rollout_keys(counting: CountingUpstream, tmp_path, redis_clien
         proc.kill()
 
 
-def test_control_port_keeps_the_operator_surface_off_the_agent_port(counting: CountingUpstream, tmp_path,
-                                                                      redis_client):
+def test_control_port_keeps_the_operator_surface_off_the_agent_port(
+    counting: CountingUpstream, tmp_path, redis_client
+):
     control_port = free_port()
-    proc = start_gateway(tmp_path, counting.url, operator_token=OPERATOR, api_keys=API_KEY,
-                         webhook_secret=WEBHOOK_SECRET, control_port=str(control_port))
+    proc = start_gateway(
+        tmp_path,
+        counting.url,
+        operator_token=OPERATOR,
+        api_keys=API_KEY,
+        webhook_secret=WEBHOOK_SECRET,
+        control_port=str(control_port),
+    )
     control = f"http://127.0.0.1:{control_port}"
     try:
         unknown = httpx.get(f"{proc.url}/nothing/here").json()
@@ -269,25 +318,43 @@ def test_control_port_keeps_the_operator_surface_off_the_agent_port(counting: Co
         proc.kill()
 
 
-@pytest.mark.parametrize("settings, message", [
-    ({"api_keys": API_KEY}, "operator surface would be open"),
-    ({"require_rollout_keys": "true", "operator_token": OPERATOR}, "needs rollout_key_secret"),
-    ({"api_keys": f"{API_KEY},{OPERATOR}", "operator_token": OPERATOR}, "must differ"),
-    ({"operator_token": "short"}, "at least 16 characters"),
-    ({"api_keys": "rk-looks-like-a-rollout-key", "operator_token": OPERATOR}, "must not start with 'rk-'"),
-])
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"api_keys": API_KEY}, "operator surface would be open"),
+        ({"require_rollout_keys": "true", "operator_token": OPERATOR}, "needs rollout_key_secret"),
+        ({"api_keys": f"{API_KEY},{OPERATOR}", "operator_token": OPERATOR}, "must differ"),
+        ({"operator_token": "short"}, "at least 16 characters"),
+        (
+            {"api_keys": "rk-looks-like-a-rollout-key", "operator_token": OPERATOR},
+            "must not start with 'rk-'",
+        ),
+    ],
+)
 def test_unsafe_layouts_refuse_to_start(settings: dict[str, str], message: str, tmp_path):
     port = free_port()
-    env = {**os.environ, "RLGATE_REDIS_URL": REDIS_URL, "RLGATE_PORT": str(port),
-           **{f"RLGATE_{k.upper()}": v for k, v in settings.items()}}
-    done = subprocess.run([sys.executable, "-m", "rlgate", "gateway"], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=60)
+    env = {
+        **os.environ,
+        "RLGATE_REDIS_URL": REDIS_URL,
+        "RLGATE_PORT": str(port),
+        **{f"RLGATE_{k.upper()}": v for k, v in settings.items()},
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "rlgate", "gateway"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode != 0
     assert message in done.stdout + done.stderr
     assert OPERATOR not in done.stdout + done.stderr
 
 
-def test_a_rollout_key_never_recreates_a_rollout_redis_lost(counting: CountingUpstream, tmp_path, redis_client):
+def test_a_rollout_key_never_recreates_a_rollout_redis_lost(
+    counting: CountingUpstream, tmp_path, redis_client
+):
     """Only POST /rollouts hands out rollout keys, so a call with one continues a rollout that exists: when
     Redis lost it, every gateway process (not only the one that recorded it) answers 409 rollout_data_lost
     and recreates nothing."""
@@ -296,7 +363,9 @@ def test_a_rollout_key_never_recreates_a_rollout_redis_lost(counting: CountingUp
     second = None
     try:
         key = create(first.url, "r-lost")["api_key"]
-        assert httpx.post(f"{first.url}/v1/chat/completions", json=CHAT, headers=bearer(key)).status_code == 200
+        assert (
+            httpx.post(f"{first.url}/v1/chat/completions", json=CHAT, headers=bearer(key)).status_code == 200
+        )
         redis_client.delete("rlgate:rollout:{r-lost}", "rlgate:rollout:{r-lost}:calls")  # lost
         second = start_gateway(tmp_path, counting.url, **settings)  # never saw r-lost
         posts = counting.posts
@@ -311,7 +380,10 @@ def test_a_rollout_key_never_recreates_a_rollout_redis_lost(counting: CountingUp
         assert not redis_client.exists("rlgate:rollout:{r-lost}", "rlgate:rollout:{r-lost}:calls")
         assert counting.posts - posts <= 4  # the upstream may have answered; nothing was kept
         key_b = create(second.url, "r-new")["api_key"]
-        assert httpx.post(f"{second.url}/v1/chat/completions", json=CHAT, headers=bearer(key_b)).status_code == 200
+        assert (
+            httpx.post(f"{second.url}/v1/chat/completions", json=CHAT, headers=bearer(key_b)).status_code
+            == 200
+        )
     finally:
         first.kill()
         if second is not None:

@@ -13,7 +13,6 @@ import uuid
 import httpx
 import pytest
 import redis
-
 from conftest import Proc, free_port, start_gateway
 from test_gateway_errors import assert_openai_error
 from test_gateway_proxy import MESSAGES, MODEL
@@ -22,8 +21,11 @@ QUEUE = "backlog-test-rewards"
 
 
 def chat(gateway: Proc, rid: str, timeout: float = 30) -> httpx.Response:
-    return httpx.post(f"{gateway.url}/tasks/t/rollouts/{rid}/v1/chat/completions",
-                      json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2}, timeout=timeout)
+    return httpx.post(
+        f"{gateway.url}/tasks/t/rollouts/{rid}/v1/chat/completions",
+        json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2},
+        timeout=timeout,
+    )
 
 
 def wait_for(predicate, timeout: float = 10.0) -> None:
@@ -39,14 +41,16 @@ def health(gateway: Proc) -> dict:
 
 @pytest.fixture
 def backlog_gateway(fake_vllm: Proc, tmp_path, redis_client: redis.Redis):
-    proc = start_gateway(tmp_path, fake_vllm.url, max_backlog="3", backlog_wait_s="2", policy_poll_s="0.05",
-                         reward_queue=QUEUE)
+    proc = start_gateway(
+        tmp_path, fake_vllm.url, max_backlog="3", backlog_wait_s="2", policy_poll_s="0.05", reward_queue=QUEUE
+    )
     yield proc
     proc.kill()
 
 
-def test_new_rollouts_are_held_back_while_episodes_wait_for_training(backlog_gateway: Proc,
-                                                                     redis_client: redis.Redis):
+def test_new_rollouts_are_held_back_while_episodes_wait_for_training(
+    backlog_gateway: Proc, redis_client: redis.Redis
+):
     gateway = backlog_gateway
     redis_client.xgroup_create("rlgate:episodes", "learners", id="0", mkstream=True)
     under_way = uuid.uuid4().hex
@@ -80,19 +84,30 @@ def test_new_rollouts_are_held_back_while_episodes_wait_for_training(backlog_gat
     helper = threading.Thread(target=learner_catches_up)
     helper.start()
     late = uuid.uuid4().hex
-    response = httpx.post(f"{gateway.url}/tasks/t/rollouts/{late}/v1/chat/completions",
-                          json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2}, timeout=30)
+    response = httpx.post(
+        f"{gateway.url}/tasks/t/rollouts/{late}/v1/chat/completions",
+        json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2},
+        timeout=30,
+    )
     helper.join()
     assert response.status_code == 200, response.text
     assert not health(gateway)["holding_new_rollouts"]
 
 
-def test_a_held_call_with_a_large_body_is_not_cut_off_by_the_body_deadline(fake_vllm: Proc, tmp_path,
-                                                                          redis_client: redis.Redis):
+def test_a_held_call_with_a_large_body_is_not_cut_off_by_the_body_deadline(
+    fake_vllm: Proc, tmp_path, redis_client: redis.Redis
+):
     """Held for the backlog before its body is read, a call's body waits in the server (reading paused
     past 64 KiB): the body deadline is the client's, so it must not run out meanwhile."""
-    gateway = start_gateway(tmp_path, fake_vllm.url, max_backlog="1", backlog_wait_s="20", body_timeout_s="1",
-                            policy_poll_s="0.05", reward_queue=QUEUE)
+    gateway = start_gateway(
+        tmp_path,
+        fake_vllm.url,
+        max_backlog="1",
+        backlog_wait_s="20",
+        body_timeout_s="1",
+        policy_poll_s="0.05",
+        reward_queue=QUEUE,
+    )
     try:
         redis_client.rpush(f"rq:queue:{QUEUE}", "a", "b")  # two reward jobs wait: over the bound of 1
         wait_for(lambda: health(gateway)["holding_new_rollouts"])
@@ -104,23 +119,26 @@ def test_a_held_call_with_a_large_body_is_not_cut_off_by_the_body_deadline(fake_
         helper = threading.Thread(target=released)
         helper.start()
         body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2, "pad": "x" * (512 * 1024)}
-        response = httpx.post(f"{gateway.url}/tasks/t/rollouts/{uuid.uuid4().hex}/v1/chat/completions",
-                              json=body, timeout=30)
+        response = httpx.post(
+            f"{gateway.url}/tasks/t/rollouts/{uuid.uuid4().hex}/v1/chat/completions", json=body, timeout=30
+        )
         helper.join()
         assert response.status_code == 200, response.text
     finally:
         gateway.kill()
 
 
-def test_reward_jobs_waiting_in_the_queue_count_toward_the_backlog(backlog_gateway: Proc,
-                                                                    redis_client: redis.Redis):
+def test_reward_jobs_waiting_in_the_queue_count_toward_the_backlog(
+    backlog_gateway: Proc, redis_client: redis.Redis
+):
     """No reward worker runs: the /finish jobs pile up in the rq queue and hold new rollouts back."""
     gateway = backlog_gateway
     for _ in range(4):
         rid = uuid.uuid4().hex
         assert chat(gateway, rid).status_code == 200
-        finish = httpx.post(f"{gateway.url}/rollouts/{rid}/finish",
-                            json={"reward_fn": "exact_match", "ground_truth": "x"})
+        finish = httpx.post(
+            f"{gateway.url}/rollouts/{rid}/finish", json={"reward_fn": "exact_match", "ground_truth": "x"}
+        )
         assert finish.status_code == 202, finish.text
     assert redis_client.llen(f"rq:queue:{QUEUE}") == 4
     wait_for(lambda: health(gateway)["holding_new_rollouts"])
@@ -130,12 +148,14 @@ def test_reward_jobs_waiting_in_the_queue_count_toward_the_backlog(backlog_gatew
     assert chat(gateway, uuid.uuid4().hex).status_code == 200
 
 
-def test_redis_losing_its_data_is_noticed_and_lost_rollouts_are_not_reopened(fake_vllm: Proc, tmp_path,
-                                                                             redis_client: redis.Redis):
+def test_redis_losing_its_data_is_noticed_and_lost_rollouts_are_not_reopened(
+    fake_vllm: Proc, tmp_path, redis_client: redis.Redis
+):
     gateway = start_gateway(tmp_path, fake_vllm.url, policy_poll_s="0.05")
     try:
-        redis_client.hset("rlgate:policy", mapping={"version": "3", "adapter": "", "base_model": MODEL,
-                                                    "draining": "0"})
+        redis_client.hset(
+            "rlgate:policy", mapping={"version": "3", "adapter": "", "base_model": MODEL, "draining": "0"}
+        )
         wait_for(lambda: health(gateway)["policy_version"] == 3)
         closed, open_ = uuid.uuid4().hex, uuid.uuid4().hex
         assert chat(gateway, closed).status_code == 200 and chat(gateway, open_).status_code == 200
@@ -162,8 +182,9 @@ def test_redis_losing_its_data_is_noticed_and_lost_rollouts_are_not_reopened(fak
         assert 'rlgate_gateway_errors_total{kind="store_data_lost"} 1.0' in metrics
 
         # the learner re-pushes its version: the pointer problem clears, the data loss stays reported
-        redis_client.hset("rlgate:policy", mapping={"version": "3", "adapter": "", "base_model": MODEL,
-                                                    "draining": "0"})
+        redis_client.hset(
+            "rlgate:policy", mapping={"version": "3", "adapter": "", "base_model": MODEL, "draining": "0"}
+        )
         wait_for(lambda: "policy_pointer" not in health(gateway)["problems"])
         assert health(gateway)["status"] == "degraded"
     finally:
@@ -173,8 +194,10 @@ def test_redis_losing_its_data_is_noticed_and_lost_rollouts_are_not_reopened(fak
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server for a private Redis")
 def test_healthz_reports_a_redis_that_refuses_writes(fake_vllm: Proc, tmp_path):
     port = free_port()
-    server = subprocess.Popen(["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "",
-                               "--appendonly", "no"], stdout=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+    )
     client = redis.Redis(port=port)
     try:
         wait_for(lambda: _pings(client))

@@ -13,7 +13,6 @@ from typing import Any
 
 import httpx
 import pytest
-
 from conftest import Proc
 from test_gateway_proxy import MESSAGES, MODEL, TOOLS, normalize, rollout
 
@@ -29,7 +28,9 @@ COMPLETION_ASKS = {"plain": {}, "logprobs": {"logprobs": 2}, "token_ids": {"retu
 
 CHAT_CASES = [
     (stream, n, tools, ask, usage)
-    for stream, n, tools, ask, usage in itertools.product((False, True), (1, 2), (False, True), ASKS, (False, True))
+    for stream, n, tools, ask, usage in itertools.product(
+        (False, True), (1, 2), (False, True), ASKS, (False, True)
+    )
     if stream or not usage
 ]
 COMPLETION_CASES = [
@@ -58,15 +59,17 @@ def expected_records(endpoint: str, full: Any, stream: bool) -> dict[int, dict]:
     out: dict[int, dict] = {}
     for chunk in chunks:
         for choice in chunk.get("choices") or ():
-            slot = out.setdefault(choice["index"], {"prompt": chat_prompt if chat else None, "ids": [],
-                                                    "logprobs": []})
+            slot = out.setdefault(
+                choice["index"], {"prompt": chat_prompt if chat else None, "ids": [], "logprobs": []}
+            )
             if not chat and choice.get("prompt_token_ids"):
                 slot["prompt"] = choice["prompt_token_ids"]
             slot["ids"] += choice.get("token_ids") or []
             logprobs = choice.get("logprobs")
             if logprobs:
-                slot["logprobs"] += ([e["logprob"] for e in logprobs["content"]] if chat
-                                     else logprobs["token_logprobs"])
+                slot["logprobs"] += (
+                    [e["logprob"] for e in logprobs["content"]] if chat else logprobs["token_logprobs"]
+                )
     return out
 
 
@@ -95,8 +98,15 @@ def check(gateway: Proc, server: Proc, endpoint: str, body: dict, full_extra: di
 @pytest.mark.parametrize("stream,n,tools,ask,usage", CHAT_CASES)
 def test_chat(upstream: tuple[Proc, Proc], redis_client, stream, n, tools, ask, usage):
     gateway, server = upstream
-    body: dict[str, Any] = {"model": MODEL, "messages": MESSAGES, "max_tokens": 48, "n": n, "seed": 11,
-                            "stream": stream, **ASKS[ask]}
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "messages": MESSAGES,
+        "max_tokens": 48,
+        "n": n,
+        "seed": 11,
+        "stream": stream,
+        **ASKS[ask],
+    }
     if tools:
         body["tools"] = TOOLS
     if usage:
@@ -104,20 +114,37 @@ def test_chat(upstream: tuple[Proc, Proc], redis_client, stream, n, tools, ask, 
     if stream:
         body["fake_write_size"] = 7  # events arrive split across reads
     top = ASKS[ask].get("top_logprobs", 0)
-    check(gateway, server, "chat.completions", body,
-          {"return_token_ids": True, "logprobs": True, "top_logprobs": top})
+    check(
+        gateway,
+        server,
+        "chat.completions",
+        body,
+        {"return_token_ids": True, "logprobs": True, "top_logprobs": top},
+    )
 
 
 @pytest.mark.parametrize("stream,n,prompts,ask", COMPLETION_CASES)
 def test_completions(upstream: tuple[Proc, Proc], redis_client, stream, n, prompts, ask):
     gateway, server = upstream
     prompt = "Two plus two is" if prompts == 1 else ["Two plus two is", "The sky is"]
-    body: dict[str, Any] = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "n": n, "seed": 5,
-                            "stream": stream, **COMPLETION_ASKS[ask]}
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": 12,
+        "n": n,
+        "seed": 5,
+        "stream": stream,
+        **COMPLETION_ASKS[ask],
+    }
     if stream:
         body["fake_write_size"] = 5
-    check(gateway, server, "completions", body,
-          {"return_token_ids": True, "logprobs": COMPLETION_ASKS[ask].get("logprobs", 0)})
+    check(
+        gateway,
+        server,
+        "completions",
+        body,
+        {"return_token_ids": True, "logprobs": COMPLETION_ASKS[ask].get("logprobs", 0)},
+    )
 
 
 # The Responses API: what the agent asks for itself (log-probs through `include`, token ids through
@@ -127,17 +154,25 @@ RESPONSES_ASKS = {
     "logprobs": {"include": ["message.output_text.logprobs"], "top_logprobs": 2},
     "messages": {"enable_response_messages": True},
 }
-RESPONSES_TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather in a city.",
-                    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                   "required": ["city"]}}]
+RESPONSES_TOOLS = [
+    {
+        "type": "function",
+        "name": "get_weather",
+        "description": "Weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    }
+]
 RESPONSES_CASES = list(itertools.product((False, True), (False, True), RESPONSES_ASKS))
 
 
 def normalize_responses(obj: Any) -> Any:
     """Ids, timestamps and tool-call ids differ between two runs of the same request."""
     if isinstance(obj, dict):
-        return {k: normalize_responses(v) for k, v in obj.items()
-                if k not in ("id", "created_at", "item_id", "call_id")}
+        return {
+            k: normalize_responses(v)
+            for k, v in obj.items()
+            if k not in ("id", "created_at", "item_id", "call_id")
+        }
     if isinstance(obj, list):
         return [normalize_responses(v) for v in obj]
     return obj
@@ -146,8 +181,15 @@ def normalize_responses(obj: Any) -> Any:
 @pytest.mark.parametrize("stream,tools,ask", RESPONSES_CASES)
 def test_responses(upstream: tuple[Proc, Proc], redis_client, stream, tools, ask):
     gateway, server = upstream
-    body: dict[str, Any] = {"model": MODEL, "input": "What is the weather in Paris?", "instructions": "Be terse.",
-                            "max_output_tokens": 48, "seed": 3, "stream": stream, **RESPONSES_ASKS[ask]}
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "input": "What is the weather in Paris?",
+        "instructions": "Be terse.",
+        "max_output_tokens": 48,
+        "seed": 3,
+        "stream": stream,
+        **RESPONSES_ASKS[ask],
+    }
     if tools:
         body["tools"] = RESPONSES_TOOLS
     rid = uuid.uuid4().hex
@@ -155,14 +197,21 @@ def test_responses(upstream: tuple[Proc, Proc], redis_client, stream, tools, ask
     direct_status, direct = answer(f"{server.url}/responses", body)
     assert status == direct_status == 200
     assert normalize_responses(via) == normalize_responses(direct)
-    _, full = answer(f"{server.url}/responses", {**body, "enable_response_messages": True,
-                                                 "include": ["message.output_text.logprobs"]})
+    _, full = answer(
+        f"{server.url}/responses",
+        {**body, "enable_response_messages": True, "include": ["message.output_text.logprobs"]},
+    )
     final = full[-1]["response"] if stream else full
     [call] = rollout(gateway, rid)["calls"]
     assert call["prompt_token_ids"] == final["input_messages"][0]["tokens"]
     assert call["completion_token_ids"] == final["output_messages"][0]["tokens"]
-    text_logprobs = [e["logprob"] for item in final["output"] if item["type"] == "message"
-                     for part in item["content"] for e in part.get("logprobs") or ()]
+    text_logprobs = [
+        e["logprob"]
+        for item in final["output"]
+        if item["type"] == "message"
+        for part in item["content"]
+        for e in part.get("logprobs") or ()
+    ]
     # kept when they cover every generated token: vLLM gives none for tool calls only, and in streams none
     # for tokens without text (tool-call markup, EOS); the learner then takes its own
     covered = len(text_logprobs) == len(call["completion_token_ids"])

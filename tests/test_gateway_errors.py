@@ -9,7 +9,6 @@ import uuid
 import httpx
 import openai
 import pytest
-
 from conftest import Proc, free_port, start_gateway
 from test_gateway_proxy import MESSAGES, MODEL, rollout
 
@@ -26,8 +25,11 @@ def assert_openai_error(response: httpx.Response, status: int) -> dict:
 def test_malformed_json_is_400_and_records_nothing(gateway: Proc, redis_client):
     rid = uuid.uuid4().hex
     for payload in (b"{not json", b"[1, 2]", b""):
-        response = httpx.post(f"{gateway.url}/rollouts/{rid}/v1/chat/completions", content=payload,
-                              headers={"content-type": "application/json"})
+        response = httpx.post(
+            f"{gateway.url}/rollouts/{rid}/v1/chat/completions",
+            content=payload,
+            headers={"content-type": "application/json"},
+        )
         assert assert_openai_error(response, 400)["code"] == "invalid_json"
     assert httpx.get(f"{gateway.url}/rollouts/{rid}").status_code == 404
     assert redis_client.keys("*rollout*") == []
@@ -46,8 +48,11 @@ def test_invalid_rollout_ids_are_400(gateway: Proc, redis_client):
     for bad in ("has{brace}", "a" * 200, "sp ace"):
         response = httpx.post(f"{gateway.url}/v1/chat/completions", json=body, headers={"X-Rollout-Id": bad})
         assert assert_openai_error(response, 400)["code"] == "invalid_id"
-    response = httpx.post(f"{gateway.url}/v1/chat/completions", json=body,
-                          headers={"X-Rollout-Id": "ok", "X-Task-Id": "bad{task}"})
+    response = httpx.post(
+        f"{gateway.url}/v1/chat/completions",
+        json=body,
+        headers={"X-Rollout-Id": "ok", "X-Task-Id": "bad{task}"},
+    )
     assert_openai_error(response, 400)
     assert redis_client.keys("*rollout*") == []
     assert_openai_error(httpx.post(f"{gateway.url}/rollouts", json={"rollout_id": "a/b"}), 400)
@@ -60,7 +65,9 @@ def test_upstream_errors_keep_status_and_are_recorded(gateway: Proc, fake_vllm: 
     client = openai.OpenAI(base_url=f"{gateway.url}/rollouts/{rid}/v1", api_key="unused", max_retries=0)
     with pytest.raises(openai.NotFoundError) as not_found:
         client.chat.completions.create(model="no-such-model", messages=MESSAGES)
-    direct = httpx.post(f"{fake_vllm.url}/chat/completions", json={"model": "no-such-model", "messages": MESSAGES})
+    direct = httpx.post(
+        f"{fake_vllm.url}/chat/completions", json={"model": "no-such-model", "messages": MESSAGES}
+    )
     assert not_found.value.response.json() == direct.json()
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10**7)
@@ -87,8 +94,11 @@ def test_error_in_the_middle_of_a_stream(gateway: Proc, redis_client):
     assert call["response"]["message"]["content"]  # the part that did arrive is kept
     client = openai.OpenAI(base_url=f"{gateway.url}/rollouts/{rid}/v1", api_key="unused", max_retries=0)
     with pytest.raises(openai.APIError):
-        list(client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True,
-                                            extra_body={"fake_fail_after": 1}))
+        list(
+            client.chat.completions.create(
+                model=MODEL, messages=MESSAGES, stream=True, extra_body={"fake_fail_after": 1}
+            )
+        )
 
 
 def test_a_stream_with_malformed_log_probs_is_a_recorded_error(gateway: Proc, redis_client):
@@ -110,11 +120,15 @@ def test_strict_gateway_body_limit_and_required_rollout(fake_vllm: Proc, tmp_pat
         error = assert_openai_error(httpx.post(f"{proc.url}/v1/chat/completions", json=body), 400)
         assert error["code"] == "missing_rollout_id"
         big = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 5000}]}
-        error = assert_openai_error(httpx.post(f"{proc.url}/rollouts/r-big/v1/chat/completions", json=big), 413)
+        error = assert_openai_error(
+            httpx.post(f"{proc.url}/rollouts/r-big/v1/chat/completions", json=big), 413
+        )
         assert error["code"] == "payload_too_large"
         ok = httpx.post(f"{proc.url}/rollouts/r-ok/v1/chat/completions", json={**body, "max_tokens": 4})
         assert ok.status_code == 200
-        assert redis_client.exists("rlgate:rollout:{r-ok}") and not redis_client.exists("rlgate:rollout:{r-big}")
+        assert redis_client.exists("rlgate:rollout:{r-ok}") and not redis_client.exists(
+            "rlgate:rollout:{r-big}"
+        )
     finally:
         proc.kill()
 
@@ -124,8 +138,9 @@ def test_unreachable_upstream_is_502_and_recorded(tmp_path, redis_client):
     try:
         health = httpx.get(f"{proc.url}/healthz")
         assert health.status_code == 503 and health.json()["redis"] == "ok"
-        response = httpx.post(f"{proc.url}/rollouts/r-down/v1/chat/completions",
-                              json={"model": MODEL, "messages": MESSAGES})
+        response = httpx.post(
+            f"{proc.url}/rollouts/r-down/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES}
+        )
         assert assert_openai_error(response, 502)["type"] == "upstream_error"
         [call] = rollout(proc, "r-down")["calls"]
         assert call["error"]["status"] == 502
@@ -151,11 +166,17 @@ def test_upstream_dying_mid_stream_is_an_error_for_the_agent(gateway: Proc, redi
     rid = uuid.uuid4().hex
     client = openai.OpenAI(base_url=f"{gateway.url}/rollouts/{rid}/v1", api_key="unused", max_retries=0)
     with pytest.raises(openai.APIError):
-        list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=32, stream=True,
-                                            extra_body={"fake_drop_after": 3}))
+        list(
+            client.chat.completions.create(
+                model=MODEL, messages=MESSAGES, max_tokens=32, stream=True, extra_body={"fake_drop_after": 3}
+            )
+        )
     with pytest.raises(openai.APIError):
-        list(client.completions.create(model=MODEL, prompt="Count:", max_tokens=32, stream=True,
-                                       extra_body={"fake_drop_after": 3}))
+        list(
+            client.completions.create(
+                model=MODEL, prompt="Count:", max_tokens=32, stream=True, extra_body={"fake_drop_after": 3}
+            )
+        )
     calls = rollout(gateway, rid)["calls"]
     assert [c["error"]["status"] for c in calls] == [502, 502]
     assert calls[0]["response"]["message"]["content"]  # what did arrive is kept for inspection
@@ -186,8 +207,11 @@ def test_unusual_but_valid_requests(gateway: Proc, fake_vllm: Proc, redis_client
     rid = uuid.uuid4().hex
     url = f"{gateway.url}/rollouts/{rid}/v1"
     # "stream": "true" is a stream for vLLM (lax booleans), so it is one for the gateway too
-    with httpx.stream("POST", f"{url}/chat/completions",
-                      json={"model": MODEL, "messages": MESSAGES, "max_tokens": 4, "stream": "true"}) as r:
+    with httpx.stream(
+        "POST",
+        f"{url}/chat/completions",
+        json={"model": MODEL, "messages": MESSAGES, "max_tokens": 4, "stream": "true"},
+    ) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         assert "data: [DONE]" in list(r.iter_lines())
     # echo + logprobs: forwarded untouched and recorded without token ids (echo changes what they mean)
@@ -196,6 +220,7 @@ def test_unusual_but_valid_requests(gateway: Proc, fake_vllm: Proc, redis_client
     direct = httpx.post(f"{fake_vllm.url}/completions", json=body)
     assert via.status_code == 200
     from test_gateway_proxy import normalize
+
     assert normalize(via.json()) == normalize(direct.json())
     # a compressing upstream (or proxy in between) is asked for identity encoding
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, "fake_compress": True}

@@ -6,10 +6,10 @@ from __future__ import annotations
 import re
 
 import pytest
+from test_compose import SERVICES
 
 from gateway import GatewaySettings
 from rlgate.cli import GatewayCommand
-from test_compose import SERVICES
 
 SECRETS = ("RLGATE_OPERATOR_TOKEN", "RLGATE_WEBHOOK_SECRET", "RLGATE_ROLLOUT_KEY_SECRET")
 

@@ -8,7 +8,6 @@ import uuid
 
 import httpx
 import redis
-
 from conftest import Proc
 from test_gateway_errors import assert_openai_error
 from test_gateway_proxy import MESSAGES, MODEL
@@ -22,8 +21,11 @@ def test_a_completion_request_nested_too_deeply_is_400_and_not_sent(gateway: Pro
     rid = uuid.uuid4().hex
     for depth in (300, 5000):
         body = f'{{"model": "{MODEL}", "messages": {json.dumps(MESSAGES)}, "extra": {nested(depth)}}}'
-        response = httpx.post(f"{gateway.url}/rollouts/{rid}/v1/chat/completions", content=body,
-                              headers={"content-type": "application/json"})
+        response = httpx.post(
+            f"{gateway.url}/rollouts/{rid}/v1/chat/completions",
+            content=body,
+            headers={"content-type": "application/json"},
+        )
         assert assert_openai_error(response, 400)["code"] == "invalid_json", depth
     assert not redis_client.exists(f"rlgate:rollout:{{{rid}}}")
 
@@ -37,8 +39,11 @@ def test_rollout_metadata_that_cannot_be_stored_is_422(gateway: Proc, redis_clie
     }
     for name, body in cases.items():
         rid = f"meta-{name.replace(' ', '-')}"
-        response = httpx.post(f"{gateway.url}/rollouts", content=body.replace('{"metadata"', f'{{"rollout_id": "{rid}", "metadata"', 1),
-                              headers={"content-type": "application/json"})
+        response = httpx.post(
+            f"{gateway.url}/rollouts",
+            content=body.replace('{"metadata"', f'{{"rollout_id": "{rid}", "metadata"', 1),
+            headers={"content-type": "application/json"},
+        )
         assert response.status_code in (400, 422), (name, response.status_code, response.text[:300])
         assert_openai_error(response, response.status_code)
         assert len(response.content) < 2000  # the input is not echoed back
@@ -54,12 +59,16 @@ def test_the_request_is_stored_once_per_call_not_once_per_choice(gateway: Proc, 
     import asyncio
 
     from conftest import REDIS_URL
+
     from episodes import EpisodeStore
 
     rid = uuid.uuid4().hex
     padding = "x" * (256 * 1024)
     body = {"model": MODEL, "messages": MESSAGES, "n": 8, "max_tokens": 4, "temperature": 0.7, "pad": padding}
-    assert httpx.post(f"{gateway.url}/rollouts/{rid}/v1/chat/completions", json=body, timeout=30).status_code == 200
+    assert (
+        httpx.post(f"{gateway.url}/rollouts/{rid}/v1/chat/completions", json=body, timeout=30).status_code
+        == 200
+    )
     stored = sum(len(item) for item in redis_client.lrange(f"rlgate:rollout:{{{rid}}}:calls", 0, -1))
     assert len(padding) < stored < 2 * len(padding)  # once, not 8 times
     calls = httpx.get(f"{gateway.url}/rollouts/{rid}").json()["calls"]
@@ -80,9 +89,13 @@ def test_the_request_is_stored_once_per_call_not_once_per_choice(gateway: Proc, 
     assert all(c.request["temperature"] == 0.7 for c in view.calls)
 
 
-def test_the_operator_surface_refuses_large_bodies_before_reading_them(gateway: Proc, redis_client: redis.Redis):
+def test_the_operator_surface_refuses_large_bodies_before_reading_them(
+    gateway: Proc, redis_client: redis.Redis
+):
     big = b'{"rollout_id": "big", "metadata": {"x": "' + b"a" * (2 * 1024 * 1024) + b'"}}'
-    response = httpx.post(f"{gateway.url}/rollouts", content=big, headers={"content-type": "application/json"})
+    response = httpx.post(
+        f"{gateway.url}/rollouts", content=big, headers={"content-type": "application/json"}
+    )
     assert assert_openai_error(response, 413)["code"] == "payload_too_large"
 
     def chunks():  # no Content-Length: counted as it arrives
@@ -91,15 +104,18 @@ def test_the_operator_surface_refuses_large_bodies_before_reading_them(gateway: 
             yield b"a" * 65536
         yield b'"}'
 
-    streamed = httpx.post(f"{gateway.url}/rollouts/big/reward", content=chunks(),
-                          headers={"content-type": "application/json"})
+    streamed = httpx.post(
+        f"{gateway.url}/rollouts/big/reward", content=chunks(), headers={"content-type": "application/json"}
+    )
     assert assert_openai_error(streamed, 413)["code"] == "payload_too_large"
     assert not redis_client.exists("rlgate:rollout:{big}")
     small = httpx.post(f"{gateway.url}/rollouts", json={"rollout_id": "small", "metadata": {"k": "v"}})
     assert small.status_code == 201
 
 
-def test_a_calls_record_and_a_rollouts_calls_are_bounded(fake_vllm: Proc, tmp_path, redis_client: redis.Redis):
+def test_a_calls_record_and_a_rollouts_calls_are_bounded(
+    fake_vllm: Proc, tmp_path, redis_client: redis.Redis
+):
     """`max_record_bytes` bounds what one call may write to Redis: a request above it never reaches the
     upstream; an answer that takes the record above it is dropped, the call kept as failed (small), and the
     agent told 413 (a stream: an error event in place of its end). `max_calls_per_rollout` bounds how many
@@ -123,9 +139,15 @@ def test_a_calls_record_and_a_rollouts_calls_are_bounded(fake_vllm: Proc, tmp_pa
         with httpx.stream("POST", url, json={**many, "stream": True}, timeout=30) as stream:
             lines = [line for line in stream.iter_lines() if line.startswith("data:")]
         assert "data: [DONE]" not in lines and "max_record_bytes" in lines[-1]
-        assert httpx.post(url, json={"model": MODEL, "messages": MESSAGES, "max_tokens": 4}).status_code == 200
+        assert (
+            httpx.post(url, json={"model": MODEL, "messages": MESSAGES, "max_tokens": 4}).status_code == 200
+        )
         calls = httpx.get(f"{proc.url}/rollouts/{rid}").json()["calls"]
-        assert [c["error"] and c["error"]["code"] for c in calls] == ["record_too_large", "record_too_large", None]
+        assert [c["error"] and c["error"]["code"] for c in calls] == [
+            "record_too_large",
+            "record_too_large",
+            None,
+        ]
         assert calls[0]["response"] is None and calls[0]["request"]["n"] == 64
         stored = sum(len(item) for item in redis_client.lrange(f"rlgate:rollout:{{{rid}}}:calls", 0, -1))
         assert stored < 3 * 16384

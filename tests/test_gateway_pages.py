@@ -5,15 +5,17 @@ from __future__ import annotations
 import uuid
 
 import httpx
-
 from conftest import Proc
 from test_gateway_errors import assert_openai_error
 from test_gateway_proxy import MESSAGES, MODEL
 
 
 def call(gateway: Proc, rid: str, **extra) -> None:
-    response = httpx.post(f"{gateway.url}/rollouts/{rid}/v1/chat/completions", timeout=30,
-                          json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2, **extra})
+    response = httpx.post(
+        f"{gateway.url}/rollouts/{rid}/v1/chat/completions",
+        timeout=30,
+        json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2, **extra},
+    )
     assert response.status_code == 200, response.text
 
 
@@ -34,9 +36,11 @@ def test_calls_come_in_pages(gateway: Proc, redis_client):
         body = page(gateway, rid, offset=offset, limit=3)
         pages.append([(c["index"], c["request"]["user"], c["reward"]) for c in body["calls"]])
         offset = body["next_offset"]
-    assert pages == [[(0, "call-0", None), (1, "call-1", None), (2, "call-2", None)],
-                     [(3, "call-3", None), (4, "call-4", 0.5), (5, "call-5", None)],
-                     [(6, "call-6", None)]]
+    assert pages == [
+        [(0, "call-0", None), (1, "call-1", None), (2, "call-2", None)],
+        [(3, "call-3", None), (4, "call-4", 0.5), (5, "call-5", None)],
+        [(6, "call-6", None)],
+    ]
     whole = page(gateway, rid)  # the default page holds a short rollout whole
     assert [c["index"] for c in whole["calls"]] == list(range(7)) and whole["next_offset"] is None
     assert whole["status"] == "open" and page(gateway, rid, offset=50)["calls"] == []

@@ -12,15 +12,24 @@ from typing import Any
 
 import httpx
 import openai
-
 from conftest import Proc
 
 MODEL = "fake-model"
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 17 + 25?"}]
-TOOLS = [{"type": "function", "function": {
-    "name": "calculator", "description": "Evaluate an arithmetic expression.",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
-                   "required": ["expression"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate an arithmetic expression.",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
+        },
+    }
+]
 
 
 def new_id() -> str:
@@ -49,7 +58,7 @@ def sse_chunks(url: str, body: dict, headers: dict | None = None) -> tuple[list[
             if not line.startswith("data:"):
                 continue
             lines.append(line)
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             chunks.append(data if data == "[DONE]" else json.loads(data))
     return chunks, lines
 
@@ -68,13 +77,17 @@ def test_chat_non_streaming_path_form(upstream: tuple[Proc, Proc], redis_client)
     gateway, fake_vllm = upstream
     rid = new_id()
     client = openai.OpenAI(base_url=f"{gateway.url}/tasks/task-1/rollouts/{rid}/v1", api_key="unused")
-    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=MESSAGES, max_tokens=12, seed=3)
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=MESSAGES, max_tokens=12, seed=3
+    )
     completion = raw.parse()
     assert raw.headers["x-rollout-id"] == rid
 
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 12, "seed": 3}
     plain = post(f"{fake_vllm.url}/chat/completions", body).json()
-    full = post(f"{fake_vllm.url}/chat/completions", {**body, "return_token_ids": True, "logprobs": True}).json()
+    full = post(
+        f"{fake_vllm.url}/chat/completions", {**body, "return_token_ids": True, "logprobs": True}
+    ).json()
     # the agent saw what vLLM sends a plain request
     assert normalize(raw.http_response.json()) == normalize(plain)
     assert plain["prompt_token_ids"] is None and plain["choices"][0]["logprobs"] is None
@@ -98,8 +111,15 @@ def test_chat_non_streaming_path_form(upstream: tuple[Proc, Proc], redis_client)
 def test_chat_keeps_fields_the_agent_asked_for(upstream: tuple[Proc, Proc], redis_client):
     gateway, fake_vllm = upstream
     rid = new_id()
-    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 6, "logprobs": True, "top_logprobs": 2,
-            "return_token_ids": True, "seed": 2}
+    body = {
+        "model": MODEL,
+        "messages": MESSAGES,
+        "max_tokens": 6,
+        "logprobs": True,
+        "top_logprobs": 2,
+        "return_token_ids": True,
+        "seed": 2,
+    }
     via = post(f"{gateway.url}/rollouts/{rid}/v1/chat/completions", body).json()
     direct = post(f"{fake_vllm.url}/chat/completions", body).json()
     assert normalize(via) == normalize(direct)
@@ -110,36 +130,59 @@ def test_chat_streaming_header_form(upstream: tuple[Proc, Proc], redis_client):
     gateway, fake_vllm = upstream
     rid = new_id()
     headers = {"X-Rollout-Id": rid, "X-Task-Id": "task-2", "X-Agent-Name": "solver"}
-    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 16, "stream": True, "seed": 4,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": MODEL,
+        "messages": MESSAGES,
+        "max_tokens": 16,
+        "stream": True,
+        "seed": 4,
+        "stream_options": {"include_usage": True},
+    }
     via, via_lines = sse_chunks(f"{gateway.url}/v1/chat/completions", body, headers)
     plain, _ = sse_chunks(f"{fake_vllm.url}/chat/completions", body)
-    full, _ = sse_chunks(f"{fake_vllm.url}/chat/completions", {**body, "return_token_ids": True, "logprobs": True})
+    full, _ = sse_chunks(
+        f"{fake_vllm.url}/chat/completions", {**body, "return_token_ids": True, "logprobs": True}
+    )
     assert via[-1] == "[DONE]" and via_lines[-1] == "data: [DONE]"
     assert normalize(via) == normalize(plain)
-    assert all(c.get("prompt_token_ids") is None and all(ch.get("token_ids") is None for ch in c["choices"])
-               for c in via[:-1])
+    assert all(
+        c.get("prompt_token_ids") is None and all(ch.get("token_ids") is None for ch in c["choices"])
+        for c in via[:-1]
+    )
 
     # the SDK streams through the gateway like through vLLM
     client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", default_headers=headers)
-    text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, max_tokens=16, stream=True, seed=4) if c.choices)
+    text = "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=16, stream=True, seed=4
+        )
+        if c.choices
+    )
 
     stored = rollout(gateway, rid)
     assert stored["task_id"] == "task-2"
     assert [c["index"] for c in stored["calls"]] == [0, 1]
     for call in stored["calls"]:
         assert call["agent_name"] == "solver" and call["stream"] is True
-        assert call["prompt_token_ids"] == next(c["prompt_token_ids"] for c in full if isinstance(c, dict)
-                                                 and c.get("prompt_token_ids"))
-        assert call["completion_token_ids"] == [t for c in full[:-1] for ch in c["choices"]
-                                                for t in ch.get("token_ids") or ()]
-        assert call["completion_logprobs"] == [e["logprob"] for c in full[:-1] for ch in c["choices"]
-                                               if ch.get("logprobs") for e in ch["logprobs"]["content"]]
+        assert call["prompt_token_ids"] == next(
+            c["prompt_token_ids"] for c in full if isinstance(c, dict) and c.get("prompt_token_ids")
+        )
+        assert call["completion_token_ids"] == [
+            t for c in full[:-1] for ch in c["choices"] for t in ch.get("token_ids") or ()
+        ]
+        assert call["completion_logprobs"] == [
+            e["logprob"]
+            for c in full[:-1]
+            for ch in c["choices"]
+            if ch.get("logprobs")
+            for e in ch["logprobs"]["content"]
+        ]
         assert call["response"]["message"]["content"] == text
         assert call["ttfb_ms"] is not None and call["ttfb_ms"] <= call["latency_ms"]
     assert stored["calls"][0]["response"]["usage"]["completion_tokens"] == len(
-        stored["calls"][0]["completion_token_ids"])
+        stored["calls"][0]["completion_token_ids"]
+    )
 
 
 def test_chat_tool_calls_non_streaming_and_streaming(gateway: Proc, fake_vllm: Proc, redis_client):
@@ -152,8 +195,9 @@ def test_chat_tool_calls_non_streaming_and_streaming(gateway: Proc, fake_vllm: P
     json.loads(tool_call.function.arguments)
 
     streamed: dict[int, dict] = {}
-    for chunk in client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=64,
-                                                stream=True):
+    for chunk in client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=64, stream=True
+    ):
         for delta_call in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
             slot = streamed.setdefault(delta_call.index, {"name": "", "arguments": ""})
             slot["name"] += delta_call.function.name or ""
@@ -169,8 +213,10 @@ def test_chat_tool_calls_non_streaming_and_streaming(gateway: Proc, fake_vllm: P
     assert normalize(via) == normalize(plain) and len(full) > len(plain)
 
     # the tool's answer goes back, and the model answers in text
-    followup = MESSAGES + [completion.choices[0].message.model_dump(exclude_none=True),
-                           {"role": "tool", "tool_call_id": tool_call.id, "content": "42"}]
+    followup = MESSAGES + [
+        completion.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": tool_call.id, "content": "42"},
+    ]
     answer = client.chat.completions.create(model=MODEL, messages=followup, tools=TOOLS, max_tokens=16)
     assert answer.choices[0].message.content
 
@@ -193,10 +239,18 @@ def test_n_greater_than_one_records_each_choice(upstream: tuple[Proc, Proc], red
     client = openai.OpenAI(base_url=f"{gateway.url}/rollouts/{rid}/v1", api_key="unused")
     completion = client.chat.completions.create(model=MODEL, messages=MESSAGES, n=2, max_tokens=10, seed=5)
     assert len(completion.choices) == 2
-    list(client.chat.completions.create(model=MODEL, messages=MESSAGES, n=2, max_tokens=10, seed=5, stream=True))
+    list(
+        client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, n=2, max_tokens=10, seed=5, stream=True
+        )
+    )
     calls = rollout(gateway, rid)["calls"]
     assert [(c["index"], c["choice_index"], c["stream"]) for c in calls] == [
-        (0, 0, False), (1, 1, False), (2, 0, True), (3, 1, True)]
+        (0, 0, False),
+        (1, 1, False),
+        (2, 0, True),
+        (3, 1, True),
+    ]
     assert calls[0]["prompt_token_ids"] == calls[1]["prompt_token_ids"]
     for i in range(2):
         assert calls[i]["response"]["message"]["content"] == completion.choices[i].message.content
@@ -267,7 +321,9 @@ def test_responses_recorded(gateway: Proc, fake_vllm: Proc, redis_client):
     client = openai.OpenAI(base_url=f"{gateway.url}/rollouts/{rid}/v1", api_key="unused")
     response = client.responses.create(model=MODEL, input="Say hello.", max_output_tokens=256)
     assert response.output_text
-    events = list(client.responses.create(model=MODEL, input="Say hello.", max_output_tokens=256, stream=True))
+    events = list(
+        client.responses.create(model=MODEL, input="Say hello.", max_output_tokens=256, stream=True)
+    )
     assert events[-1].type == "response.completed"
     calls = rollout(gateway, rid)["calls"]
     assert [c["endpoint"] for c in calls] == ["responses", "responses"]

@@ -15,15 +15,20 @@ from conftest import Proc, start_gateway
 BODY = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
-def test_calls_wait_for_a_push_and_carry_the_new_version(fake_vllm: Proc, redis_client: redis.Redis, tmp_path):
+def test_calls_wait_for_a_push_and_carry_the_new_version(
+    fake_vllm: Proc, redis_client: redis.Redis, tmp_path
+):
     gateway = start_gateway(tmp_path, fake_vllm.url, policy_poll_s="0.05")
     try:
         redis_client.hset("rlgate:policy", mapping={"version": 2, "draining": 1})
         time.sleep(0.3)
         rid = uuid.uuid4().hex
         answers: list[httpx.Response] = []
-        thread = threading.Thread(target=lambda: answers.append(httpx.post(
-            f"{gateway.url}/rollouts/{rid}/v1/chat/completions", json=BODY, timeout=30)))
+        thread = threading.Thread(
+            target=lambda: answers.append(
+                httpx.post(f"{gateway.url}/rollouts/{rid}/v1/chat/completions", json=BODY, timeout=30)
+            )
+        )
         thread.start()
         time.sleep(0.6)
         assert not answers  # held while the push is under way
@@ -48,7 +53,9 @@ def test_reject_mode_answers_429_with_retry_after(fake_vllm: Proc, redis_client:
         assert httpx.get(f"{gateway.url}/rollouts/{rid}").status_code == 404  # nothing recorded
         redis_client.hset("rlgate:policy", mapping={"draining": 0})
         time.sleep(0.3)
-        assert httpx.post(f"{gateway.url}/rollouts/{rid}/v1/chat/completions", json=BODY,
-                          timeout=30).status_code == 200
+        assert (
+            httpx.post(f"{gateway.url}/rollouts/{rid}/v1/chat/completions", json=BODY, timeout=30).status_code
+            == 200
+        )
     finally:
         gateway.kill(signal.SIGTERM)

@@ -17,7 +17,6 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-
 from conftest import Proc, free_port, start_gateway
 from test_gateway_proxy import MESSAGES, MODEL
 
@@ -34,8 +33,10 @@ SLOW = {
     "nothing": (b"", HEADER_TIMEOUT_S),
     "half a request line": (b"POST {path}", HEADER_TIMEOUT_S),
     "half the headers": (b"POST {path} HTTP/1.1\r\n" + HEADERS + b"Content-Le", HEADER_TIMEOUT_S),
-    "a body that never ends": (b"POST {path} HTTP/1.1\r\n" + HEADERS + b"Content-Length: 1000\r\n\r\n"
-                               + b'{"model": "fake-', BODY_TIMEOUT_S),
+    "a body that never ends": (
+        b"POST {path} HTTP/1.1\r\n" + HEADERS + b"Content-Length: 1000\r\n\r\n" + b'{"model": "fake-',
+        BODY_TIMEOUT_S,
+    ),
 }
 AGENT_PATH, CONTROL_PATH = PATH.format("slow").encode(), b"/rollouts"
 
@@ -51,19 +52,29 @@ def open_files() -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def deadlines_gateway(fake_vllm: Proc, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, str]]:
+def deadlines_gateway(
+    fake_vllm: Proc, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Proc, str]]:
     """(gateway, control URL): short deadlines, default header limit and cap, a control port."""
     control_port = free_port()
-    proc = start_gateway(tmp_path_factory.mktemp("slow_gateway"), fake_vllm.url, control_port=str(control_port),
-                         header_timeout_s=str(HEADER_TIMEOUT_S), body_timeout_s=str(BODY_TIMEOUT_S),
-                         body_min_bytes_per_s="4096")
+    proc = start_gateway(
+        tmp_path_factory.mktemp("slow_gateway"),
+        fake_vllm.url,
+        control_port=str(control_port),
+        header_timeout_s=str(HEADER_TIMEOUT_S),
+        body_timeout_s=str(BODY_TIMEOUT_S),
+        body_min_bytes_per_s="4096",
+    )
     yield proc, f"http://127.0.0.1:{control_port}"
     proc.kill(signal.SIGTERM)
 
 
 def chat(client: httpx.Client, base: str) -> httpx.Response:
-    return client.post(f"{base}{PATH.format(uuid.uuid4().hex)}", timeout=30,
-                       json={"model": MODEL, "messages": MESSAGES, "max_tokens": 4})
+    return client.post(
+        f"{base}{PATH.format(uuid.uuid4().hex)}",
+        timeout=30,
+        json={"model": MODEL, "messages": MESSAGES, "max_tokens": 4},
+    )
 
 
 def port_of(url: str) -> int:
@@ -72,9 +83,18 @@ def port_of(url: str) -> int:
 
 def full_request(rid: str, extra_headers: bytes = b"") -> bytes:
     """A whole chat call, in bytes."""
-    body = b'{"model": "%s", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}' % MODEL.encode()
-    return (b"POST " + PATH.format(rid).encode() + b" HTTP/1.1\r\n" + HEADERS + extra_headers
-            + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    body = (
+        b'{"model": "%s", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}' % MODEL.encode()
+    )
+    return (
+        b"POST "
+        + PATH.format(rid).encode()
+        + b" HTTP/1.1\r\n"
+        + HEADERS
+        + extra_headers
+        + b"Content-Length: %d\r\n\r\n" % len(body)
+        + body
+    )
 
 
 def read_response(sock: socket.socket, buffer: bytes = b"") -> tuple[bytes, bytes]:
@@ -84,7 +104,11 @@ def read_response(sock: socket.socket, buffer: bytes = b"") -> tuple[bytes, byte
         assert chunk, f"closed before a response: {buffer!r}"
         buffer += chunk
     head, rest = buffer.split(b"\r\n\r\n", 1)
-    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    length = int(
+        next(
+            line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")
+        )
+    )
     while len(rest) < length:
         rest += sock.recv(65536)
     return head.split(b"\r\n")[0], rest[length:]
@@ -168,7 +192,8 @@ class Agent(threading.Thread):
 
 
 def test_slow_sockets_are_closed_at_their_deadline_while_agents_are_served(
-        deadlines_gateway: tuple[Proc, str]):
+    deadlines_gateway: tuple[Proc, str],
+):
     gateway, control = deadlines_gateway
     slow = SlowSockets()
     agent = Agent(gateway.url)
@@ -188,7 +213,9 @@ def test_slow_sockets_are_closed_at_their_deadline_while_agents_are_served(
     finally:
         agent.stop.set()
         slow.close()
-    assert not slow.open, f"{len(slow.open)} slow sockets still open: {sorted({k for k, *_ in slow.open.values()})}"
+    assert not slow.open, (
+        f"{len(slow.open)} slow sockets still open: {sorted({k for k, *_ in slow.open.values()})}"
+    )
     assert len(slow.closed) == 280
     for kind, seconds, deadline, answer in slow.closed:
         assert deadline * EARLY <= seconds <= deadline + MARGIN_S, (kind, seconds)
@@ -202,15 +229,24 @@ def test_slow_sockets_are_closed_at_their_deadline_while_agents_are_served(
 def test_an_upload_above_the_minimum_rate_outlasts_the_body_deadline(deadlines_gateway: tuple[Proc, str]):
     """40 KiB at ~10 KiB/s takes ~4 s, twice the body deadline: served. Below the minimum rate: closed."""
     gateway, _ = deadlines_gateway
-    body = (b'{"model": "%s", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "pad": "'
-            % MODEL.encode() + b"x" * 40_000 + b'"}')
-    head = (b"POST " + PATH.format(uuid.uuid4().hex).encode() + b" HTTP/1.1\r\n" + HEADERS
-            + b"Content-Length: %d\r\n\r\n" % len(body))
+    body = (
+        b'{"model": "%s", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "pad": "'
+        % MODEL.encode()
+        + b"x" * 40_000
+        + b'"}'
+    )
+    head = (
+        b"POST "
+        + PATH.format(uuid.uuid4().hex).encode()
+        + b" HTTP/1.1\r\n"
+        + HEADERS
+        + b"Content-Length: %d\r\n\r\n" % len(body)
+    )
     with socket.create_connection(("127.0.0.1", port_of(gateway.url)), timeout=20) as sock:
         sock.sendall(head)
         start = time.monotonic()
         for i in range(0, len(body), 1024):
-            sock.sendall(body[i:i + 1024])
+            sock.sendall(body[i : i + 1024])
             time.sleep(0.1)
         assert time.monotonic() - start > 2 * BODY_TIMEOUT_S - 0.5
         answer = sock.recv(65536)
@@ -222,7 +258,7 @@ def test_an_upload_above_the_minimum_rate_outlasts_the_body_deadline(deadlines_g
         answer = b""
         with pytest.raises((BrokenPipeError, ConnectionResetError)):  # 1 KiB/s: cut off at the deadline
             for i in range(0, len(body), 100):
-                sock.sendall(body[i:i + 100])
+                sock.sendall(body[i : i + 100])
                 time.sleep(0.1)
                 if time.monotonic() - start > BODY_TIMEOUT_S + MARGIN_S:
                     break
@@ -230,7 +266,8 @@ def test_an_upload_above_the_minimum_rate_outlasts_the_body_deadline(deadlines_g
 
 
 def test_a_kept_alive_connection_owes_headers_from_the_first_byte_of_its_next_request(
-        deadlines_gateway: tuple[Proc, str]):
+    deadlines_gateway: tuple[Proc, str],
+):
     """Idle between requests is the keep-alive's business (75 s), not the header deadline's; a next request
     begun and stalled, or stray blank lines, are. Two pipelined requests are both answered."""
     gateway, _ = deadlines_gateway
@@ -283,8 +320,13 @@ def test_oversized_headers_are_refused(deadlines_gateway: tuple[Proc, str]):
 @pytest.fixture(scope="module")
 def capped_gateway(fake_vllm: Proc, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
     """At most 8 connections, long deadlines: only the cap closes anything."""
-    proc = start_gateway(tmp_path_factory.mktemp("capped_gateway"), fake_vllm.url, max_connections="8",
-                         header_timeout_s="120", body_timeout_s="120")
+    proc = start_gateway(
+        tmp_path_factory.mktemp("capped_gateway"),
+        fake_vllm.url,
+        max_connections="8",
+        header_timeout_s="120",
+        body_timeout_s="120",
+    )
     yield proc
     proc.kill(signal.SIGTERM)
 
@@ -322,10 +364,17 @@ def test_requests_in_service_are_never_closed_for_room(capped_gateway: Proc):
     started = threading.Barrier(9)
 
     def stream() -> None:
-        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 16, "stream": True, "fake_chunk_delay_ms": 150}
+        body = {
+            "model": MODEL,
+            "messages": MESSAGES,
+            "max_tokens": 16,
+            "stream": True,
+            "fake_chunk_delay_ms": 150,
+        }
         try:
-            with httpx.stream("POST", f"{capped_gateway.url}{PATH.format(uuid.uuid4().hex)}", json=body,
-                              timeout=30) as response:
+            with httpx.stream(
+                "POST", f"{capped_gateway.url}{PATH.format(uuid.uuid4().hex)}", json=body, timeout=30
+            ) as response:
                 started.wait(10)
                 results.append((response.status_code, b"".join(response.iter_bytes()).count(b"data:")))
         except Exception as exc:  # noqa: BLE001 - reported by the assertion below

@@ -7,16 +7,23 @@ import random
 
 import httpx
 import orjson
-
 from conftest import Proc
+from test_gateway_proxy import MESSAGES, MODEL, TOOLS
+
 from gateway import capture
 from gateway.streaming import StreamRelay, split_events
-from test_gateway_proxy import MESSAGES, MODEL, TOOLS
 
 
 def _stream(fake_vllm: Proc, **extra) -> bytes:
-    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 24, "stream": True, "n": 2,
-            "stream_options": {"include_usage": True}, **extra}
+    body = {
+        "model": MODEL,
+        "messages": MESSAGES,
+        "max_tokens": 24,
+        "stream": True,
+        "n": 2,
+        "stream_options": {"include_usage": True},
+        **extra,
+    }
     body, injected = capture.inject("chat.completions", body)
     response = httpx.post(f"{fake_vllm.url}/chat/completions", json=body, timeout=30)
     assert response.status_code == 200
@@ -39,8 +46,10 @@ def test_any_cutting_of_the_stream_gives_the_same_events_and_record(fake_vllm: P
         whole, held, transitions = _relay(data, [])
         assert held == b"data: [DONE]"
         assert [t.choice_index for t in transitions] == [0, 1]
-        assert all(t.completion_token_ids and len(t.completion_logprobs) == len(t.completion_token_ids)
-                   for t in transitions)
+        assert all(
+            t.completion_token_ids and len(t.completion_logprobs) == len(t.completion_token_ids)
+            for t in transitions
+        )
         events = whole.split(b"\n\n")[:-1]
         assert events and all(b'"token_ids":null' in e or b'"token_ids"' not in e for e in events)
         for trial in range(30):
@@ -53,8 +62,13 @@ def test_any_cutting_of_the_stream_gives_the_same_events_and_record(fake_vllm: P
 
 def test_multi_line_events_comments_and_unfinished_rest():
     chunk = {"id": "c", "choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}]}
-    data = (b": a comment\n\n" + b"event: message\ndata: " + orjson.dumps(chunk) + b"\n\n"
-            + b"data: [DONE]\n\ndata: {\"unfinished")
+    data = (
+        b": a comment\n\n"
+        + b"event: message\ndata: "
+        + orjson.dumps(chunk)
+        + b"\n\n"
+        + b'data: [DONE]\n\ndata: {"unfinished'
+    )
     events, rest = split_events(data)
     assert events == [b": a comment", b"event: message\ndata: " + orjson.dumps(chunk), b"data: [DONE]"]
     assert rest == b'data: {"unfinished'

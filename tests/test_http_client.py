@@ -67,9 +67,11 @@ class Server:
 
 def on_uvloop(test: Callable[[], Awaitable[None]]) -> Callable[[], None]:
     """Runs an async test on uvloop, the gateway's event loop."""
+
     @functools.wraps(test)
     def run() -> None:
         uvloop.run(test())
+
     return run
 
 
@@ -79,12 +81,14 @@ def fixed(body: bytes, extra: bytes = b"") -> bytes:
 
 def answer(data: bytes, keep: bool = True, delay: float = 0.0) -> Handler:
     """A handler that answers every request with `data` (after `delay`), then keeps the connection or not."""
+
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, body: bytes) -> bool:
         if delay:
             await asyncio.sleep(delay)
         writer.write(data)
         await writer.drain()
         return keep
+
     return handler
 
 
@@ -115,7 +119,9 @@ async def test_chunked_stream_arrives_before_the_answer_ends():
     release = asyncio.Event()
 
     async def stream(reader, writer, body):
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+        )
         writer.write(b"7\r\ndata: 1\r\n")
         await writer.drain()
         await release.wait()
@@ -137,7 +143,9 @@ async def test_chunked_stream_arrives_before_the_answer_ends():
 
 @on_uvloop
 async def test_connection_close_and_close_delimited_bodies():
-    async with Server(answer(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nuntil the end", keep=False)) as server:
+    async with Server(
+        answer(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nuntil the end", keep=False)
+    ) as server:
         client = Client(server.url)
         for _ in range(2):
             async with client.request("GET", "/models") as response:

@@ -7,15 +7,23 @@ from __future__ import annotations
 import asyncio
 
 import redis
-
 from conftest import REDIS_URL
+
 from episodes import CallRecord, ClosedEpisodes, EpisodeLifecycle, EpisodeStore, RolloutStatus
 
 
 def _record(rollout_id: str) -> CallRecord:
-    return CallRecord(rollout_id=rollout_id, endpoint="chat.completions", policy_version=0, request={},
-                      started_at=1.0, latency_ms=1.0, prompt_token_ids=[1], completion_token_ids=[2],
-                      completion_logprobs=[-0.5])
+    return CallRecord(
+        rollout_id=rollout_id,
+        endpoint="chat.completions",
+        policy_version=0,
+        request={},
+        started_at=1.0,
+        latency_ms=1.0,
+        prompt_token_ids=[1],
+        completion_token_ids=[2],
+        completion_logprobs=[-0.5],
+    )
 
 
 def run(scenario):
@@ -58,7 +66,8 @@ def test_one_learner_wins_a_race_for_an_episode_and_its_claim_lapses_when_it_die
 
 
 def test_an_entry_whose_episode_another_learner_holds_stays_pending_until_it_can_be_trained(
-        redis_client: redis.Redis, tmp_path):
+    redis_client: redis.Redis, tmp_path
+):
     """Learner A claimed the episode and died. Learner B reclaims A's pending entry (idle since its
     delivery) while A's lease still runs: B must leave it pending, not acknowledge it, and train it once
     the lease has lapsed (it once XACKed it: the episode was never trained)."""

@@ -8,15 +8,17 @@ import time
 
 import pytest
 import redis
-
 from conftest import REDIS_URL
+
 from episodes import ClosedEpisodes, EpisodeStore
 from learner.collect import Collector
 
 
 def publish(redis_client: redis.Redis, task: str | None, n: int, start: int = 0) -> None:
     for i in range(n):
-        redis_client.xadd("t:episodes", {"rollout_id": f"{task}-{start + i}", "task_id": task or "", "reward": "1.0"})
+        redis_client.xadd(
+            "t:episodes", {"rollout_id": f"{task}-{start + i}", "task_id": task or "", "reward": "1.0"}
+        )
 
 
 def collector(store: EpisodeStore, **kw) -> Collector:
@@ -31,12 +33,14 @@ def run(coro):
 
 def with_store(body):
     """Run `body(store)` on a store of prefix "t", closed afterwards."""
+
     async def go():
         store = EpisodeStore.from_url(REDIS_URL, prefix="t")
         try:
             return await body(store)
         finally:
             await store.aclose()
+
     return run(go())
 
 
@@ -71,7 +75,9 @@ def test_after_the_wait_incomplete_groups_train_and_lone_episodes_are_dropped(re
     groups, waited, dropped, pending = with_store(body)
     assert [(g.task_id, len(g.episodes)) for g in groups] == [("a", 3), ("b", 2)]
     assert waited >= 0.45 and dropped == 3
-    assert pending == 5  # the dropped ones are acknowledged, the step's are not (the loop acks after training)
+    assert (
+        pending == 5
+    )  # the dropped ones are acknowledged, the step's are not (the loop acks after training)
 
 
 def test_groups_of_one_train_when_kept(redis_client: redis.Redis):
@@ -97,8 +103,15 @@ def test_a_dead_learners_pending_episodes_come_back(redis_client: redis.Redis, s
         assert len(await first.next_step(deadline_s=2)) == 2  # read, never acknowledged: it "dies"
         # a restarted learner with the same name takes its own back at once; another name claims them
         # once they have been idle longer than reclaim_idle_s
-        second = Collector(ClosedEpisodes(store), "c0" if same_name else "c1", tasks_per_step=2,
-                           rollouts_per_task=3, max_group_wait_s=60, singleton_groups="drop", reclaim_idle_s=0.2)
+        second = Collector(
+            ClosedEpisodes(store),
+            "c0" if same_name else "c1",
+            tasks_per_step=2,
+            rollouts_per_task=3,
+            max_group_wait_s=60,
+            singleton_groups="drop",
+            reclaim_idle_s=0.2,
+        )
         await second.start()
         if not same_name:
             await asyncio.sleep(0.3)
@@ -128,4 +141,6 @@ def test_validation_episodes_are_scored_apart_and_never_trained(redis_client: re
     assert [[e.rollout_id for e in g.episodes] for g in groups] == [["r1", "r2", "r3"]]
     assert all(e.mode == "train" for g in groups for e in g.episodes)
     assert (validation.episodes, validation.reward_sum, validation.successes) == (2, 4.0, 1)
-    assert statuses[0] == statuses[4] == "consumed" and statuses[1] == "closed"  # trained ones: acked after training
+    assert (
+        statuses[0] == statuses[4] == "consumed" and statuses[1] == "closed"
+    )  # trained ones: acked after training

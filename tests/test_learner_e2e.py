@@ -40,8 +40,15 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, Proc
     # the learner pushes adapters (LoRA routes) and full weights (dev-mode routes), saved in each test's
     # tmp_path: the server reads them from under pytest's base folder
     # the server guards /v1 with a key, as a production vLLM would: the gateway and the learner send it
-    serve = start_rlgate_serve(model, tmp, MODEL, lora=True, dev_mode=True,
-                               weights_root=tmp_path_factory.getbasetemp(), api_key=SERVE_KEY)
+    serve = start_rlgate_serve(
+        model,
+        tmp,
+        MODEL,
+        lora=True,
+        dev_mode=True,
+        weights_root=tmp_path_factory.getbasetemp(),
+        api_key=SERVE_KEY,
+    )
     gateway = start_gateway(tmp, serve.url + "/v1", policy_poll_s="0.05", upstream_api_key=SERVE_KEY)
     yield serve, gateway, model
     gateway.kill(signal.SIGTERM)
@@ -50,26 +57,43 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, Proc
 
 def episode(gateway: Proc, task: str, reward: float, calls: int = 2, agent: str | None = None) -> str:
     rid = uuid.uuid4().hex
-    client = openai.OpenAI(base_url=f"{gateway.url}/tasks/{task}/rollouts/{rid}/v1", api_key="unused",
-                           default_headers={"X-Agent-Name": agent} if agent else None)
+    client = openai.OpenAI(
+        base_url=f"{gateway.url}/tasks/{task}/rollouts/{rid}/v1",
+        api_key="unused",
+        default_headers={"X-Agent-Name": agent} if agent else None,
+    )
     for _ in range(calls):
-        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, temperature=0.8,
-                                       logit_bias=BIAS)
+        client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=2, temperature=0.8, logit_bias=BIAS
+        )
     answer = httpx.post(f"{gateway.url}/rollouts/{rid}/reward", json={"reward": reward}, timeout=10)
     assert answer.status_code == 200, answer.text
     return rid
 
 
 def learner(model: Path, serve: Proc, out: Path, **settings: str) -> subprocess.Popen:
-    env = {**os.environ, "RLGATE_LEARNER_REDIS_URL": REDIS_URL, "RLGATE_LEARNER_MODEL": str(model),
-           "RLGATE_LEARNER_SERVED_MODEL_NAME": MODEL, "RLGATE_LEARNER_INFERENCE_URLS": json.dumps([serve.url]),
-           "RLGATE_LEARNER_OUTPUT_DIR": str(out), "RLGATE_LEARNER_INFERENCE_API_KEY": SERVE_KEY,
-           "RLGATE_LEARNER_TASKS_PER_STEP": "2",
-           "RLGATE_LEARNER_ROLLOUTS_PER_TASK": "4", "RLGATE_LEARNER_MAX_STEPS": "1",
-           "RLGATE_LEARNER_LEARNING_RATE": "0.05", "RLGATE_LEARNER_LOG_FORMAT": "json"}
+    env = {
+        **os.environ,
+        "RLGATE_LEARNER_REDIS_URL": REDIS_URL,
+        "RLGATE_LEARNER_MODEL": str(model),
+        "RLGATE_LEARNER_SERVED_MODEL_NAME": MODEL,
+        "RLGATE_LEARNER_INFERENCE_URLS": json.dumps([serve.url]),
+        "RLGATE_LEARNER_OUTPUT_DIR": str(out),
+        "RLGATE_LEARNER_INFERENCE_API_KEY": SERVE_KEY,
+        "RLGATE_LEARNER_TASKS_PER_STEP": "2",
+        "RLGATE_LEARNER_ROLLOUTS_PER_TASK": "4",
+        "RLGATE_LEARNER_MAX_STEPS": "1",
+        "RLGATE_LEARNER_LEARNING_RATE": "0.05",
+        "RLGATE_LEARNER_LOG_FORMAT": "json",
+    }
     env.update({f"RLGATE_LEARNER_{k.upper()}": v for k, v in settings.items()})
-    return subprocess.Popen([sys.executable, "-m", "rlgate", "learner"], env=env, cwd=ROOT,
-                            stdout=(out.parent / f"{out.name}.log").open("ab"), stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "rlgate", "learner"],
+        env=env,
+        cwd=ROOT,
+        stdout=(out.parent / f"{out.name}.log").open("ab"),
+        stderr=subprocess.STDOUT,
+    )
 
 
 def steps(out: Path) -> list[dict]:
@@ -81,13 +105,18 @@ def calls_of(gateway: Proc, rid: str) -> list[dict]:
     return httpx.get(f"{gateway.url}/rollouts/{rid}", timeout=10).json()["calls"]
 
 
-@pytest.mark.parametrize("sampling", [
-    {"temperature": 0.8, "logit_bias": BIAS},
-    # top-k then top-p truncate the distribution sampled from (vLLM's order): the learner re-applies both
-    {"temperature": 0.9, "top_k": 40, "top_p": 0.6},
-    {"temperature": 0.005, "top_p": 0.9},  # raised to vLLM's floor of 0.01
-])
-def test_the_servers_log_probs_are_the_learners(stack, redis_client: redis.Redis, tmp_path: Path, sampling: dict):
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        {"temperature": 0.8, "logit_bias": BIAS},
+        # top-k then top-p truncate the distribution sampled from (vLLM's order): the learner re-applies both
+        {"temperature": 0.9, "top_k": 40, "top_p": 0.6},
+        {"temperature": 0.005, "top_p": 0.9},  # raised to vLLM's floor of 0.01
+    ],
+)
+def test_the_servers_log_probs_are_the_learners(
+    stack, redis_client: redis.Redis, tmp_path: Path, sampling: dict
+):
     """What `rlgate serve` reported for a processed sample is what the learner computes."""
     from learner.policy import Policy
     from learner.samples import Transition, build_samples, micro_batches
@@ -99,15 +128,32 @@ def test_the_servers_log_probs_are_the_learners(stack, redis_client: redis.Redis
     client = openai.OpenAI(base_url=f"{gateway.url}/tasks/t/rollouts/{rid}/v1", api_key="unused")
     extra = {k: v for k, v in sampling.items() if k == "top_k"}
     for seed in range(3):
-        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, seed=seed,
-                                       extra_body=extra, **{k: v for k, v in sampling.items() if k != "top_k"})
+        client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            max_tokens=4,
+            seed=seed,
+            extra_body=extra,
+            **{k: v for k, v in sampling.items() if k != "top_k"},
+        )
     policy = Policy(LearnerSettings(model=model, tensorboard=False))
     for call in calls_of(gateway, rid):
         temperature, bias, top_k, top_p = sampling_processing(call["request"], 1.0)
         assert temperature == max(sampling["temperature"], 0.01)
         assert (top_k, top_p) == (sampling.get("top_k", 0), sampling.get("top_p", 1.0))
-        t = Transition(rid, call["index"], tuple(call["prompt_token_ids"]), tuple(call["completion_token_ids"]),
-                       tuple(call["completion_logprobs"]), 1.0, 0, temperature, bias, top_k, top_p)
+        t = Transition(
+            rid,
+            call["index"],
+            tuple(call["prompt_token_ids"]),
+            tuple(call["completion_token_ids"]),
+            tuple(call["completion_logprobs"]),
+            1.0,
+            0,
+            temperature,
+            bias,
+            top_k,
+            top_p,
+        )
         [batch] = micro_batches(build_samples([[t]]), 10_000, policy.pad_token_id)
         ours = policy.log_probs(batch)[batch.action_mask]
         assert ours.tolist() == pytest.approx(call["completion_logprobs"], abs=2e-4)
@@ -132,8 +178,12 @@ def test_a_step_pushes_an_adapter_that_serves_the_next_call(stack, redis_client:
     # every episode consumed exactly once, nothing pending on the stream
     assert all(redis_client.hget(f"rlgate:rollout:{{{rid}}}", "status") == b"consumed" for rid in rids)
     assert redis_client.xpending("rlgate:episodes", "learners")["pending"] == 0
-    assert redis_client.hgetall("rlgate:policy") == {b"version": b"1", b"adapter": b"policy-v1",
-                                                      b"base_model": MODEL.encode(), b"draining": b"0"}
+    assert redis_client.hgetall("rlgate:policy") == {
+        b"version": b"1",
+        b"adapter": b"policy-v1",
+        b"base_model": MODEL.encode(),
+        b"draining": b"0",
+    }
     models = [m["id"] for m in httpx.get(f"{serve.url}/v1/models", headers=AUTH).json()["data"]]
     assert models == [MODEL, "policy-v1"]
 
@@ -148,9 +198,19 @@ def test_a_step_pushes_an_adapter_that_serves_the_next_call(stack, redis_client:
 
     # and the adapter changed the policy: the same prompt and continuation score differently
     def logprobs(model_name: str) -> list[float]:
-        body = {"model": model_name, "prompt": call["prompt_token_ids"], "max_tokens": 1, "logprobs": 1,
-                "temperature": 0.8, "seed": 1, "return_token_ids": True, "logit_bias": BIAS}
-        return httpx.post(f"{serve.url}/v1/completions", json=body, timeout=30, headers=AUTH).json()["choices"][0]["logprobs"]
+        body = {
+            "model": model_name,
+            "prompt": call["prompt_token_ids"],
+            "max_tokens": 1,
+            "logprobs": 1,
+            "temperature": 0.8,
+            "seed": 1,
+            "return_token_ids": True,
+            "logit_bias": BIAS,
+        }
+        return httpx.post(f"{serve.url}/v1/completions", json=body, timeout=30, headers=AUTH).json()[
+            "choices"
+        ][0]["logprobs"]
 
     base, adapted = logprobs(MODEL), logprobs("policy-v1")
     assert base["top_logprobs"] != adapted["top_logprobs"]
@@ -197,8 +257,9 @@ def test_stale_calls_are_dropped(stack, redis_client: redis.Redis, tmp_path: Pat
     assert two["policy_version"] == 2 and two["staleness_mean"] == 0
 
 
-def test_a_learner_killed_mid_step_redelivers_and_trains_nothing_twice(stack, redis_client: redis.Redis,
-                                                                        tmp_path: Path):
+def test_a_learner_killed_mid_step_redelivers_and_trains_nothing_twice(
+    stack, redis_client: redis.Redis, tmp_path: Path
+):
     serve, gateway, model = stack
     rids = [episode(gateway, task, float(i % 2)) for task in ("k1", "k2") for i in range(4)]
     out = tmp_path / "learner"
@@ -226,14 +287,17 @@ def test_a_learner_killed_mid_step_redelivers_and_trains_nothing_twice(stack, re
     assert redis_client.hget("rlgate:policy", "version") == b"1"
 
 
-def test_a_full_push_updates_the_servers_weights_and_the_version(stack, redis_client: redis.Redis,
-                                                                  tmp_path: Path):
+def test_a_full_push_updates_the_servers_weights_and_the_version(
+    stack, redis_client: redis.Redis, tmp_path: Path
+):
     serve, gateway, model = stack
     for task, values in {"f1": [1.0, 0.0, 0.0, 1.0], "f2": [0.0, 1.0, 0.0, 0.0]}.items():
         for r in values:
             episode(gateway, task, r)
     probe = {"model": MODEL, "prompt": [50, 43, 51, 61], "max_tokens": 1, "temperature": 0, "logprobs": 1}
-    before = httpx.post(f"{serve.url}/v1/completions", json=probe, timeout=30, headers=AUTH).json()["choices"][0]["logprobs"]
+    before = httpx.post(f"{serve.url}/v1/completions", json=probe, timeout=30, headers=AUTH).json()[
+        "choices"
+    ][0]["logprobs"]
     out = tmp_path / "learner"
     proc = learner(model, serve, out, finetune="full", push="full", push_drain_s="0.2")
     assert proc.wait(timeout=240) == 0, (out.parent / "learner.log").read_text()[-4000:]
@@ -241,9 +305,15 @@ def test_a_full_push_updates_the_servers_weights_and_the_version(stack, redis_cl
     assert step["policy_version"] == 1 and step["samples"] == 16
     assert httpx.get(f"{serve.url}/weight_info").json() == {"weight_version": "1"}
     assert httpx.get(f"{serve.url}/is_paused").json() == {"is_paused": False}
-    assert redis_client.hgetall("rlgate:policy") == {b"version": b"1", b"adapter": b"", b"base_model": b"tiny",
-                                                      b"draining": b"0"}
-    after = httpx.post(f"{serve.url}/v1/completions", json=probe, timeout=30, headers=AUTH).json()["choices"][0]["logprobs"]
+    assert redis_client.hgetall("rlgate:policy") == {
+        b"version": b"1",
+        b"adapter": b"",
+        b"base_model": b"tiny",
+        b"draining": b"0",
+    }
+    after = httpx.post(f"{serve.url}/v1/completions", json=probe, timeout=30, headers=AUTH).json()["choices"][
+        0
+    ]["logprobs"]
     assert after != before  # the base model itself changed
     time.sleep(0.3)
     rid = uuid.uuid4().hex
@@ -255,6 +325,7 @@ def test_a_full_push_updates_the_servers_weights_and_the_version(stack, redis_cl
     post = lambda path, body=None: httpx.post(f"{serve.url}{path}", json=body, timeout=60)  # noqa: E731
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
+
     original = AutoModelForCausalLM.from_pretrained(model)
     save_file({n: p.detach().contiguous() for n, p in original.named_parameters()}, str(tmp_path / "orig.st"))
     assert post("/start_weight_update").status_code == 200
@@ -308,8 +379,9 @@ def test_an_episode_published_twice_trains_once_in_its_step(stack, redis_client:
     assert all(redis_client.hget(f"rlgate:rollout:{{{rid}}}", "status") == b"consumed" for rid in rids)
 
 
-def test_an_episode_with_a_reward_beyond_float32_is_skipped_not_fatal(stack, redis_client: redis.Redis,
-                                                                      tmp_path: Path):
+def test_an_episode_with_a_reward_beyond_float32_is_skipped_not_fatal(
+    stack, redis_client: redis.Redis, tmp_path: Path
+):
     """1e308 is finite for Python but not in the learner's float32: the episode is logged, counted,
     acknowledged and skipped, and the step trains on the others (it once crashed every restart)."""
     serve, gateway, model = stack
@@ -324,14 +396,16 @@ def test_an_episode_with_a_reward_beyond_float32_is_skipped_not_fatal(stack, red
     assert "episode_skipped" in (out.parent / "learner.log").read_text()
 
 
-def test_a_server_reporting_raw_logprobs_is_caught_on_the_first_step(stack, redis_client: redis.Redis,
-                                                                     tmp_path: Path):
+def test_a_server_reporting_raw_logprobs_is_caught_on_the_first_step(
+    stack, redis_client: redis.Redis, tmp_path: Path
+):
     """vLLM's default --logprobs-mode is raw_logprobs (before temperature and logit_bias). A learner that
     expects processed log-probs stops on its first step with one line naming the cause, trains nothing
     and acknowledges nothing; told the server's mode, it trains (without importance correction)."""
     _, _, model = stack
-    raw = start_rlgate_serve(model, tmp_path, MODEL, logprobs_mode="raw_logprobs", lora=True, dev_mode=True,
-                             weights_root=tmp_path)
+    raw = start_rlgate_serve(
+        model, tmp_path, MODEL, logprobs_mode="raw_logprobs", lora=True, dev_mode=True, weights_root=tmp_path
+    )
     gateway = start_gateway(tmp_path, raw.url + "/v1", policy_poll_s="0.05")
     try:
         rids = [episode(gateway, task, float(i % 2)) for task in ("w1", "w2") for i in range(4)]

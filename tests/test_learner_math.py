@@ -17,8 +17,9 @@ from learner.samples import Transition, build_samples, micro_batches  # noqa: E4
 
 
 def close(a, b, tol=1e-6) -> bool:
-    return torch.allclose(torch.as_tensor(a, dtype=torch.float32), torch.as_tensor(b, dtype=torch.float32),
-                          atol=tol, rtol=0)
+    return torch.allclose(
+        torch.as_tensor(a, dtype=torch.float32), torch.as_tensor(b, dtype=torch.float32), atol=tol, rtol=0
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -109,25 +110,32 @@ def test_whiten_counts_every_token_once():
 # advantages: against OpenRLHF's own code
 
 
-def _openrlhf_advantages(rewards: torch.Tensor, n: int, estimator: str, lengths: list[int]) -> list[torch.Tensor]:
+def _openrlhf_advantages(
+    rewards: torch.Tensor, n: int, estimator: str, lengths: list[int]
+) -> list[torch.Tensor]:
     """Run RemoteExperienceMaker.compute_advantages_and_returns on single-sample experiences."""
-    from learner import _openrlhf  # noqa: F401  (closes the import gaps)
     from openrlhf.trainer.ppo_utils.experience import Experience
     from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
+
+    from learner import _openrlhf  # noqa: F401  (closes the import gaps)
 
     args = SimpleNamespace(
         rollout=SimpleNamespace(n_samples_per_prompt=n),
         algo=SimpleNamespace(advantage=SimpleNamespace(estimator=estimator, gamma=1.0, no_std_norm=False)),
         reward=SimpleNamespace(clip_range=None),
     )
-    maker = SimpleNamespace(strategy=SimpleNamespace(args=args), kl_ctl=SimpleNamespace(value=0.0),
-                            advantage_estimator=estimator)
+    maker = SimpleNamespace(
+        strategy=SimpleNamespace(args=args), kl_ctl=SimpleNamespace(value=0.0), advantage_estimator=estimator
+    )
     maker.get_cumulative_returns = lambda *a: RemoteExperienceMaker.get_cumulative_returns(maker, *a)
     experiences = []
     for i, (reward, length) in enumerate(zip(rewards.tolist(), lengths, strict=True)):
         mask = torch.ones((1, length), dtype=torch.bool)
-        experiences.append(Experience(action_mask=mask, rewards=torch.tensor([reward]), index=[i],
-                                      kl=torch.zeros((1, length))))
+        experiences.append(
+            Experience(
+                action_mask=mask, rewards=torch.tensor([reward]), index=[i], kl=torch.zeros((1, length))
+            )
+        )
     RemoteExperienceMaker.compute_advantages_and_returns(maker, experiences)
     return [e.advantages[0] for e in experiences]
 
@@ -137,7 +145,7 @@ def test_estimators_equal_openrlhf_on_equal_groups(estimator: str):
     torch.manual_seed(0)
     n, groups = 4, 3
     rewards = torch.randint(0, 3, (groups * n,)).float() / 2
-    rewards[n:2 * n] = 1.0  # one group with zero std
+    rewards[n : 2 * n] = 1.0  # one group with zero std
     lengths = [int(x) for x in torch.randint(1, 6, (groups * n,))]
     expected = _openrlhf_advantages(rewards, n, estimator, lengths)
 
@@ -157,8 +165,17 @@ def test_estimators_equal_openrlhf_on_equal_groups(estimator: str):
 
 
 def call(index: int, prompt, completion, advantage=1.0, rollout="r1", temperature=1.0, bias=()):
-    return Transition(rollout, index, tuple(prompt), tuple(completion), tuple(-0.1 * (k + 1) for k in
-                      range(len(completion))), advantage, 0, temperature, tuple(bias))
+    return Transition(
+        rollout,
+        index,
+        tuple(prompt),
+        tuple(completion),
+        tuple(-0.1 * (k + 1) for k in range(len(completion))),
+        advantage,
+        0,
+        temperature,
+        tuple(bias),
+    )
 
 
 def test_transition_samples_mask_only_their_completion():
@@ -194,7 +211,7 @@ def test_micro_batches_respect_the_token_budget_and_pad_right():
         for r, s in enumerate(b.samples):
             n = len(s.tokens)
             assert b.sequences[r, :n].tolist() == s.tokens and b.attention_mask[r, n:].sum() == 0
-            assert b.action_mask[r].sum() == 2 and b.advantages[r, n - 1:].abs().sum() == 0
+            assert b.action_mask[r].sum() == 2 and b.advantages[r, n - 1 :].abs().sum() == 0
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -239,14 +256,33 @@ def test_multi_call_episodes_of_every_group_size_equal_openrlhf(estimator: str):
 def _view(rid: str, reward: float, calls: list[tuple[str, int]]):
     from episodes import RolloutView
 
-    return RolloutView.model_validate({
-        "rollout_id": rid, "task_id": "t", "status": "closed", "created_at": 0.0, "reward": reward,
-        "calls": [{"rollout_id": rid, "endpoint": "chat.completions", "policy_version": 0, "request": {},
-                   "started_at": 0.0, "latency_ms": 1.0, "index": i, "agent_name": agent, "model": model,
-                   "prompt_token_ids": [1, 2], "completion_token_ids": [3] * length,
-                   "completion_logprobs": [-0.5] * length}
-                  for i, (agent, length, *rest) in enumerate(calls) for model in [rest[0] if rest else "tiny"]],
-    })
+    return RolloutView.model_validate(
+        {
+            "rollout_id": rid,
+            "task_id": "t",
+            "status": "closed",
+            "created_at": 0.0,
+            "reward": reward,
+            "calls": [
+                {
+                    "rollout_id": rid,
+                    "endpoint": "chat.completions",
+                    "policy_version": 0,
+                    "request": {},
+                    "started_at": 0.0,
+                    "latency_ms": 1.0,
+                    "index": i,
+                    "agent_name": agent,
+                    "model": model,
+                    "prompt_token_ids": [1, 2],
+                    "completion_token_ids": [3] * length,
+                    "completion_logprobs": [-0.5] * length,
+                }
+                for i, (agent, length, *rest) in enumerate(calls)
+                for model in [rest[0] if rest else "tiny"]
+            ],
+        }
+    )
 
 
 def test_reinforce_baseline_whitens_over_the_trained_tokens_only():
@@ -255,8 +291,11 @@ def test_reinforce_baseline_whitens_over_the_trained_tokens_only():
     from learner.settings import LearnerSettings
     from learner.transitions import credited_transitions
 
-    views = [_view("a", 1.0, [("solver", 2), ("critic", 30)]), _view("b", 0.0, [("solver", 3), ("critic", 1)]),
-             _view("c", 0.0, [("solver", 1), ("critic", 1)])]
+    views = [
+        _view("a", 1.0, [("solver", 2), ("critic", 30)]),
+        _view("b", 0.0, [("solver", 3), ("critic", 1)]),
+        _view("c", 0.0, [("solver", 1), ("critic", 1)]),
+    ]
     settings = LearnerSettings(estimator="reinforce_baseline", train_agents=["solver"], tensorboard=False)
     per_episode, counts = credited_transitions([views], settings, 0, "tiny")
     assert counts["other_agent"] == 3 and counts["trained"] == 3
@@ -269,8 +308,11 @@ def test_calls_to_other_models_are_not_trained_but_count_for_the_return():
     from learner.settings import LearnerSettings
     from learner.transitions import credited_transitions
 
-    views = [_view("a", 1.0, [("x", 2), ("x", 2, "judge-70b")]), _view("b", 0.0, [("x", 2, "policy-v3"), ("x", 2)])]
+    views = [
+        _view("a", 1.0, [("x", 2), ("x", 2, "judge-70b")]),
+        _view("b", 0.0, [("x", 2, "policy-v3"), ("x", 2)]),
+    ]
     per_episode, counts = credited_transitions([views], LearnerSettings(tensorboard=False), 3, "tiny")
     assert counts["other_model"] == 1 and counts["trained"] == 3
     assert [[t.index for t in ep] for ep in per_episode] == [[0], [0, 1]]
-    assert per_episode[0][0].advantage == pytest.approx(2 ** -0.5, abs=1e-6)  # (1 - 0.5) / std([1, 0])
+    assert per_episode[0][0].advantage == pytest.approx(2**-0.5, abs=1e-6)  # (1 - 0.5) / std([1, 0])

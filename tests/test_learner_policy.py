@@ -33,16 +33,31 @@ def transitions(n: int = 6, bias=()) -> list[list[Transition]]:
     for i in range(n):
         prompt = torch.randint(0, 256, (4 + i,), generator=g).tolist()
         completion = torch.randint(0, 256, (2 + i % 3,), generator=g).tolist()
-        episodes.append([Transition(f"r{i}", 0, tuple(prompt), tuple(completion),
-                                    tuple([-5.5] * len(completion)), 1.0 if i % 2 else -1.0, 0, 0.7, bias)])
+        episodes.append(
+            [
+                Transition(
+                    f"r{i}",
+                    0,
+                    tuple(prompt),
+                    tuple(completion),
+                    tuple([-5.5] * len(completion)),
+                    1.0 if i % 2 else -1.0,
+                    0,
+                    0.7,
+                    bias,
+                )
+            ]
+        )
     return episodes
 
 
 def test_processed_log_probs_are_log_softmax_of_biased_tempered_logits():
     torch.manual_seed(0)
     logits = torch.randn(2, 4, 7)
-    [a], [b] = build_samples([[Transition("r", 0, (1, 2), (3, 4), (0.0, 0.0), 1.0, 0, 0.5, ((3, 2.0),))]]), \
-        build_samples([[Transition("q", 0, (5, 6), (1, 0), (0.0, 0.0), 1.0, 0, 2.0, ())]])
+    [a], [b] = (
+        build_samples([[Transition("r", 0, (1, 2), (3, 4), (0.0, 0.0), 1.0, 0, 0.5, ((3, 2.0),))]]),
+        build_samples([[Transition("q", 0, (5, 6), (1, 0), (0.0, 0.0), 1.0, 0, 2.0, ())]]),
+    )
     batch = collate([a, b], pad_token_id=0)
     got, _ = processed_log_probs(logits.clone(), batch)
     z0 = logits[0, :-1].clone()
@@ -74,8 +89,12 @@ def test_the_update_does_not_depend_on_the_micro_batch_split(tiny: Path):
         # which turns float noise in zero gradients into full steps)
         policy.optimizer = torch.optim.SGD(policy.trainable, lr=1.0)
         stats = policy.update(micro_batches(samples, budget, policy.pad_token_id))
-        results.append((stats.loss, {n: p.detach().clone() for n, p in policy.actor.named_parameters()
-                                     if p.requires_grad}))
+        results.append(
+            (
+                stats.loss,
+                {n: p.detach().clone() for n, p in policy.actor.named_parameters() if p.requires_grad},
+            )
+        )
     (loss_a, params_a), (loss_b, params_b) = results
     assert abs(loss_a - loss_b) < 1e-5
     assert all(torch.allclose(params_a[n], params_b[n], atol=1e-6) for n in params_a)
@@ -88,10 +107,20 @@ def test_policy_loss_is_openrlhfs_with_token_level_reduction(tiny: Path):
     policy = Policy(settings(tiny, is_correction="tis"))
     [batch] = micro_batches(build_samples(transitions(3)), 10_000, policy.pad_token_id)
     log_probs = policy.log_probs(batch)
-    reference = PolicyLoss(clip_eps_low=0.2, clip_eps_high=0.28, is_correction_level="token",
-                           is_correction_mode="clip", is_correction_threshold=[0.5, 5.0])
-    want = reference(log_probs, log_probs, batch.advantages, action_mask=batch.action_mask,
-                     rollout_log_probs=batch.rollout_logprobs)[0]
+    reference = PolicyLoss(
+        clip_eps_low=0.2,
+        clip_eps_high=0.28,
+        is_correction_level="token",
+        is_correction_mode="clip",
+        is_correction_threshold=[0.5, 5.0],
+    )
+    want = reference(
+        log_probs,
+        log_probs,
+        batch.advantages,
+        action_mask=batch.action_mask,
+        rollout_log_probs=batch.rollout_logprobs,
+    )[0]
     # token-level loss over all action tokens: masked mean of -ratio * A * clip(is_weight) (ratio 1)
     is_weight = (log_probs - batch.rollout_logprobs).exp().clamp(0.5, 5.0)
     manual = (-(batch.advantages * is_weight) * batch.action_mask).sum() / batch.action_mask.sum()
@@ -141,8 +170,11 @@ def test_merged_weights_reproduce_the_lora_policy(tiny: Path, tmp_path: Path):
     assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to the embeddings
     [batch] = batches
     with torch.no_grad():
-        logits = plain(batch.sequences, attention_mask=batch.attention_mask,
-                       position_ids=(batch.attention_mask.cumsum(-1) - 1).clamp(min=0)).logits.float()
+        logits = plain(
+            batch.sequences,
+            attention_mask=batch.attention_mask,
+            position_ids=(batch.attention_mask.cumsum(-1) - 1).clamp(min=0),
+        ).logits.float()
     ours = policy.log_probs(batch)
     theirs = processed_log_probs(logits, batch)[0]
     mask = batch.action_mask
@@ -159,10 +191,16 @@ def test_a_clipped_second_epoch_is_openrlhfs_loss_against_the_step_start(tiny: P
     old = policy.log_probs(batch)
     policy.update([batch], [old])
     now = policy.log_probs(batch)
-    reference = PolicyLoss(clip_eps_low=0.2, clip_eps_high=0.28, is_correction_level="token",
-                           is_correction_mode="clip", is_correction_threshold=[0.5, 5.0])
-    want, clip_ratio = reference(now, old, batch.advantages, action_mask=batch.action_mask,
-                                 rollout_log_probs=batch.rollout_logprobs)[:2]
+    reference = PolicyLoss(
+        clip_eps_low=0.2,
+        clip_eps_high=0.28,
+        is_correction_level="token",
+        is_correction_mode="clip",
+        is_correction_threshold=[0.5, 5.0],
+    )
+    want, clip_ratio = reference(
+        now, old, batch.advantages, action_mask=batch.action_mask, rollout_log_probs=batch.rollout_logprobs
+    )[:2]
     assert float(clip_ratio) > 0.1  # the case is clipped
     stats = policy.update([batch], [old])
     assert stats.policy_loss == pytest.approx(float(want), abs=1e-5)
@@ -187,8 +225,9 @@ def test_the_kl_term_is_a_token_mean_over_the_step_as_openrlhf_aggregates_it(tin
         log_ratio = policy.log_probs(b) - policy.log_probs(b, reference=True)
         k3 = (-log_ratio).exp() - 1 + log_ratio  # Schulman's k3 of KL(pi || ref)
         # called as ppo_actor calls it, micro-batch by micro-batch with the step's totals
-        want += float(aggregate_loss(k3, b.action_mask, dp_size=1, batch_num_tokens=tokens,
-                                     global_batch_size=samples))
+        want += float(
+            aggregate_loss(k3, b.action_mask, dp_size=1, batch_num_tokens=tokens, global_batch_size=samples)
+        )
         per_sample += ((k3 * b.action_mask).sum(-1) / b.action_mask.sum(-1)).tolist()
     assert abs(want - sum(per_sample) / len(per_sample)) > 1e-3 * want > 0  # the reductions differ here
     stats = policy.update(batches)
@@ -222,19 +261,32 @@ def test_a_call_without_server_logprobs_trains_with_importance_weight_one(tiny: 
     the learner's own pre-update log-probs as the sampler's, judged by OpenRLHF's PolicyLoss with TIS."""
     policy = Policy(settings(tiny, is_correction="tis"))
     episodes = transitions(3)
-    episodes[1] = [dataclasses.replace(episodes[1][0], rollout_logprobs=(math.nan,) * len(episodes[1][0].completion_ids))]
+    episodes[1] = [
+        dataclasses.replace(episodes[1][0], rollout_logprobs=(math.nan,) * len(episodes[1][0].completion_ids))
+    ]
     [batch] = micro_batches(build_samples(episodes), 10_000, policy.pad_token_id)
     log_probs = policy.log_probs(batch)
     unknown = torch.isnan(batch.rollout_logprobs)
     assert unknown.any() and not unknown[0].any()
-    reference = PolicyLoss(clip_eps_low=0.2, clip_eps_high=0.28, is_correction_level="token",
-                           is_correction_mode="clip", is_correction_threshold=[0.5, 5.0])
-    want = reference(log_probs, log_probs, batch.advantages, action_mask=batch.action_mask,
-                     rollout_log_probs=torch.where(unknown, log_probs, batch.rollout_logprobs))[0]
+    reference = PolicyLoss(
+        clip_eps_low=0.2,
+        clip_eps_high=0.28,
+        is_correction_level="token",
+        is_correction_mode="clip",
+        is_correction_threshold=[0.5, 5.0],
+    )
+    want = reference(
+        log_probs,
+        log_probs,
+        batch.advantages,
+        action_mask=batch.action_mask,
+        rollout_log_probs=torch.where(unknown, log_probs, batch.rollout_logprobs),
+    )[0]
     stats = policy.update([batch])
     assert math.isfinite(stats.loss) and abs(stats.policy_loss - float(want)) < 1e-5
     mask = batch.action_mask & ~unknown
     w = (log_probs - batch.rollout_logprobs).exp()[mask]
     # the unknown tokens count with weight 1
-    assert stats.is_weight_mean == pytest.approx(float((w.sum() + (batch.action_mask & unknown).sum()) /
-                                                       batch.action_mask.sum()), rel=1e-5)
+    assert stats.is_weight_mean == pytest.approx(
+        float((w.sum() + (batch.action_mask & unknown).sum()) / batch.action_mask.sum()), rel=1e-5
+    )

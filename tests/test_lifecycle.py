@@ -8,19 +8,34 @@ import time
 
 import pytest
 import redis
-
 from conftest import REDIS_URL
+
 from episodes import (
-    CallNotFound, CallRecord, ClosedEpisodes, EpisodeLifecycle, EpisodeStore, RewardConflict, RolloutExpired,
-    RolloutNotFound, RolloutNotOpen,
+    CallNotFound,
+    CallRecord,
+    ClosedEpisodes,
+    EpisodeLifecycle,
+    EpisodeStore,
+    RewardConflict,
+    RolloutExpired,
+    RolloutNotFound,
+    RolloutNotOpen,
+    _lua,
 )
-from episodes import _lua
 
 
 def _record(rollout_id: str) -> CallRecord:
-    return CallRecord(rollout_id=rollout_id, endpoint="chat.completions", policy_version=0, request={},
-                      started_at=1.0, latency_ms=1.0, prompt_token_ids=[1], completion_token_ids=[2],
-                      completion_logprobs=[-0.5])
+    return CallRecord(
+        rollout_id=rollout_id,
+        endpoint="chat.completions",
+        policy_version=0,
+        request={},
+        started_at=1.0,
+        latency_ms=1.0,
+        prompt_token_ids=[1],
+        completion_token_ids=[2],
+        completion_logprobs=[-0.5],
+    )
 
 
 def run(scenario, ttl_s: float = 3600.0):
@@ -43,8 +58,9 @@ def test_many_concurrent_closers_close_once_and_publish_once(redis_client: redis
         await store.record_calls("race", "task", [_record("race")])
         same = await asyncio.gather(*(lifecycle.close("race", 1) for _ in range(30)))
         await store.record_calls("race2", "task", [_record("race2")])
-        mixed = await asyncio.gather(*(lifecycle.close("race2", r) for r in [0.5] * 10 + [0.25] * 10),
-                                     return_exceptions=True)
+        mixed = await asyncio.gather(
+            *(lifecycle.close("race2", r) for r in [0.5] * 10 + [0.25] * 10), return_exceptions=True
+        )
         # late losers may have re-added an outbox intent: the sweeper clears it without publishing again
         repaired = await lifecycle.repair_outbox(grace_s=0)
         return same, mixed, await store.get_rollout("race"), repaired
@@ -160,8 +176,16 @@ def test_consumer_group_acks_and_reclaims_a_dead_consumers_entries(redis_client:
         taken = await closed.reclaim("learner-alive", min_idle_ms=200)
         acks += [await closed.ack(e) for e in taken]
         duplicate = await closed.ack(taken[0])
-        return dead, alive, too_early, taken, acks, duplicate, await closed.pending(), \
-            [(await store.get_rollout(f"e{i}")).status for i in range(4)]
+        return (
+            dead,
+            alive,
+            too_early,
+            taken,
+            acks,
+            duplicate,
+            await closed.pending(),
+            [(await store.get_rollout(f"e{i}")).status for i in range(4)],
+        )
 
     dead, alive, too_early, taken, acks, duplicate, pending, statuses = run(scenario)
     assert [e.rollout_id for e in dead] == ["e0", "e1", "e2"] and [e.rollout_id for e in alive] == ["e3"]
@@ -174,6 +198,7 @@ def test_consumer_group_acks_and_reclaims_a_dead_consumers_entries(redis_client:
 def test_a_closed_but_unpublished_episode_survives_expiry_sweeps(redis_client: redis.Redis):
     """Regression: a closer (webhook or the fill sweeper) that closed and then failed to publish. Later
     sweeps see the rollout is no longer open; they must leave its intent for the outbox repair."""
+
     async def scenario(store, lifecycle):
         await store.create_rollout("webhook-died", "t")
         await store.create_rollout("filler-died", "t")
@@ -253,6 +278,7 @@ def test_a_rollout_whose_reward_job_never_closed_it_fails_at_its_ttl(redis_clien
 def test_call_rewards_stop_when_the_rollout_closes(redis_client: redis.Redis):
     """A learner may read a closed episode at any moment: a per-call reward after the close is refused
     (it would otherwise be kept where no training sees it), the webhook's and AIR's alike."""
+
     async def scenario(store, lifecycle):
         await store.record_calls("late", None, [_record("late")])
         await lifecycle.set_call_reward("late", 0, 0.5)
@@ -276,8 +302,12 @@ def test_mark_failed_happens_once_and_is_never_published(redis_client: redis.Red
         await lifecycle.mark_failed("f1", "the harness crashed")
         before = {k: redis_client.dump(k) for k in redis_client.keys("*")}
         refusals = []
-        for call in (lambda: lifecycle.mark_failed("f1", "again"), lambda: lifecycle.close("f1", 1),
-                     lambda: lifecycle.set_call_reward("f1", 0, 1), lambda: lifecycle.mark_failed("ghost", "x")):
+        for call in (
+            lambda: lifecycle.mark_failed("f1", "again"),
+            lambda: lifecycle.close("f1", 1),
+            lambda: lifecycle.set_call_reward("f1", 0, 1),
+            lambda: lifecycle.mark_failed("ghost", "x"),
+        ):
             try:
                 await call()
             except Exception as exc:  # noqa: BLE001 - the type is what is checked
@@ -287,7 +317,14 @@ def test_mark_failed_happens_once_and_is_never_published(redis_client: redis.Red
         await lifecycle.close("f2", 0.5)
         with pytest.raises(RolloutNotOpen) as closed:
             await lifecycle.mark_failed("f2", "too late")
-        return before, after, refusals, closed.value, await store.get_rollout("f1"), await store.get_rollout("f2")
+        return (
+            before,
+            after,
+            refusals,
+            closed.value,
+            await store.get_rollout("f1"),
+            await store.get_rollout("f2"),
+        )
 
     before, after, refusals, closed, failed, kept = run(scenario)
     assert refusals == [RolloutNotOpen, RolloutNotOpen, RolloutNotOpen, RolloutNotFound]

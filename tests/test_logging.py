@@ -21,8 +21,9 @@ except ValueError:
 
 
 def run(fmt: str) -> str:
-    result = subprocess.run([sys.executable, "-c", SCRIPT.format(fmt=fmt)], capture_output=True, text=True,
-                            check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT.format(fmt=fmt)], capture_output=True, text=True, check=True
+    )
     return result.stderr
 
 

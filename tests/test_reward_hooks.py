@@ -17,21 +17,22 @@ import httpx
 import openai
 import pytest
 import redis
+from conftest import REDIS_URL, ROOT, Proc, free_port, start_gateway
 from rq import Queue, SimpleWorker
 from rq.serializers import JSONSerializer
-
-from conftest import REDIS_URL, ROOT, Proc, free_port, start_gateway
-from reward_hooks import signing
-from reward_hooks.client import RewardRejected, post_reward
 from test_gateway_errors import assert_openai_error
 from test_gateway_proxy import MESSAGES, MODEL, TOOLS, rollout
+
+from reward_hooks import signing
+from reward_hooks.client import RewardRejected, post_reward
 
 SECRET = "whsec-test-" + "ab" * 16
 
 
 def agent_call(gateway: Proc, rid: str, task: str = "task-r", **kw) -> None:
-    client = openai.OpenAI(base_url=f"{gateway.url}/tasks/{task}/rollouts/{rid}/v1", api_key=kw.pop("key", "x"),
-                           max_retries=0)
+    client = openai.OpenAI(
+        base_url=f"{gateway.url}/tasks/{task}/rollouts/{rid}/v1", api_key=kw.pop("key", "x"), max_retries=0
+    )
     client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, **kw)
 
 
@@ -39,8 +40,11 @@ def redis_snapshot(client: redis.Redis) -> dict[bytes, tuple[bytes, bytes | None
     """Every key of the test database with its type and serialized value: equal snapshots before and
     after a request show that it changed nothing. The gateway's own markers (`:epoch`, written by its
     watcher, and `:health`, by /healthz) are left out: they change on their own."""
-    return {key: (client.type(key), client.dump(key)) for key in sorted(client.keys("*"))
-            if not key.endswith((b":epoch", b":health"))}
+    return {
+        key: (client.type(key), client.dump(key))
+        for key in sorted(client.keys("*"))
+        if not key.endswith((b":epoch", b":health"))
+    }
 
 
 def stream_entries(client: redis.Redis) -> list[str]:
@@ -62,8 +66,9 @@ def test_reward_closes_exactly_once(gateway: Proc, redis_client: redis.Redis):
     agent_call(gateway, rid)
     url = f"{gateway.url}/rollouts/{rid}/reward"
     with concurrent.futures.ThreadPoolExecutor(max_workers=20) as pool:
-        answers = list(pool.map(lambda _: httpx.post(url, json={"reward": 1, "metadata": {"judge": "test"}}),
-                                range(40)))
+        answers = list(
+            pool.map(lambda _: httpx.post(url, json={"reward": 1, "metadata": {"judge": "test"}}), range(40))
+        )
     assert [a.status_code for a in answers] == [200] * 40
     outcomes = sorted(a.json()["outcome"] for a in answers)
     assert outcomes == ["closed"] + ["unchanged"] * 39
@@ -71,7 +76,11 @@ def test_reward_closes_exactly_once(gateway: Proc, redis_client: redis.Redis):
     conflict = httpx.post(url, json={"reward": 0.5})
     assert assert_openai_error(conflict, 409)["code"] == "reward_conflict"
     stored = rollout(gateway, rid)
-    assert stored["status"] == "closed" and stored["reward"] == 1.0 and stored["reward_metadata"] == {"judge": "test"}
+    assert (
+        stored["status"] == "closed"
+        and stored["reward"] == 1.0
+        and stored["reward_metadata"] == {"judge": "test"}
+    )
     assert stream_entries(redis_client) == [rid]
     # the closed rollout takes no more calls: 409, nothing recorded
     with pytest.raises(openai.ConflictError):
@@ -83,8 +92,16 @@ def test_bad_reward_posts_change_nothing(gateway: Proc, redis_client: redis.Redi
     rid = uuid.uuid4().hex
     agent_call(gateway, rid)
     url = f"{gateway.url}/rollouts/{rid}/reward"
-    for body in (b'{"reward": NaN}', b'{"reward": Infinity}', b'{"reward": 1e999}', b'{"reward": "1"}',
-                 b'{"reward": true}', b'{}', b'{"reward": 1, "extra": 2}', b'not json'):
+    for body in (
+        b'{"reward": NaN}',
+        b'{"reward": Infinity}',
+        b'{"reward": 1e999}',
+        b'{"reward": "1"}',
+        b'{"reward": true}',
+        b"{}",
+        b'{"reward": 1, "extra": 2}',
+        b"not json",
+    ):
         response = httpx.post(url, content=body, headers={"content-type": "application/json"})
         assert assert_openai_error(response, 422)["code"] == "validation_error", body
     assert_openai_error(httpx.post(f"{gateway.url}/rollouts/nobody/reward", json={"reward": 1}), 404)
@@ -96,7 +113,10 @@ def test_bad_reward_posts_change_nothing(gateway: Proc, redis_client: redis.Redi
         for route in (url, f"{gateway.url}/rollouts/{rid}/calls/0/reward"):
             content = b'{"reward": %s}' % str(reward).encode()
             error = assert_openai_error(httpx.post(route, content=content), 422)
-            assert (error["code"], error["param"]) in {("reward_out_of_range", "reward"), ("validation_error", "reward")}
+            assert (error["code"], error["param"]) in {
+                ("reward_out_of_range", "reward"),
+                ("validation_error", "reward"),
+            }
     assert redis_snapshot(redis_client) == before
     assert rollout(gateway, rid)["status"] == "open" and stream_entries(redis_client) == []
     assert httpx.post(url, json={"reward": -1e6}).json()["reward"] == -1e6  # the bound itself is allowed
@@ -108,7 +128,9 @@ def test_intermediate_rewards(gateway: Proc, redis_client: redis.Redis):
     agent_call(gateway, rid)
     response = httpx.post(f"{gateway.url}/rollouts/{rid}/calls/1/reward", json={"reward": 0.25})
     assert response.status_code == 200 and response.json() == {"rollout_id": rid, "index": 1, "reward": 0.25}
-    error = assert_openai_error(httpx.post(f"{gateway.url}/rollouts/{rid}/calls/2/reward", json={"reward": 1}), 404)
+    error = assert_openai_error(
+        httpx.post(f"{gateway.url}/rollouts/{rid}/calls/2/reward", json={"reward": 1}), 404
+    )
     assert error["code"] == "call_not_found"
     calls = rollout(gateway, rid)["calls"]
     assert [c["reward"] for c in calls] == [None, 0.25]
@@ -116,7 +138,9 @@ def test_intermediate_rewards(gateway: Proc, redis_client: redis.Redis):
     # once closed, the learner may have read it: a late per-call reward is 409, not silently kept
     assert httpx.post(f"{gateway.url}/rollouts/{rid}/reward", json={"reward": 1}).status_code == 200
     before = redis_snapshot(redis_client)
-    late = assert_openai_error(httpx.post(f"{gateway.url}/rollouts/{rid}/calls/0/reward", json={"reward": 1}), 409)
+    late = assert_openai_error(
+        httpx.post(f"{gateway.url}/rollouts/{rid}/calls/0/reward", json={"reward": 1}), 409
+    )
     assert late["code"] == "rollout_not_open" and "closed" in late["message"]
     assert redis_snapshot(redis_client) == before
     assert [c["reward"] for c in rollout(gateway, rid)["calls"]] == [None, 0.25]
@@ -133,8 +157,13 @@ def test_signed_webhooks(fake_vllm: Proc, tmp_path, redis_client: redis.Redis):
         before = redis_snapshot(redis_client)
         unsigned = httpx.post(url, content=body)
         assert assert_openai_error(unsigned, 401)["code"] == "missing_signature"
-        legacy = httpx.post(url, content=body, headers={  # GitHub-style, the body alone: refused, and said so
-            "X-Signature-256": "sha256=" + hmac.new(SECRET.encode(), body, hashlib.sha256).hexdigest()})
+        legacy = httpx.post(
+            url,
+            content=body,
+            headers={  # GitHub-style, the body alone: refused, and said so
+                "X-Signature-256": "sha256=" + hmac.new(SECRET.encode(), body, hashlib.sha256).hexdigest()
+            },
+        )
         error = assert_openai_error(legacy, 401)
         assert error["code"] == "legacy_signature" and "webhook-signature" in error["message"]
         wrong = httpx.post(url, content=body, headers=signing.sign("not-the-secret", "POST", path, body))
@@ -142,12 +171,21 @@ def test_signed_webhooks(fake_vllm: Proc, tmp_path, redis_client: redis.Redis):
         tampered = httpx.post(url, content=b'{"reward": 0}', headers=signing.sign(SECRET, "POST", path, body))
         assert assert_openai_error(tampered, 401)["code"] == "invalid_signature"
         dotted = signing.sign(SECRET, "POST", path, body, msg_id="msg.1")  # '.' would blur the signed fields
-        assert assert_openai_error(httpx.post(url, content=body, headers=dotted), 401)["code"] == "invalid_signature"
+        assert (
+            assert_openai_error(httpx.post(url, content=body, headers=dotted), 401)["code"]
+            == "invalid_signature"
+        )
         # a minute past the 300 s either way: 301 s ahead was accepted when the request took over a second
         stale = signing.sign(SECRET, "POST", path, body, timestamp=int(time.time()) - 360)
-        assert assert_openai_error(httpx.post(url, content=body, headers=stale), 401)["code"] == "signature_expired"
+        assert (
+            assert_openai_error(httpx.post(url, content=body, headers=stale), 401)["code"]
+            == "signature_expired"
+        )
         ahead = signing.sign(SECRET, "POST", path, body, timestamp=int(time.time()) + 360)
-        assert assert_openai_error(httpx.post(url, content=body, headers=ahead), 401)["code"] == "signature_expired"
+        assert (
+            assert_openai_error(httpx.post(url, content=body, headers=ahead), 401)["code"]
+            == "signature_expired"
+        )
         assert redis_snapshot(redis_client) == before
         # rotation: any v1 entry of the list may match
         good = signing.sign(SECRET, "POST", path, body)
@@ -157,8 +195,14 @@ def test_signed_webhooks(fake_vllm: Proc, tmp_path, redis_client: redis.Redis):
         rid2 = uuid.uuid4().hex
         agent_call(proc, rid2)
         env = {**os.environ, "RLGATE_WEBHOOK_SECRET": SECRET}
-        out = subprocess.run([sys.executable, "-m", "rlgate", "reward", rid2, "0.5", "--gateway-url", proc.url],
-                             env=env, cwd=ROOT, capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, "-m", "rlgate", "reward", rid2, "0.5", "--gateway-url", proc.url],
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         assert json.loads(out.stdout)["outcome"] == "closed"
         # and the Python helper, which also reports rejections
         assert post_reward(proc.url, rid2, 0.5, secret=SECRET)["outcome"] == "unchanged"
@@ -175,24 +219,36 @@ def test_signed_webhooks(fake_vllm: Proc, tmp_path, redis_client: redis.Redis):
 
 
 def test_agent_keys_do_not_open_the_reward_routes(fake_vllm: Proc, tmp_path, redis_client: redis.Redis):
-    proc = start_gateway(tmp_path, fake_vllm.url, webhook_secret=SECRET, api_keys="agent-key-1, agent-key-2",
-                         operator_token="op-" + "cd" * 16)
+    proc = start_gateway(
+        tmp_path,
+        fake_vllm.url,
+        webhook_secret=SECRET,
+        api_keys="agent-key-1, agent-key-2",
+        operator_token="op-" + "cd" * 16,
+    )
     try:
         rid = uuid.uuid4().hex
         with pytest.raises(openai.AuthenticationError):
             agent_call(proc, rid, key="wrong")
         agent_call(proc, rid, key="agent-key-2")
         before = redis_snapshot(redis_client)
-        for route, body in ((f"/rollouts/{rid}/reward", {"reward": 1}), (f"/rollouts/{rid}/calls/0/reward",
-                            {"reward": 1}), (f"/rollouts/{rid}/fail", {}), (f"/rollouts/{rid}/finish",
-                            {"reward_fn": "f1", "ground_truth": "x"})):
+        for route, body in (
+            (f"/rollouts/{rid}/reward", {"reward": 1}),
+            (f"/rollouts/{rid}/calls/0/reward", {"reward": 1}),
+            (f"/rollouts/{rid}/fail", {}),
+            (f"/rollouts/{rid}/finish", {"reward_fn": "f1", "ground_truth": "x"}),
+        ):
             refused = httpx.post(proc.url + route, json=body, headers={"Authorization": "Bearer agent-key-2"})
             assert assert_openai_error(refused, 403)["code"] == "wrong_credential", route  # docs/security.md
         assert redis_snapshot(redis_client) == before
         # the operator token opens them without a signature
         operator = {"Authorization": "Bearer op-" + "cd" * 16}
-        assert httpx.post(f"{proc.url}/rollouts/{rid}/reward", json={"reward": 0.5}, headers=operator).json()[
-            "outcome"] == "closed"
+        assert (
+            httpx.post(f"{proc.url}/rollouts/{rid}/reward", json={"reward": 0.5}, headers=operator).json()[
+                "outcome"
+            ]
+            == "closed"
+        )
     finally:
         proc.kill()
 
@@ -218,8 +274,11 @@ def run_worker(client: redis.Redis, **settings: str) -> None:
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        SimpleWorker([Queue("rlgate-rewards", connection=client, serializer=JSONSerializer)], connection=client,
-                     serializer=JSONSerializer).work(burst=True)
+        SimpleWorker(
+            [Queue("rlgate-rewards", connection=client, serializer=JSONSerializer)],
+            connection=client,
+            serializer=JSONSerializer,
+        ).work(burst=True)
     finally:
         for k, v in saved.items():
             if v is None:
@@ -231,9 +290,15 @@ def run_worker(client: redis.Redis, **settings: str) -> None:
 def test_finish_runs_a_reward_job_on_a_real_worker(gateway: Proc, redis_client: redis.Redis):
     rid = uuid.uuid4().hex
     client = openai.OpenAI(base_url=f"{gateway.url}/rollouts/{rid}/v1", api_key="x")
-    answer = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12).choices[0].message.content
-    response = httpx.post(f"{gateway.url}/rollouts/{rid}/finish",
-                          json={"reward_fn": "exact_match", "ground_truth": answer.upper()})
+    answer = (
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12)
+        .choices[0]
+        .message.content
+    )
+    response = httpx.post(
+        f"{gateway.url}/rollouts/{rid}/finish",
+        json={"reward_fn": "exact_match", "ground_truth": answer.upper()},
+    )
     assert response.status_code == 202 and response.json()["rollout_id"] == rid
     assert rollout(gateway, rid)["status"] == "open"
     run_worker(redis_client)
@@ -241,11 +306,15 @@ def test_finish_runs_a_reward_job_on_a_real_worker(gateway: Proc, redis_client: 
     assert stored["status"] == "closed" and stored["reward"] == 1.0
     assert stored["reward_metadata"] == {"reward_fn": "exact_match"}
     assert stream_entries(redis_client) == [rid]
-    error = assert_openai_error(httpx.post(f"{gateway.url}/rollouts/{rid}/finish", json={"reward_fn": "nope"}), 422)
+    error = assert_openai_error(
+        httpx.post(f"{gateway.url}/rollouts/{rid}/finish", json={"reward_fn": "nope"}), 422
+    )
     assert error["param"] == "reward_fn"
 
 
-def test_a_reward_job_that_keeps_raising_fails_the_episode(fake_vllm: Proc, tmp_path, redis_client: redis.Redis):
+def test_a_reward_job_that_keeps_raising_fails_the_episode(
+    fake_vllm: Proc, tmp_path, redis_client: redis.Redis
+):
     database = tmp_path / "gold.sqlite"  # the worker's data directory is tmp_path
     with sqlite3.connect(database) as db:
         db.execute("CREATE TABLE t (x INTEGER)")
@@ -253,12 +322,17 @@ def test_a_reward_job_that_keeps_raising_fails_the_episode(fake_vllm: Proc, tmp_
     try:
         rid = uuid.uuid4().hex
         agent_call(proc, rid)
-        body = {"reward_fn": "sql_execution_match", "ground_truth": "SELEC broken gold", "params": {
-            "db_path": "gold.sqlite"}}
+        body = {
+            "reward_fn": "sql_execution_match",
+            "ground_truth": "SELEC broken gold",
+            "params": {"db_path": "gold.sqlite"},
+        }
         assert httpx.post(f"{proc.url}/rollouts/{rid}/finish", json=body).status_code == 202
         run_worker(redis_client, reward_data_dir=str(tmp_path))  # a broken gold query: fails, not retried
         stored = rollout(proc, rid)
-        assert stored["status"] == "failed" and stored["error"].startswith("RewardInputError: the gold SQL failed")
+        assert stored["status"] == "failed" and stored["error"].startswith(
+            "RewardInputError: the gold SQL failed"
+        )
         assert stream_entries(redis_client) == []
         assert_openai_error(httpx.post(f"{proc.url}/rollouts/{rid}/reward", json={"reward": 1}), 409)
         queue = Queue("rlgate-rewards", connection=redis_client, serializer=JSONSerializer)
@@ -282,8 +356,14 @@ def test_rlgate_worker_command(gateway: Proc, redis_client: redis.Redis):
     agent_call(gateway, rid)
     httpx.post(f"{gateway.url}/rollouts/{rid}/finish", json={"reward_fn": "f1", "ground_truth": "zzz"})
     env = {**os.environ, "RLGATE_REDIS_URL": REDIS_URL}
-    subprocess.run([sys.executable, "-m", "rlgate", "worker", "--burst", "true"], env=env, cwd=ROOT, check=True,
-                   capture_output=True, timeout=60)
+    subprocess.run(
+        [sys.executable, "-m", "rlgate", "worker", "--burst", "true"],
+        env=env,
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     stored = rollout(gateway, rid)
     assert stored["status"] == "closed" and stored["reward"] == 0.0
 
@@ -295,13 +375,19 @@ def test_automatic_intermediate_rewards_for_failed_tool_calls(fake_vllm: Proc, t
         client = openai.OpenAI(base_url=f"{proc.url}/rollouts/{rid}/v1", api_key="x")
         first = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=64)
         second = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=64)
-        history = MESSAGES + [first.choices[0].message.model_dump(exclude_none=True),
-                              {"role": "tool", "tool_call_id": first.choices[0].message.tool_calls[0].id,
-                               "content": json.dumps({"error": "division by zero"})}]
+        history = MESSAGES + [
+            first.choices[0].message.model_dump(exclude_none=True),
+            {
+                "role": "tool",
+                "tool_call_id": first.choices[0].message.tool_calls[0].id,
+                "content": json.dumps({"error": "division by zero"}),
+            },
+        ]
         client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, max_tokens=16)
-        ok_history = MESSAGES + [second.choices[0].message.model_dump(exclude_none=True),
-                                 {"role": "tool", "tool_call_id": second.choices[0].message.tool_calls[0].id,
-                                  "content": "42"}]
+        ok_history = MESSAGES + [
+            second.choices[0].message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": second.choices[0].message.tool_calls[0].id, "content": "42"},
+        ]
         client.chat.completions.create(model=MODEL, messages=ok_history, tools=TOOLS, max_tokens=16)
         calls = wait_for(lambda: (c := rollout(proc, rid)["calls"]) and c[0]["air_reward"] is not None and c)
         assert [c["air_reward"] for c in calls] == [-0.2, None, None, None]
@@ -323,12 +409,16 @@ def test_export_loads_with_datasets(gateway: Proc, tmp_path, redis_client: redis
     rids = []
     for i, reward in enumerate((1.0, 0.0)):
         rid = f"export-{i}-{uuid.uuid4().hex[:6]}"
-        client = openai.OpenAI(base_url=f"{gateway.url}/tasks/t-exp/rollouts/{rid}/v1", api_key="x",
-                               default_headers={"X-Agent-Name": "solver" if i == 0 else "critic"})
+        client = openai.OpenAI(
+            base_url=f"{gateway.url}/tasks/t-exp/rollouts/{rid}/v1",
+            api_key="x",
+            default_headers={"X-Agent-Name": "solver" if i == 0 else "critic"},
+        )
         first = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=64)
-        history = MESSAGES + [first.choices[0].message.model_dump(exclude_none=True),
-                              {"role": "tool", "tool_call_id": first.choices[0].message.tool_calls[0].id,
-                               "content": "42"}]
+        history = MESSAGES + [
+            first.choices[0].message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": first.choices[0].message.tool_calls[0].id, "content": "42"},
+        ]
         client.chat.completions.create(model=MODEL, messages=history, max_tokens=8)
         httpx.post(f"{gateway.url}/rollouts/{rid}/reward", json={"reward": reward})
         rids.append(rid)
@@ -336,9 +426,14 @@ def test_export_loads_with_datasets(gateway: Proc, tmp_path, redis_client: redis
 
     def export(name: str, *args: str) -> tuple[dict, str]:
         path = str(tmp_path / name)
-        out = subprocess.run([sys.executable, "-m", "rlgate", "export", path, *args],
-                             env={**os.environ, "RLGATE_REDIS_URL": REDIS_URL}, cwd=ROOT, check=True,
-                             capture_output=True, text=True)
+        out = subprocess.run(
+            [sys.executable, "-m", "rlgate", "export", path, *args],
+            env={**os.environ, "RLGATE_REDIS_URL": REDIS_URL},
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         return json.loads(out.stdout), path
 
     summary, path = export("all.jsonl")
@@ -367,11 +462,17 @@ def test_dotted_reward_functions_only_from_allowed_modules(fake_vllm: Proc, tmp_
     try:
         rid = uuid.uuid4().hex
         agent_call(proc, rid)
-        for name in ("os:system", "reward_hooks.rewards.judge:os.system", "reward_hooks.rewards.text:re.compile"):
+        for name in (
+            "os:system",
+            "reward_hooks.rewards.judge:os.system",
+            "reward_hooks.rewards.text:re.compile",
+        ):
             refused = httpx.post(f"{proc.url}/rollouts/{rid}/finish", json={"reward_fn": name})
             assert assert_openai_error(refused, 422)["param"] == "reward_fn", name
-        allowed = httpx.post(f"{proc.url}/rollouts/{rid}/finish",
-                             json={"reward_fn": "reward_hooks.rewards.text:f1", "ground_truth": "x"})
+        allowed = httpx.post(
+            f"{proc.url}/rollouts/{rid}/finish",
+            json={"reward_fn": "reward_hooks.rewards.text:f1", "ground_truth": "x"},
+        )
         assert allowed.status_code == 202
         run_worker(redis_client, reward_fn_modules='["reward_hooks.rewards"]')  # the worker checks again
         assert rollout(proc, rid)["status"] == "closed"
@@ -383,12 +484,27 @@ def test_worker_params_keep_requests_away_from_the_workers_secrets(tmp_path):
     from reward_hooks.jobs import worker_params
     from reward_hooks.settings import RewardSettings
 
-    settings = RewardSettings(judge_model="openai/judge", judge_api_base="http://judge.internal/v1",
-                              reward_data_dir=tmp_path)
-    params = worker_params({"model": "evil", "api_base": "http://attacker", "api_key": "x", "rubric": "r",
-                            "timeout_s": 10_000, "db_path": "a/b.sqlite"}, settings)
-    assert params == {"model": "openai/judge", "api_base": "http://judge.internal/v1", "rubric": "r",
-                      "timeout_s": 60.0, "db_path": str(tmp_path.resolve() / "a/b.sqlite")}
+    settings = RewardSettings(
+        judge_model="openai/judge", judge_api_base="http://judge.internal/v1", reward_data_dir=tmp_path
+    )
+    params = worker_params(
+        {
+            "model": "evil",
+            "api_base": "http://attacker",
+            "api_key": "x",
+            "rubric": "r",
+            "timeout_s": 10_000,
+            "db_path": "a/b.sqlite",
+        },
+        settings,
+    )
+    assert params == {
+        "model": "openai/judge",
+        "api_base": "http://judge.internal/v1",
+        "rubric": "r",
+        "timeout_s": 60.0,
+        "db_path": str(tmp_path.resolve() / "a/b.sqlite"),
+    }
     with pytest.raises(PermissionError):
         worker_params({"db_path": "/etc/passwd"}, settings)
     with pytest.raises(PermissionError):
@@ -398,7 +514,9 @@ def test_worker_params_keep_requests_away_from_the_workers_secrets(tmp_path):
 def test_inspection_hides_the_ground_truth(gateway: Proc, redis_client: redis.Redis):
     rid = uuid.uuid4().hex
     agent_call(gateway, rid)
-    httpx.post(f"{gateway.url}/rollouts/{rid}/finish", json={"reward_fn": "exact_match", "ground_truth": "SECRET"})
+    httpx.post(
+        f"{gateway.url}/rollouts/{rid}/finish", json={"reward_fn": "exact_match", "ground_truth": "SECRET"}
+    )
     stored = httpx.get(f"{gateway.url}/rollouts/{rid}")
     assert stored.json()["finish"] == {"reward_fn": "exact_match"} and "SECRET" not in stored.text
 
@@ -421,10 +539,20 @@ def test_an_empty_or_short_webhook_secret_is_refused_at_startup(secret, tmp_path
     with pytest.raises(ValueError, match="at least 16 characters"):
         WebhookAuth(RewardSettings(webhook_secret=secret))
     WebhookAuth(RewardSettings(webhook_secret="sixteen-chars!!!"))  # 16 is enough
-    env = {**os.environ, "RLGATE_WEBHOOK_SECRET": secret, "RLGATE_REDIS_URL": REDIS_URL,
-           "RLGATE_PORT": str(free_port())}
-    started = subprocess.run([sys.executable, "-m", "rlgate", "gateway"], env=env, cwd=ROOT, capture_output=True,
-                             text=True, timeout=60)
+    env = {
+        **os.environ,
+        "RLGATE_WEBHOOK_SECRET": secret,
+        "RLGATE_REDIS_URL": REDIS_URL,
+        "RLGATE_PORT": str(free_port()),
+    }
+    started = subprocess.run(
+        [sys.executable, "-m", "rlgate", "gateway"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert started.returncode != 0
     assert "webhook_secret (RLGATE_WEBHOOK_SECRET) must be at least 16 characters" in started.stderr
     assert not secret or secret not in started.stderr + started.stdout

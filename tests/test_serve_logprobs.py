@@ -61,8 +61,14 @@ def hf(model_dir: Path):
 
 
 def chat(proc: Proc, **fields) -> dict:
-    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 6, "return_token_ids": True, "logprobs": True,
-            **fields}
+    body = {
+        "model": MODEL,
+        "messages": MESSAGES,
+        "max_tokens": 6,
+        "return_token_ids": True,
+        "logprobs": True,
+        **fields,
+    }
     response = httpx.post(f"{proc.url}/v1/chat/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
     return response.json()
@@ -72,7 +78,7 @@ def logits_at(hf, prompt: list[int], completion: list[int]) -> torch.Tensor:
     """z for each completion token: [len(completion), V], one unpadded forward pass."""
     with torch.no_grad():
         out = hf(input_ids=torch.tensor([prompt + completion[:-1]])).logits[0].float()
-    return out[len(prompt) - 1:]
+    return out[len(prompt) - 1 :]
 
 
 def expected(mode: str, z: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -86,23 +92,32 @@ def expected(mode: str, z: torch.Tensor, params: SamplingParams) -> torch.Tensor
 def reported(body: dict) -> tuple[list[int], list[float], list[list[tuple[bytes, float]]]]:
     [choice] = body["choices"]
     content = choice["logprobs"]["content"]
-    return choice["token_ids"], [c["logprob"] for c in content], [
-        [(bytes(t["bytes"]), t["logprob"]) for t in c["top_logprobs"]] for c in content]
+    return (
+        choice["token_ids"],
+        [c["logprob"] for c in content],
+        [[(bytes(t["bytes"]), t["logprob"]) for t in c["top_logprobs"]] for c in content],
+    )
 
 
 SETTINGS = [
     # (request fields, the engine's parameters for the same)
-    ({"temperature": 0.5, "logit_bias": {"101": 3.0}, "seed": 3},
-     SamplingParams(temperature=0.5, logit_bias={101: 3.0})),
+    (
+        {"temperature": 0.5, "logit_bias": {"101": 3.0}, "seed": 3},
+        SamplingParams(temperature=0.5, logit_bias={101: 3.0}),
+    ),
     ({"temperature": 1.0, "top_k": 4, "seed": 4}, SamplingParams(temperature=1.0, top_k=4)),
-    ({"temperature": 0, "logit_bias": {"101": 2.0, "32": -5.0}}, SamplingParams(temperature=0,
-                                                                               logit_bias={101: 2.0, 32: -5.0})),
+    (
+        {"temperature": 0, "logit_bias": {"101": 2.0, "32": -5.0}},
+        SamplingParams(temperature=0, logit_bias={101: 2.0, 32: -5.0}),
+    ),
     ({"temperature": 1.3, "top_p": 0.8, "seed": 5}, SamplingParams(temperature=1.3, top_p=0.8)),
 ]
 
 
 @pytest.mark.parametrize(("fields", "params"), SETTINGS)
-def test_each_mode_reports_what_vllm_names(servers: dict[str, Proc], hf, fields: dict, params: SamplingParams):
+def test_each_mode_reports_what_vllm_names(
+    servers: dict[str, Proc], hf, fields: dict, params: SamplingParams
+):
     bodies = {mode: chat(proc, **fields, top_logprobs=5) for mode, proc in servers.items()}
     ids = bodies["raw_logprobs"]["choices"][0]["token_ids"]
     prompt = bodies["raw_logprobs"]["prompt_token_ids"]
@@ -116,18 +131,27 @@ def test_each_mode_reports_what_vllm_names(servers: dict[str, Proc], hf, fields:
         assert torch.allclose(got, sampled, atol=2e-4), (mode, got, sampled)
         for pos, (row, top, token) in enumerate(zip(want, tops, ids, strict=True)):
             # the sampled token first, then the best others by the reported values
-            others = sorted((v for i, v in enumerate(row.clamp(min=-9999.0).tolist()) if i != token), reverse=True)
+            others = sorted(
+                (v for i, v in enumerate(row.clamp(min=-9999.0).tolist()) if i != token), reverse=True
+            )
             assert [v for _, v in top] == pytest.approx([float(sampled[pos]), *others[:4]], abs=2e-4), mode
 
 
 def test_raw_and_processed_differ_where_vllms_do(servers: dict[str, Proc]):
     """temperature != 1 or a logit_bias: raw != processed; neither (and no truncation): the same."""
+
     def values(mode: str, **fields) -> tuple[list[int], list[float]]:
         ids, logprobs, _ = reported(chat(servers[mode], **fields))
         return ids, logprobs
 
-    for fields in ({"temperature": 0.5, "seed": 7}, {"temperature": 1.0, "logit_bias": {"101": 3.0}, "seed": 7}):
-        (raw_ids, raw), (ids, processed) = values("raw_logprobs", **fields), values("processed_logprobs", **fields)
+    for fields in (
+        {"temperature": 0.5, "seed": 7},
+        {"temperature": 1.0, "logit_bias": {"101": 3.0}, "seed": 7},
+    ):
+        (raw_ids, raw), (ids, processed) = (
+            values("raw_logprobs", **fields),
+            values("processed_logprobs", **fields),
+        )
         assert raw_ids == ids
         assert max(abs(a - b) for a, b in zip(raw, processed, strict=True)) > 0.05, fields
     plain = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "seed": 8}
@@ -150,10 +174,19 @@ def test_truncated_tokens_are_minus_9999_in_processed_modes_only(servers: dict[s
 
 
 def test_completions_report_the_mode_too(servers: dict[str, Proc]):
-    body = {"model": MODEL, "prompt": "Once", "max_tokens": 4, "seed": 2, "temperature": 0.5, "logprobs": 1,
-            "return_token_ids": True}
-    got = {mode: httpx.post(f"{proc.url}/v1/completions", json=body, timeout=120).json()["choices"][0]
-           for mode, proc in servers.items()}
+    body = {
+        "model": MODEL,
+        "prompt": "Once",
+        "max_tokens": 4,
+        "seed": 2,
+        "temperature": 0.5,
+        "logprobs": 1,
+        "return_token_ids": True,
+    }
+    got = {
+        mode: httpx.post(f"{proc.url}/v1/completions", json=body, timeout=120).json()["choices"][0]
+        for mode, proc in servers.items()
+    }
     assert len({tuple(c["token_ids"]) for c in got.values()}) == 1
     raw, processed = got["raw_logprobs"]["logprobs"], got["processed_logprobs"]["logprobs"]
     assert raw["tokens"] == processed["tokens"]
@@ -166,6 +199,22 @@ def test_an_unknown_mode_is_refused(model_dir: Path, tmp_path: Path):
 
     from conftest import ROOT
 
-    result = subprocess.run([sys.executable, "-m", "rlgate", "serve", "--model", str(model_dir), "--port", "0",
-                             "--logprobs-mode", "softmax"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlgate",
+            "serve",
+            "--model",
+            str(model_dir),
+            "--port",
+            "0",
+            "--logprobs-mode",
+            "softmax",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert result.returncode != 0 and "logprobs" in (result.stderr + result.stdout)

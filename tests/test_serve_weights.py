@@ -29,8 +29,14 @@ def served(tmp_path: Path) -> Iterator[tuple[Proc, Path]]:
 
 
 def greedy_top(url: str) -> tuple[int, float]:
-    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 1, "temperature": 0, "logprobs": 1,
-            "return_token_ids": True}
+    body = {
+        "model": "tiny",
+        "prompt": PROMPT,
+        "max_tokens": 1,
+        "temperature": 0,
+        "logprobs": 1,
+        "return_token_ids": True,
+    }
     answer = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
     assert answer.status_code == 200, answer.text
     choice = answer.json()["choices"][0]
@@ -55,8 +61,11 @@ def save_weights(model_dir: Path, file: Path) -> None:
 
 
 def post(url: str, path: str, body: dict | None = None) -> httpx.Response:
-    return httpx.post(f"{url}{path}", json=body, timeout=60) if body is not None else \
-        httpx.post(f"{url}{path}", timeout=60)
+    return (
+        httpx.post(f"{url}{path}", json=body, timeout=60)
+        if body is not None
+        else httpx.post(f"{url}{path}", timeout=60)
+    )
 
 
 def test_a_full_weight_update_changes_the_outputs_and_bumps_the_version(served):
@@ -66,23 +75,28 @@ def test_a_full_weight_update_changes_the_outputs_and_bumps_the_version(served):
     save_weights(other, tmp / "v1.safetensors")
     assert httpx.get(f"{proc.url}/weight_info").json() == {"weight_version": "default"}
 
-    assert post(proc.url, "/init_weight_transfer_engine", {"init_info": {}}).json() == \
-        {"message": "Weight transfer initialized"}
+    assert post(proc.url, "/init_weight_transfer_engine", {"init_info": {}}).json() == {
+        "message": "Weight transfer initialized"
+    }
     assert post(proc.url, "/start_weight_update").json() == {"message": "Weight update started"}
-    assert post(proc.url, "/update_weights", {"update_info": {"path": str(tmp / "v1.safetensors")}}).json() == \
-        {"message": "Weights updated"}
+    assert post(
+        proc.url, "/update_weights", {"update_info": {"path": str(tmp / "v1.safetensors")}}
+    ).json() == {"message": "Weights updated"}
     # the version changes only when the update finishes
     assert httpx.get(f"{proc.url}/weight_info").json() == {"weight_version": "default"}
-    assert post(proc.url, "/finish_weight_update", {"weight_version": "1"}).json() == \
-        {"message": "Weight update finished"}
+    assert post(proc.url, "/finish_weight_update", {"weight_version": "1"}).json() == {
+        "message": "Weight update finished"
+    }
     assert httpx.get(f"{proc.url}/weight_info").json() == {"weight_version": "1"}
 
     after = greedy_top(proc.url)
     assert after != before
     token, logprob = direct_top(other)
     assert after[0] == token and after[1] == pytest.approx(logprob, abs=1e-4)
-    assert post(proc.url, "/update_weight_version", {"new_version": "v-two"}).json() == \
-        {"success": True, "new_version": "v-two"}
+    assert post(proc.url, "/update_weight_version", {"new_version": "v-two"}).json() == {
+        "success": True,
+        "new_version": "v-two",
+    }
     assert httpx.get(f"{proc.url}/weight_info").json() == {"weight_version": "v-two"}
 
 
@@ -102,6 +116,7 @@ def test_calls_out_of_order_and_bad_updates_are_client_errors(served):
     # a failed update clears the active flag (as vLLM), and changed nothing
     assert post(proc.url, "/finish_weight_update").status_code == 409
     from safetensors.torch import save_file
+
     save_file({"model.embed_tokens.weight": torch.zeros(3, 3)}, str(tmp / "wrong.safetensors"))
     assert post(proc.url, "/start_weight_update").status_code == 200
     wrong = post(proc.url, "/update_weights", {"update_info": {"path": str(tmp / "wrong.safetensors")}})
@@ -110,11 +125,17 @@ def test_calls_out_of_order_and_bad_updates_are_client_errors(served):
     assert httpx.get(f"{proc.url}/weight_info").json() == {"weight_version": "default"}
 
 
-RL_ROUTES = [("POST", "/pause?mode=keep", None), ("POST", "/resume", None), ("GET", "/is_paused", None),
-             ("POST", "/init_weight_transfer_engine", {"init_info": {}}), ("POST", "/start_weight_update", None),
-             ("POST", "/update_weights", {"update_info": {"path": "PATH"}}),
-             ("POST", "/finish_weight_update", {"weight_version": "666"}),
-             ("POST", "/update_weight_version", {"new_version": "666"}), ("GET", "/weight_info", None)]
+RL_ROUTES = [
+    ("POST", "/pause?mode=keep", None),
+    ("POST", "/resume", None),
+    ("GET", "/is_paused", None),
+    ("POST", "/init_weight_transfer_engine", {"init_info": {}}),
+    ("POST", "/start_weight_update", None),
+    ("POST", "/update_weights", {"update_info": {"path": "PATH"}}),
+    ("POST", "/finish_weight_update", {"weight_version": "666"}),
+    ("POST", "/update_weight_version", {"new_version": "666"}),
+    ("GET", "/weight_info", None),
+]
 
 
 def test_without_dev_mode_the_rl_routes_are_404_and_change_nothing(tmp_path: Path):
@@ -146,8 +167,9 @@ def test_a_weight_file_outside_the_root_is_answered_as_a_missing_one(tmp_path: P
     outside it, directly, through `..` or through a symlink, gets the same 400 as a path that does not
     exist, and the weights stay as they were."""
     models, elsewhere = tmp_path / "models", tmp_path / "elsewhere"
-    proc = start_rlgate_serve(build_tiny_model(models / "tiny", seed=0), tmp_path, "tiny",
-                              env={"VLLM_SERVER_DEV_MODE": "1"})
+    proc = start_rlgate_serve(
+        build_tiny_model(models / "tiny", seed=0), tmp_path, "tiny", env={"VLLM_SERVER_DEV_MODE": "1"}
+    )
     try:
         elsewhere.mkdir()
         save_weights(build_tiny_model(tmp_path / "other", seed=7), elsewhere / "v1.safetensors")
@@ -163,8 +185,11 @@ def test_a_weight_file_outside_the_root_is_answered_as_a_missing_one(tmp_path: P
 
         missing = refused(str(models / "none.safetensors"))
         assert missing == "no safetensors file at PATH"
-        for outside in (elsewhere / "v1.safetensors", models / ".." / "elsewhere" / "v1.safetensors",
-                        models / "link.safetensors"):
+        for outside in (
+            elsewhere / "v1.safetensors",
+            models / ".." / "elsewhere" / "v1.safetensors",
+            models / "link.safetensors",
+        ):
             assert refused(str(outside)) == missing
         assert greedy_top(proc.url) == before
     finally:
@@ -175,7 +200,9 @@ def test_paused_server_answers_503_with_retry_after_and_resumes(served):
     proc, _ = served
     assert post(proc.url, "/pause?mode=abort").json() == {"status": "paused"}
     assert httpx.get(f"{proc.url}/is_paused").json() == {"is_paused": True}
-    refused = httpx.post(f"{proc.url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+    refused = httpx.post(
+        f"{proc.url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2}
+    )
     assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
     assert refused.json()["error"]["type"] == "ServiceUnavailableError"
     assert post(proc.url, "/pause?mode=sideways").status_code == 400
@@ -188,8 +215,15 @@ def test_pause_keep_holds_new_requests_until_resume(served):
     proc, _ = served
     post(proc.url, "/pause?mode=keep")
     answers: list[httpx.Response] = []
-    thread = threading.Thread(target=lambda: answers.append(httpx.post(
-        f"{proc.url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2}, timeout=30)))
+    thread = threading.Thread(
+        target=lambda: answers.append(
+            httpx.post(
+                f"{proc.url}/v1/completions",
+                json={"model": "tiny", "prompt": "hi", "max_tokens": 2},
+                timeout=30,
+            )
+        )
+    )
     thread.start()
     time.sleep(0.5)
     assert not answers  # held
@@ -202,7 +236,13 @@ def test_pause_wait_lets_admitted_requests_finish_first(served):
     proc, _ = served
     answers: list[tuple[float, httpx.Response]] = []
     # two rows of 1,500 tokens: seconds on a quiet machine (one row alone can finish within the sleep below)
-    body = {"model": "tiny", "prompt": "hi", "max_tokens": 1500, "n": 2, "logit_bias": {"256": -100, "258": -100}}
+    body = {
+        "model": "tiny",
+        "prompt": "hi",
+        "max_tokens": 1500,
+        "n": 2,
+        "logit_bias": {"256": -100, "258": -100},
+    }
 
     def call() -> None:
         response = httpx.post(f"{proc.url}/v1/completions", json=body, timeout=120)
@@ -238,7 +278,9 @@ def test_pause_abort_ends_the_queued_requests_of_every_scheduler():
     async def go():
         base, adapter = Scheduler(engine=None), Scheduler(engine=None)  # not started: requests stay queued
         sync = WeightSync(torch.nn.Linear(1, 1), base, lambda: (base, adapter))
-        queued = [asyncio.ensure_future(s.generate([1, 2], SamplingParams(max_tokens=2))) for s in (base, adapter)]
+        queued = [
+            asyncio.ensure_future(s.generate([1, 2], SamplingParams(max_tokens=2))) for s in (base, adapter)
+        ]
         await asyncio.sleep(0)
         await sync.pause("abort")
         return [(await q).finish_reason for q in queued]

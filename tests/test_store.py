@@ -6,17 +6,32 @@ import asyncio
 
 import pytest
 import redis
-
 from conftest import REDIS_URL
+
 from episodes import (
-    CallRecord, EpisodeStore, InvalidId, Keys, RolloutExists, RolloutNotOpen, TaskMismatch, StoreUnavailable,
+    CallRecord,
+    EpisodeStore,
+    InvalidId,
+    Keys,
+    RolloutExists,
+    RolloutNotOpen,
+    StoreUnavailable,
+    TaskMismatch,
 )
 
 
 def _record(rollout_id: str, **kw) -> CallRecord:
-    base = dict(rollout_id=rollout_id, endpoint="chat.completions", policy_version=0,
-                request={"messages": [{"role": "user", "content": "hi"}]}, started_at=1.0, latency_ms=2.0,
-                prompt_token_ids=[1, 2, 3], completion_token_ids=[4, 5], completion_logprobs=[-0.1, -0.2])
+    base = dict(
+        rollout_id=rollout_id,
+        endpoint="chat.completions",
+        policy_version=0,
+        request={"messages": [{"role": "user", "content": "hi"}]},
+        started_at=1.0,
+        latency_ms=2.0,
+        prompt_token_ids=[1, 2, 3],
+        completion_token_ids=[4, 5],
+        completion_logprobs=[-0.1, -0.2],
+    )
     base.update(kw)
     return CallRecord(**base)
 
@@ -31,6 +46,7 @@ def test_keys_share_a_cluster_hash_tag():
     assert keys.calls("abc") == "rlgate:rollout:{abc}:calls"
     # redis-py's own cluster slot function agrees that both keys live in one slot
     from redis.crc import key_slot
+
     assert key_slot(keys.rollout("r-1").encode()) == key_slot(keys.calls("r-1").encode())
     with pytest.raises(InvalidId):
         Keys("bad{prefix")
@@ -41,8 +57,9 @@ def test_record_creates_rollout_and_indexes_calls(redis_client: redis.Redis):
         store = EpisodeStore.from_url(REDIS_URL, prefix="t")
         try:
             first = await store.record_calls("r1", "task-a", [_record("r1", task_id="task-a")])
-            second = await store.record_calls("r1", "task-a", [_record("r1", choice_index=0),
-                                                               _record("r1", choice_index=1)])
+            second = await store.record_calls(
+                "r1", "task-a", [_record("r1", choice_index=0), _record("r1", choice_index=1)]
+            )
             view = await store.get_rollout_view("r1")
             return first, second, view
         finally:
@@ -135,8 +152,12 @@ def test_concurrent_records_are_group_committed_in_order(redis_client: redis.Red
     async def go():
         store = EpisodeStore.from_url(REDIS_URL, prefix="t")
         try:
-            firsts = await asyncio.gather(*(
-                store.record_calls("r6", None, [_record("r6", choice_index=i)] * (1 + i % 2)) for i in range(40)))
+            firsts = await asyncio.gather(
+                *(
+                    store.record_calls("r6", None, [_record("r6", choice_index=i)] * (1 + i % 2))
+                    for i in range(40)
+                )
+            )
             return firsts, await store.get_calls("r6")
         finally:
             await store.aclose()
@@ -146,7 +167,7 @@ def test_concurrent_records_are_group_committed_in_order(redis_client: redis.Red
     assert len(calls) == sum(sizes) == 60
     # every caller got the index its records landed at, and a caller's records are contiguous
     for i, first in enumerate(firsts):
-        assert [c.choice_index for c in calls[first:first + sizes[i]]] == [i] * sizes[i]
+        assert [c.choice_index for c in calls[first : first + sizes[i]]] == [i] * sizes[i]
     assert sorted(firsts) == sorted(set(firsts))
 
 
@@ -169,9 +190,13 @@ def test_a_failed_batch_fails_every_caller_and_none_hangs():
     async def go():
         store = EpisodeStore.from_url("redis://127.0.0.1:1/0", timeout_s=0.5)
         try:
-            results = await asyncio.wait_for(asyncio.gather(
-                *(store.record_calls(f"r{i}", None, [_record(f"r{i}")]) for i in range(20)),
-                return_exceptions=True), timeout=10)
+            results = await asyncio.wait_for(
+                asyncio.gather(
+                    *(store.record_calls(f"r{i}", None, [_record(f"r{i}")]) for i in range(20)),
+                    return_exceptions=True,
+                ),
+                timeout=10,
+            )
             return results
         finally:
             await store.aclose()
@@ -190,16 +215,25 @@ def test_a_hung_redis_times_out_for_every_caller_and_never_stalls_the_batcher():
     listener.bind(("127.0.0.1", 0))
     listener.listen(16)
     accepted = []
-    threading.Thread(target=lambda: [accepted.append(listener.accept()) for _ in range(16)], daemon=True).start()
+    threading.Thread(
+        target=lambda: [accepted.append(listener.accept()) for _ in range(16)], daemon=True
+    ).start()
 
     async def go():
         hung = EpisodeStore.from_url(f"redis://127.0.0.1:{listener.getsockname()[1]}/0", timeout_s=0.3)
         try:
-            first = await asyncio.wait_for(asyncio.gather(
-                *(hung.record_calls(f"h{i}", None, [_record(f"h{i}")]) for i in range(5)),
-                hung.get_rollout("h0"), return_exceptions=True), timeout=5)
-            later = await asyncio.wait_for(asyncio.gather(
-                hung.record_calls("h9", None, [_record("h9")]), return_exceptions=True), timeout=5)
+            first = await asyncio.wait_for(
+                asyncio.gather(
+                    *(hung.record_calls(f"h{i}", None, [_record(f"h{i}")]) for i in range(5)),
+                    hung.get_rollout("h0"),
+                    return_exceptions=True,
+                ),
+                timeout=5,
+            )
+            later = await asyncio.wait_for(
+                asyncio.gather(hung.record_calls("h9", None, [_record("h9")]), return_exceptions=True),
+                timeout=5,
+            )
             return first + later
         finally:
             await hung.aclose()
@@ -252,10 +286,29 @@ def password_redis(tmp_path):
     if server is None:
         pytest.skip("redis-server is not installed")
     port = free_port()
-    process = subprocess.Popen([server, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                "--appendonly", "no", "--requirepass", "default-secret",
-                                "--user", "gw", "on", ">gw-secret", "~*", "+@all"],
-                               stdout=subprocess.DEVNULL, cwd=tmp_path)
+    process = subprocess.Popen(
+        [
+            server,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--requirepass",
+            "default-secret",
+            "--user",
+            "gw",
+            "on",
+            ">gw-secret",
+            "~*",
+            "+@all",
+        ],
+        stdout=subprocess.DEVNULL,
+        cwd=tmp_path,
+    )
     client = redis.Redis(port=port, password="default-secret")
     for _ in range(100):
         try:
@@ -276,8 +329,10 @@ def test_the_record_connection_authenticates_and_selects_the_database(password_r
         finally:
             await store.aclose()
 
-    for url, db in ((f"redis://gw:gw-secret@127.0.0.1:{password_redis}/3", 3),
-                    (f"redis://:default-secret@127.0.0.1:{password_redis}/0", 0)):
+    for url, db in (
+        (f"redis://gw:gw-secret@127.0.0.1:{password_redis}/3", 3),
+        (f"redis://:default-secret@127.0.0.1:{password_redis}/0", 0),
+    ):
         assert run(go(url)) == 0
         client = redis.Redis(port=password_redis, password="default-secret", db=db)
         assert client.llen(Keys("t").calls("auth")) == 1
@@ -295,7 +350,9 @@ def test_records_are_batched_per_loop_turn_and_survive_a_killed_connection(redis
             writes = []
             write = conn.transport.write
             conn.transport.write = lambda data: (writes.append(data), write(data))[1]
-            await asyncio.gather(*(store.record_calls(f"k{i}", None, [_record(f"k{i}")]) for i in range(1, 11)))
+            await asyncio.gather(
+                *(store.record_calls(f"k{i}", None, [_record(f"k{i}")]) for i in range(1, 11))
+            )
             batches = list(writes)
             # Redis drops the connection (a restart, a failover, `CLIENT KILL`): the next call reconnects.
             # Only this connection is killed: other tests' processes share this Redis.

@@ -13,9 +13,9 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import queue
 import random
 import re
-import queue
 import subprocess
 import sys
 import tempfile
@@ -26,14 +26,24 @@ from typing import Any, NoReturn
 
 import httpx
 import pytest
-
 from conftest import ROOT, Proc
 
 ORACLE_SCRIPT = ROOT / "tests" / "vllm_oracle.py"
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 17 + 25?"}]
-TOOLS = [{"type": "function", "function": {
-    "name": "calculator", "description": "Evaluate an arithmetic expression.",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate an arithmetic expression.",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
+        },
+    }
+]
 TOOL_CALL_TOKEN = 259  # `<tool_call>` in the tiny model's tokenizer
 
 
@@ -55,8 +65,15 @@ class Oracle:
         self.output = tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace")
         read, write = os.pipe()
         try:
-            self.process = subprocess.Popen([*command, str(write)], stdin=subprocess.PIPE, stdout=self.output,
-                                            stderr=subprocess.STDOUT, pass_fds=(write,), text=True, cwd=ROOT)
+            self.process = subprocess.Popen(
+                [*command, str(write)],
+                stdin=subprocess.PIPE,
+                stdout=self.output,
+                stderr=subprocess.STDOUT,
+                pass_fds=(write,),
+                text=True,
+                cwd=ROOT,
+            )
         finally:
             os.close(write)
         self.lines: queue.Queue[str | None] = queue.Queue()
@@ -77,7 +94,9 @@ class Oracle:
         except queue.Empty:
             self._fail(f"the vLLM oracle did not answer {what} within {self.timeout_s:g} s")
         if line is None:
-            self._fail(f"the vLLM oracle exited (status {self.process.wait(timeout=30)}) instead of answering {what}")
+            self._fail(
+                f"the vLLM oracle exited (status {self.process.wait(timeout=30)}) instead of answering {what}"
+            )
         return json.loads(line)
 
     def _fail(self, message: str) -> NoReturn:
@@ -108,8 +127,10 @@ class Oracle:
 def oracle_python() -> str:
     python = os.environ.get("RLGATE_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
     if not Path(python).is_file():
-        message = (f"vLLM oracle python not found at {python}: run scripts/test (it creates .venv-vllm) or set "
-                   f"RLGATE_VLLM_PYTHON; RLGATE_SKIP_VLLM_ORACLE=1 skips these tests")
+        message = (
+            f"vLLM oracle python not found at {python}: run scripts/test (it creates .venv-vllm) or set "
+            f"RLGATE_VLLM_PYTHON; RLGATE_SKIP_VLLM_ORACLE=1 skips these tests"
+        )
         if os.environ.get("RLGATE_SKIP_VLLM_ORACLE") == "1":
             pytest.skip(message)
         pytest.fail(message)
@@ -142,7 +163,7 @@ def sse(proc: Proc, path: str, body: dict) -> list[dict]:
         for line in response.iter_lines():
             if line:
                 assert line.startswith("data: "), line
-                data = line[len("data: "):]
+                data = line[len("data: ") :]
                 frames.append(data if data == "[DONE]" else json.loads(data))
     assert frames[-1] == "[DONE]" and "[DONE]" not in frames[:-1]
     return frames[:-1]
@@ -166,15 +187,26 @@ def judge_bodies(oracle: Oracle, model: str, bodies: list[dict]) -> None:
 def test_oracle_answers_survive_vllm_logging_to_stdout(oracle_python: str, tokenizer_dir: Path):
     """Configured as `vllm serve` configures it, vLLM logs to stdout; its hermes parser logs an ERROR with a
     traceback for an unparsable call. The answers still come back, and so does the log, in the output."""
-    boot = ("import runpy, sys; from vllm.config.logging import LoggingConfig; from vllm.logger import "
-            "configure_logging; configure_logging(LoggingConfig()); print('noise on stdout', flush=True); "
-            f"runpy.run_path({str(ORACLE_SCRIPT)!r}, run_name='__main__')")
+    boot = (
+        "import runpy, sys; from vllm.config.logging import LoggingConfig; from vllm.logger import "
+        "configure_logging; configure_logging(LoggingConfig()); print('noise on stdout', flush=True); "
+        f"runpy.run_path({str(ORACLE_SCRIPT)!r}, run_name='__main__')"
+    )
     judge = Oracle([oracle_python, "-c", boot])
     try:
         request = {"model": "m", "messages": MESSAGES, "tools": TOOLS, "tool_choice": "auto"}
         text = '<tool_call>{"name": "calculator"}</tool_call>'
-        [answer] = judge.ask([{"op": "parse", "model_dir": str(tokenizer_dir), "request": request, "text": text,
-                               "finish_reason": "stop"}])
+        [answer] = judge.ask(
+            [
+                {
+                    "op": "parse",
+                    "model_dir": str(tokenizer_dir),
+                    "request": request,
+                    "text": text,
+                    "finish_reason": "stop",
+                }
+            ]
+        )
         assert answer == {"content": text, "tool_calls": [], "finish_reason": "stop"}
         judge.output.seek(0)
         assert "Error in extracting tool call from response." in judge.output.read()
@@ -184,17 +216,26 @@ def test_oracle_answers_survive_vllm_logging_to_stdout(oracle_python: str, token
 
 def test_a_hung_oracle_fails_with_its_output():
     """An oracle that stops answering fails the test within its timeout, showing what it wrote."""
-    hang = ("import os, sys, time; out = os.fdopen(int(sys.argv[1]), 'w'); out.write('{\"ready\": true}\\n'); "
-            "out.flush(); sys.stdin.readline(); print('stuck on a case', file=sys.stderr, flush=True); "
-            "time.sleep(600)")
+    hang = (
+        "import os, sys, time; out = os.fdopen(int(sys.argv[1]), 'w'); out.write('{\"ready\": true}\\n'); "
+        "out.flush(); sys.stdin.readline(); print('stuck on a case', file=sys.stderr, flush=True); "
+        "time.sleep(600)"
+    )
     judge = Oracle([sys.executable, "-c", hang], timeout_s=3)
-    with pytest.raises(pytest.fail.Exception, match=r"(?s)did not answer 1 cases within 3 s.*stuck on a case"):
+    with pytest.raises(
+        pytest.fail.Exception, match=r"(?s)did not answer 1 cases within 3 s.*stuck on a case"
+    ):
         judge.ask([{"op": "validate"}])
     assert judge.process.poll() is not None  # killed
     judge.close()
-    silent = [sys.executable, "-c", "import sys, time; print('stuck importing', file=sys.stderr, flush=True); "
-              "time.sleep(600)"]
-    with pytest.raises(pytest.fail.Exception, match=r"(?s)did not answer to start within 3 s.*stuck importing"):
+    silent = [
+        sys.executable,
+        "-c",
+        "import sys, time; print('stuck importing', file=sys.stderr, flush=True); time.sleep(600)",
+    ]
+    with pytest.raises(
+        pytest.fail.Exception, match=r"(?s)did not answer to start within 3 s.*stuck importing"
+    ):
         Oracle(silent, timeout_s=3)
 
 
@@ -223,17 +264,29 @@ CHAT_CASES = [
     {"max_tokens": 5, "seed": 2, "logprobs": True, "top_logprobs": 3, "return_token_ids": True},
     {"max_tokens": 4, "seed": 3, "n": 2, "logprobs": True},
     {"max_tokens": 8, "seed": 4, "stop": ["e", "a"], "temperature": 0.7, "top_p": 0.9},
-    {"max_tokens": 3, "seed": 5, "tools": TOOLS, "logit_bias": {str(TOOL_CALL_TOKEN): 100}, "return_token_ids": True},
+    {
+        "max_tokens": 3,
+        "seed": 5,
+        "tools": TOOLS,
+        "logit_bias": {str(TOOL_CALL_TOKEN): 100},
+        "return_token_ids": True,
+    },
     {"max_tokens": 3, "seed": 6, "tools": TOOLS, "tool_choice": "required"},
-    {"max_tokens": 4, "seed": 7, "tools": TOOLS,
-     "tool_choice": {"type": "function", "function": {"name": "calculator"}}},
+    {
+        "max_tokens": 4,
+        "seed": 7,
+        "tools": TOOLS,
+        "tool_choice": {"type": "function", "function": {"name": "calculator"}},
+    },
     {"max_tokens": 5, "seed": 8, "temperature": 0, "logprobs": True, "top_logprobs": 2},
 ]
 STREAM_OPTIONS = [None, {"include_usage": True}, {"include_usage": True, "continuous_usage_stats": True}]
 
 
 @pytest.mark.parametrize("upstream_name", ["rlgate_serve", "fake_vllm"])
-def test_chat_answers_and_chunks_are_vllms(upstream_name: str, oracle: Oracle, request: pytest.FixtureRequest):
+def test_chat_answers_and_chunks_are_vllms(
+    upstream_name: str, oracle: Oracle, request: pytest.FixtureRequest
+):
     proc = request.getfixturevalue(upstream_name)
     answers, chunks = [], []
     for i, case in enumerate(CHAT_CASES):
@@ -242,8 +295,11 @@ def test_chat_answers_and_chunks_are_vllms(upstream_name: str, oracle: Oracle, r
         assert response.status_code == 200, response.text
         answers.append(response.json())
         options = STREAM_OPTIONS[i % len(STREAM_OPTIONS)]
-        chunks += sse(proc, "/chat/completions", {**body, "stream": True,
-                                                   **({"stream_options": options} if options else {})})
+        chunks += sse(
+            proc,
+            "/chat/completions",
+            {**body, "stream": True, **({"stream_options": options} if options else {})},
+        )
     judge_bodies(oracle, "ChatCompletionResponse", answers)
     judge_bodies(oracle, "ChatCompletionStreamResponse", chunks)
     assert len(chunks) > 3 * len(CHAT_CASES)
@@ -260,8 +316,9 @@ COMPLETION_CASES = [
 
 
 @pytest.mark.parametrize("upstream_name", ["rlgate_serve", "fake_vllm"])
-def test_completion_answers_and_chunks_are_vllms(upstream_name: str, oracle: Oracle,
-                                                 request: pytest.FixtureRequest):
+def test_completion_answers_and_chunks_are_vllms(
+    upstream_name: str, oracle: Oracle, request: pytest.FixtureRequest
+):
     proc = request.getfixturevalue(upstream_name)
     answers, chunks = [], []
     for i, case in enumerate(COMPLETION_CASES):
@@ -270,8 +327,14 @@ def test_completion_answers_and_chunks_are_vllms(upstream_name: str, oracle: Ora
         assert response.status_code == 200, response.text
         answers.append(response.json())
         options = STREAM_OPTIONS[i % len(STREAM_OPTIONS)]
-        chunks += [c for c in sse(proc, "/completions", {**body, "stream": True,
-                                                         **({"stream_options": options} if options else {})})]
+        chunks += [
+            c
+            for c in sse(
+                proc,
+                "/completions",
+                {**body, "stream": True, **({"stream_options": options} if options else {})},
+            )
+        ]
     judge_bodies(oracle, "CompletionResponse", answers)
     judge_bodies(oracle, "CompletionStreamResponse", chunks)
 
@@ -289,7 +352,9 @@ def test_completions_echo_streams_as_vllm(rlgate_serve: Proc, oracle: Oracle):
         assert "".join(c["text"] for c in mine) == plain["choices"][index]["text"]
         assert mine[0]["prompt_token_ids"] == [69, 99, 104, 111]
         assert all(c["prompt_token_ids"] is None for c in mine[1:])
-    with_ids = sse(rlgate_serve, "/completions", {**body, "echo": True, "stream": True, "return_token_ids": True})
+    with_ids = sse(
+        rlgate_serve, "/completions", {**body, "echo": True, "stream": True, "return_token_ids": True}
+    )
     first = [f["choices"][0] for f in with_ids if f["choices"][0]["index"] == 0]
     assert not first[0]["text"].startswith("Echo")  # return_token_ids drops the echoed text, as vLLM's
     assert first[0]["prompt_token_ids"] == [69, 99, 104, 111]
@@ -305,7 +370,7 @@ HERMES_TEXTS = [
     '\n\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "1"}}\n</tool_call>',
     '  <tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": {"x": "é"}}',
     '<tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call>\n<tool_call>{"name": "b", "arguments": [2]}'
-    '</tool_call>',
+    "</tool_call>",
     '<tool_call>{"name": "calculator"}</tool_call>',
     '<tool_call>{"name": "calculator"}',
     '<tool_call>{"name": "calculator"',  # cut by length as the name completes: vLLM adds arguments "{}"
@@ -336,7 +401,7 @@ def hermes_pieces(text: str, rng: random.Random, eos: bool = True) -> list[str]:
         i = 0
         while i < len(part):
             step = rng.randint(1, 3)
-            pieces.append(part[i:i + step])
+            pieces.append(part[i : i + step])
             i += step
     return [*pieces, ""] if eos or not pieces else pieces
 
@@ -345,7 +410,10 @@ def no_ids(deltas: list[dict | None]) -> list[dict | None]:
     out = []
     for delta in deltas:
         if delta and delta.get("tool_calls"):
-            delta = {**delta, "tool_calls": [{**c, "id": "ID"} if "id" in c else c for c in delta["tool_calls"]]}
+            delta = {
+                **delta,
+                "tool_calls": [{**c, "id": "ID"} if "id" in c else c for c in delta["tool_calls"]],
+            }
         out.append(delta)
     return out
 
@@ -358,24 +426,46 @@ def test_hermes_matches_vllms_parser(oracle: Oracle, tokenizer_dir: Path):
     for text, choice, finish in itertools.product(HERMES_TEXTS, TOOL_CHOICES, ["stop", "length"]):
         request = {"model": "m", "messages": MESSAGES, "tools": TOOLS, "tool_choice": choice}
         pieces = hermes_pieces(text, rng, eos=finish == "stop")
-        cases.append({"op": "parse", "model_dir": str(tokenizer_dir), "request": request, "text": text,
-                      "finish_reason": finish, "pieces": pieces})
+        cases.append(
+            {
+                "op": "parse",
+                "model_dir": str(tokenizer_dir),
+                "request": request,
+                "text": text,
+                "finish_reason": finish,
+                "pieces": pieces,
+            }
+        )
         content, calls, finish_reason = chat_fields(text, choice, finish)
         if choice == "none":
             deltas = [{"content": p} if p else None for p in pieces]
             deltas[-1] = deltas[-1] or {}
         else:
-            deltas = [d if d is not None or i < len(pieces) - 1 else {}
-                      for i, d in enumerate(hermes_stream_deltas(pieces, keeps_tool_calls(choice)))]
-        mine.append({"content": content, "tool_calls": [{"name": c.name, "arguments": c.arguments} for c in calls],
-                     "finish_reason": finish_reason, "deltas": no_ids(deltas)})
+            deltas = [
+                d if d is not None or i < len(pieces) - 1 else {}
+                for i, d in enumerate(hermes_stream_deltas(pieces, keeps_tool_calls(choice)))
+            ]
+        mine.append(
+            {
+                "content": content,
+                "tool_calls": [{"name": c.name, "arguments": c.arguments} for c in calls],
+                "finish_reason": finish_reason,
+                "deltas": no_ids(deltas),
+            }
+        )
     answers = oracle.ask(cases)
     differences = []
     for case, ours, vllm in zip(cases, mine, answers, strict=True):
-        theirs = {"content": vllm["content"], "tool_calls": vllm["tool_calls"], "finish_reason": vllm["finish_reason"],
-                  "deltas": no_ids(vllm["stream"]["deltas"])}
+        theirs = {
+            "content": vllm["content"],
+            "tool_calls": vllm["tool_calls"],
+            "finish_reason": vllm["finish_reason"],
+            "deltas": no_ids(vllm["stream"]["deltas"]),
+        }
         if exact(ours) != exact(theirs):
-            differences.append((case["text"], case["request"]["tool_choice"], case["finish_reason"], ours, theirs))
+            differences.append(
+                (case["text"], case["request"]["tool_choice"], case["finish_reason"], ours, theirs)
+            )
     assert not differences, "\n".join(map(repr, differences[:5])) + f"\n... {len(differences)} differ"
     assert sum(bool(a["tool_calls"]) for a in answers) >= 20  # the corpus does exercise calls
 
@@ -388,9 +478,16 @@ def test_hermes_stream_finish_reason_is_vllms(oracle: Oracle, tokenizer_dir: Pat
     cases, mine = [], []
     for text, choice in itertools.product(HERMES_TEXTS, TOOL_CHOICES[:3]):
         pieces = hermes_pieces(text, rng)
-        cases.append({"op": "parse", "model_dir": str(tokenizer_dir), "text": text, "finish_reason": "stop",
-                      "request": {"model": "m", "messages": MESSAGES, "tools": TOOLS, "tool_choice": choice},
-                      "pieces": pieces})
+        cases.append(
+            {
+                "op": "parse",
+                "model_dir": str(tokenizer_dir),
+                "text": text,
+                "finish_reason": "stop",
+                "request": {"model": "m", "messages": MESSAGES, "tools": TOOLS, "tool_choice": choice},
+                "pieces": pieces,
+            }
+        )
         stream = HermesStream()
         for i, piece in enumerate(pieces):
             stream.step(piece, i == len(pieces) - 1)
@@ -408,10 +505,18 @@ BAD_CHAT = [
     {"model": "fake-model", "messages": MESSAGES, "tool_choice": "auto"},
     {"model": "fake-model", "messages": MESSAGES, "tools": TOOLS, "tool_choice": "sometimes"},
     {"model": "fake-model", "messages": MESSAGES, "tools": TOOLS, "tool_choice": {"type": "function"}},
-    {"model": "fake-model", "messages": MESSAGES, "tools": TOOLS,
-     "tool_choice": {"type": "function", "function": {"name": "other"}}},
-    {"model": "fake-model", "messages": MESSAGES, "tools": TOOLS,
-     "tool_choice": {"type": "function", "function": {"name": 3}}},
+    {
+        "model": "fake-model",
+        "messages": MESSAGES,
+        "tools": TOOLS,
+        "tool_choice": {"type": "function", "function": {"name": "other"}},
+    },
+    {
+        "model": "fake-model",
+        "messages": MESSAGES,
+        "tools": TOOLS,
+        "tool_choice": {"type": "function", "function": {"name": 3}},
+    },
     {"model": "fake-model", "messages": MESSAGES, "top_logprobs": 2},
     {"model": "fake-model", "messages": MESSAGES, "stream_options": {"include_usage": True}},
     {"model": "fake-model"},
@@ -439,25 +544,43 @@ BAD_RL = [
 
 def test_error_statuses_and_bodies_are_vllms(rlgate_serve: Proc, oracle: Oracle):
     base = rlgate_serve.url.removesuffix("/v1")
-    requests = ([("/v1/chat/completions", b) for b in BAD_CHAT] + [("/v1/completions", b) for b in BAD_COMPLETION]
-                + BAD_RL)
-    raw = [("/v1/chat/completions", '{"model": ', "application/json"), ("/v1/chat/completions", "[1, 2]",
-                                                                        "application/json"),
-           ("/v1/completions", "hi", "text/plain")]
-    [vllm] = oracle.ask([{"op": "http", "requests": [{"path": p, "json": b} for p, b in requests]
-                          + [{"path": p, "content": c, "headers": {"content-type": t}} for p, c, t in raw]}])
+    requests = (
+        [("/v1/chat/completions", b) for b in BAD_CHAT]
+        + [("/v1/completions", b) for b in BAD_COMPLETION]
+        + BAD_RL
+    )
+    raw = [
+        ("/v1/chat/completions", '{"model": ', "application/json"),
+        ("/v1/chat/completions", "[1, 2]", "application/json"),
+        ("/v1/completions", "hi", "text/plain"),
+    ]
+    [vllm] = oracle.ask(
+        [
+            {
+                "op": "http",
+                "requests": [{"path": p, "json": b} for p, b in requests]
+                + [{"path": p, "content": c, "headers": {"content-type": t}} for p, c, t in raw],
+            }
+        ]
+    )
     ours = [httpx.post(f"{base}{p}", json=b, timeout=60) for p, b in requests]
-    ours += [httpx.post(f"{base}{p}", content=c.encode(), headers={"content-type": t}, timeout=60) for p, c, t in raw]
+    ours += [
+        httpx.post(f"{base}{p}", content=c.encode(), headers={"content-type": t}, timeout=60)
+        for p, c, t in raw
+    ]
     labels = [f"{p} {b}" for p, b in requests] + [f"{p} {c!r} as {t}" for p, c, t in raw]
     differences = []
     for label, mine, theirs in zip(labels, ours, vllm, strict=True):
         assert theirs["status"] == 400, f"vLLM accepts {label}: the case is not a bad request"
         if mine.status_code != 400 or exact(mine.json()) != exact(theirs["body"]):
-            differences.append(f"{label}\n  ours  {mine.status_code} {mine.text}\n  vLLM  400 {exact(theirs['body'])}")
+            differences.append(
+                f"{label}\n  ours  {mine.status_code} {mine.text}\n  vLLM  400 {exact(theirs['body'])}"
+            )
     assert not differences, "\n".join(differences)
 
 
 # ------------------------------------------------------------------------------------- sampling: top-k/top-p
+
 
 def test_processed_logits_match_vllms_sampler(oracle: Oracle):
     """`inference.engine.processed_logits` (bias, temperature, top-k, top-p) and the learner's own
@@ -471,16 +594,35 @@ def test_processed_logits_match_vllms_sampler(oracle: Oracle):
     from learner.transitions import sampling_processing
 
     generator = torch.Generator().manual_seed(0)
-    settings = [(1.0, 0, 1.0), (0.5, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.9), (0.8, 20, 0.5), (1.0, 3, 0.95),
-                (0.2, 0, 0.3), (2.0, 1, 1.0), (0.001, 0, 1.0), (1e-45, 4, 0.9)]  # the last two: raised to 0.01
+    settings = [
+        (1.0, 0, 1.0),
+        (0.5, 0, 1.0),
+        (0.7, 5, 1.0),
+        (1.3, 0, 0.9),
+        (0.8, 20, 0.5),
+        (1.0, 3, 0.95),
+        (0.2, 0, 0.3),
+        (2.0, 1, 1.0),
+        (0.001, 0, 1.0),
+        (1e-45, 4, 0.9),
+    ]  # the last two: raised to 0.01
     cases, mine = [], []
     for temperature, top_k, top_p in settings:
         logits = (torch.randn(64, generator=generator) * 3).tolist()
         bias = {"3": 2.5, "10": -4.0}
-        cases.append({"op": "process", "logits": logits, "temperature": temperature, "top_k": top_k, "top_p": top_p,
-                      "logit_bias": bias})
-        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
-                                logit_bias={int(k): v for k, v in bias.items()})
+        cases.append(
+            {
+                "op": "process",
+                "logits": logits,
+                "temperature": temperature,
+                "top_k": top_k,
+                "top_p": top_p,
+                "logit_bias": bias,
+            }
+        )
+        params = SamplingParams(
+            temperature=temperature, top_k=top_k, top_p=top_p, logit_bias={int(k): v for k, v in bias.items()}
+        )
         mine.append(processed_logits(torch.tensor(logits), params))
     theirs_all = oracle.ask(cases)
     for ours, theirs, setting in zip(mine, theirs_all, settings, strict=True):
@@ -498,8 +640,9 @@ def test_processed_logits_match_vllms_sampler(oracle: Oracle):
         temperature, bias, top_k, top_p = sampling_processing(request, 1.0)
         theirs = torch.tensor([float("-inf") if v is None else v for v in theirs])
         for token in torch.nonzero(~torch.isinf(theirs)).flatten().tolist()[:5]:
-            sample = build_samples([[Transition("r", 0, (1,), (token,), (0.0,), 1.0, 0, temperature, bias,
-                                                top_k, top_p)]])
+            sample = build_samples(
+                [[Transition("r", 0, (1,), (token,), (0.0,), 1.0, 0, temperature, bias, top_k, top_p)]]
+            )
             logits = torch.tensor(case["logits"])[None, None].repeat(1, 2, 1)  # position 0 predicts the token
             got = processed_log_probs(logits, collate(sample, 0))[0][0, 0]
             want = torch.log_softmax(theirs, dim=-1)[token]
@@ -508,29 +651,84 @@ def test_processed_logits_match_vllms_sampler(oracle: Oracle):
 
 # ------------------------------------------------------------------------------------------- /v1/responses
 
-RESPONSES_TOOLS = [{"type": "function", "name": "calculator", "description": "Evaluate an arithmetic expression.",
-                    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
-                                   "required": ["expression"]}, "strict": False}]
+RESPONSES_TOOLS = [
+    {
+        "type": "function",
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression.",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string"}},
+            "required": ["expression"],
+        },
+        "strict": False,
+    }
+]
 RESPONSES_CASES = [
     {"input": "What is 17 + 25?", "max_output_tokens": 6, "seed": 1},
-    {"input": "What is 17 + 25?", "max_output_tokens": 5, "seed": 2, "include": ["message.output_text.logprobs"],
-     "top_logprobs": 2, "enable_response_messages": True, "instructions": "You are terse."},
-    {"input": [{"role": "user", "content": "Hi"},
-               {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hello."}]},
-               {"role": "user", "content": [{"type": "input_text", "text": "Again"}]}],
-     "max_output_tokens": 4, "seed": 3, "temperature": 0.5, "top_p": 0.9, "include": [],
-     "metadata": {"k": "v"}, "user": "u1"},
-    {"input": [{"role": "user", "content": "Weather?"},
-               {"type": "function_call", "call_id": "call_1", "name": "calculator",
-                "arguments": "{\"expression\": \"1\"}", "id": "fc_1", "status": "completed"},
-               {"type": "function_call_output", "call_id": "call_1", "output": "1"}],
-     "tools": RESPONSES_TOOLS, "max_output_tokens": 4, "seed": 4, "enable_response_messages": True},
+    {
+        "input": "What is 17 + 25?",
+        "max_output_tokens": 5,
+        "seed": 2,
+        "include": ["message.output_text.logprobs"],
+        "top_logprobs": 2,
+        "enable_response_messages": True,
+        "instructions": "You are terse.",
+    },
+    {
+        "input": [
+            {"role": "user", "content": "Hi"},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hello."}]},
+            {"role": "user", "content": [{"type": "input_text", "text": "Again"}]},
+        ],
+        "max_output_tokens": 4,
+        "seed": 3,
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "include": [],
+        "metadata": {"k": "v"},
+        "user": "u1",
+    },
+    {
+        "input": [
+            {"role": "user", "content": "Weather?"},
+            {
+                "type": "function_call",
+                "call_id": "call_1",
+                "name": "calculator",
+                "arguments": '{"expression": "1"}',
+                "id": "fc_1",
+                "status": "completed",
+            },
+            {"type": "function_call_output", "call_id": "call_1", "output": "1"},
+        ],
+        "tools": RESPONSES_TOOLS,
+        "max_output_tokens": 4,
+        "seed": 4,
+        "enable_response_messages": True,
+    },
     # a hermes call that never parses (the random model writes only `<tool_call>`): its text stays content
-    {"input": "Use the tool.", "tools": RESPONSES_TOOLS, "tool_choice": "required", "max_output_tokens": 3,
-     "seed": 5, "logit_bias": {str(TOOL_CALL_TOKEN): 100}, "include": ["message.output_text.logprobs"]},
-    {"input": "Name a tool.", "tools": RESPONSES_TOOLS, "tool_choice": {"type": "function", "name": "calculator"},
-     "max_output_tokens": 4, "seed": 6, "temperature": 0, "parallel_tool_calls": False,
-     "reasoning": {"effort": "low"}, "text": {"format": {"type": "text"}}, "prompt_cache_key": "k"},
+    {
+        "input": "Use the tool.",
+        "tools": RESPONSES_TOOLS,
+        "tool_choice": "required",
+        "max_output_tokens": 3,
+        "seed": 5,
+        "logit_bias": {str(TOOL_CALL_TOKEN): 100},
+        "include": ["message.output_text.logprobs"],
+    },
+    {
+        "input": "Name a tool.",
+        "tools": RESPONSES_TOOLS,
+        "tool_choice": {"type": "function", "name": "calculator"},
+        "max_output_tokens": 4,
+        "seed": 6,
+        "temperature": 0,
+        "parallel_tool_calls": False,
+        "reasoning": {"effort": "low"},
+        "text": {"format": {"type": "text"}},
+        "prompt_cache_key": "k",
+    },
 ]
 
 
@@ -545,8 +743,8 @@ def responses_events(proc: Proc, body: dict) -> list[dict]:
     for block in blocks[:-1]:
         event_line, data_line = block.split("\n")
         assert event_line.startswith("event: ") and data_line.startswith("data: "), block
-        event = json.loads(data_line[len("data: "):])
-        assert event["type"] == event_line[len("event: "):]
+        event = json.loads(data_line[len("data: ") :])
+        assert event["type"] == event_line[len("event: ") :]
         events.append(event)
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     return events
@@ -560,16 +758,24 @@ def judge_events(oracle: Oracle, events: list[dict]) -> None:
     for event, answer in zip(events, answers, strict=True):
         assert answer["ok"], f"ResponseStreamEvent rejects {event}: {answer['error']}"
         allowed = [".name"] if event["type"] == "response.function_call_arguments.done" else []
-        assert [k for k in answer["extra"] if k not in allowed] == [], f"unknown keys {answer['extra']} in {event}"
+        assert [k for k in answer["extra"] if k not in allowed] == [], (
+            f"unknown keys {answer['extra']} in {event}"
+        )
         assert exact(answer["dump"]) == exact(event), f"vLLM serializes\n{answer['dump']}\nwe sent\n{event}"
 
 
 @pytest.mark.parametrize("upstream_name", ["rlgate_serve", "fake_vllm"])
-def test_responses_bodies_and_events_are_vllms(upstream_name: str, oracle: Oracle, request: pytest.FixtureRequest):
+def test_responses_bodies_and_events_are_vllms(
+    upstream_name: str, oracle: Oracle, request: pytest.FixtureRequest
+):
     proc = request.getfixturevalue(upstream_name)
     bodies, events = [], []
     # the fake vLLM answers text only and echoes tools as sent: it gets the cases without tools
-    cases = RESPONSES_CASES if upstream_name == "rlgate_serve" else [c for c in RESPONSES_CASES if "tools" not in c]
+    cases = (
+        RESPONSES_CASES
+        if upstream_name == "rlgate_serve"
+        else [c for c in RESPONSES_CASES if "tools" not in c]
+    )
     for case in cases:
         body = {"model": "fake-model", **case}
         response = post(proc, "/responses", body)
@@ -579,8 +785,13 @@ def test_responses_bodies_and_events_are_vllms(upstream_name: str, oracle: Oracl
     judge_bodies(oracle, "ResponsesResponse", bodies)
     judge_events(oracle, events)
     types = {e["type"] for e in events}
-    assert {"response.created", "response.in_progress", "response.output_text.delta",
-            "response.content_part.done", "response.output_item.done"} <= types
+    assert {
+        "response.created",
+        "response.in_progress",
+        "response.output_text.delta",
+        "response.content_part.done",
+        "response.output_item.done",
+    } <= types
     assert types & {"response.completed", "response.incomplete"}
     with_lps = [b for b in bodies if b["top_logprobs"] is not None]
     assert with_lps and all(p["logprobs"] for b in with_lps for i in b["output"] for p in i["content"])
@@ -595,12 +806,27 @@ def test_responses_function_call_events_are_vllms(oracle: Oracle):
     item = _function_call("fc_1", "chatcmpl-tool-1", "calculator", "", "in_progress")
     events = [
         {"item": item, "output_index": 1, "sequence_number": 8, "type": "response.output_item.added"},
-        {"delta": "{\"expression\": \"1\"}", "item_id": "fc_1", "output_index": 1, "sequence_number": 9,
-         "type": "response.function_call_arguments.delta"},
-        {"arguments": "{\"expression\": \"1\"}", "item_id": "fc_1", "output_index": 1, "sequence_number": 10,
-         "type": "response.function_call_arguments.done", "name": "calculator"},
-        {"item": {**item, "arguments": "{\"expression\": \"1\"}", "status": "completed"}, "output_index": 1,
-         "sequence_number": 11, "type": "response.output_item.done"},
+        {
+            "delta": '{"expression": "1"}',
+            "item_id": "fc_1",
+            "output_index": 1,
+            "sequence_number": 9,
+            "type": "response.function_call_arguments.delta",
+        },
+        {
+            "arguments": '{"expression": "1"}',
+            "item_id": "fc_1",
+            "output_index": 1,
+            "sequence_number": 10,
+            "type": "response.function_call_arguments.done",
+            "name": "calculator",
+        },
+        {
+            "item": {**item, "arguments": '{"expression": "1"}', "status": "completed"},
+            "output_index": 1,
+            "sequence_number": 11,
+            "type": "response.output_item.done",
+        },
     ]
     judge_events(oracle, events)
 
@@ -610,7 +836,12 @@ BAD_RESPONSES = [
     {"model": "fake-model", "input": "x", "background": True, "store": False},
     {"model": "fake-model", "input": "x", "tool_choice": "required"},
     {"model": "fake-model", "input": "x", "tool_choice": {"type": "function", "name": "calculator"}},
-    {"model": "fake-model", "input": "x", "tools": RESPONSES_TOOLS, "tool_choice": {"type": "function", "name": "f"}},
+    {
+        "model": "fake-model",
+        "input": "x",
+        "tools": RESPONSES_TOOLS,
+        "tool_choice": {"type": "function", "name": "f"},
+    },
     {"model": "fake-model", "input": "x", "include": ["message.output_text.everything"]},
     {"model": "fake-model"},
     {"model": "fake-model", "input": "x", "max_output_tokens": "many"},
@@ -626,15 +857,35 @@ MISSING_RESPONSES = [  # accepted by vLLM's request model, refused by its servin
 def test_responses_errors_are_vllms(rlgate_serve: Proc, oracle: Oracle):
     base = rlgate_serve.url.removesuffix("/v1")
     cases = [(b, 400) for b in BAD_RESPONSES] + MISSING_RESPONSES
-    [vllm] = oracle.ask([{"op": "http", "requests": [{"path": "/v1/responses", "json": b} for b, _ in cases]
-                          + [{"path": "/v1/responses", "content": '{"input": ', "headers":
-                              {"content-type": "application/json"}}]}])
+    [vllm] = oracle.ask(
+        [
+            {
+                "op": "http",
+                "requests": [{"path": "/v1/responses", "json": b} for b, _ in cases]
+                + [
+                    {
+                        "path": "/v1/responses",
+                        "content": '{"input": ',
+                        "headers": {"content-type": "application/json"},
+                    }
+                ],
+            }
+        ]
+    )
     ours = [httpx.post(f"{base}/v1/responses", json=b, timeout=60) for b, _ in cases]
-    ours.append(httpx.post(f"{base}/v1/responses", content=b'{"input": ', headers={"content-type": "application/json"},
-                           timeout=60))
+    ours.append(
+        httpx.post(
+            f"{base}/v1/responses",
+            content=b'{"input": ',
+            headers={"content-type": "application/json"},
+            timeout=60,
+        )
+    )
     differences = []
     for (body, status), mine, theirs in zip([*cases, ("bad JSON", 400)], ours, vllm, strict=True):
         assert theirs["status"] == status, f"vLLM answers {theirs} to {body}"
         if mine.status_code != status or exact(mine.json()) != exact(theirs["body"]):
-            differences.append(f"{body}\n  ours  {mine.status_code} {mine.text}\n  vLLM  {status} {exact(theirs['body'])}")
+            differences.append(
+                f"{body}\n  ours  {mine.status_code} {mine.text}\n  vLLM  {status} {exact(theirs['body'])}"
+            )
     assert not differences, "\n".join(differences)

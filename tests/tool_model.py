@@ -31,9 +31,20 @@ TOOL_CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "17
 
 
 def _tools(rng: random.Random) -> list[dict]:
-    description = rng.choice(["Evaluate an arithmetic expression.", "Calculator.", "", "Compute a sum.",
-                              "Evaluate an arithmetic expression and return the result as text."])
-    parameters = {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}
+    description = rng.choice(
+        [
+            "Evaluate an arithmetic expression.",
+            "Calculator.",
+            "",
+            "Compute a sum.",
+            "Evaluate an arithmetic expression and return the result as text.",
+        ]
+    )
+    parameters = {
+        "type": "object",
+        "properties": {"expression": {"type": "string"}},
+        "required": ["expression"],
+    }
     if rng.random() < 0.5:
         parameters["additionalProperties"] = False
         parameters["properties"]["expression"]["description"] = rng.choice(["e.g. 2 + 3", "The expression"])
@@ -46,9 +57,16 @@ def _tools(rng: random.Random) -> list[dict]:
 
 
 def _system(rng: random.Random) -> list[dict]:
-    text = rng.choice([None, "You are a helpful assistant.", "You are a helpful AI assistant. Solve tasks "
-                       "using your tools. Reply with TERMINATE when the task has been completed.",
-                       "Answer arithmetic questions with the calculator tool.", "You are terse."])
+    text = rng.choice(
+        [
+            None,
+            "You are a helpful assistant.",
+            "You are a helpful AI assistant. Solve tasks "
+            "using your tools. Reply with TERMINATE when the task has been completed.",
+            "Answer arithmetic questions with the calculator tool.",
+            "You are terse.",
+        ]
+    )
     return [] if text is None else [{"role": "system", "content": text}]
 
 
@@ -61,17 +79,29 @@ def _examples(tokenizer, rng: random.Random) -> tuple[list[int], list[int]]:
         call_id = rng.choice(["call_1", "call_abc", "tool_0", "8f1e"])
         arguments = json.dumps({"expression": EXPRESSION})
         conversation += [
-            {"role": "assistant", "content": None,
-             "tool_calls": [{"id": call_id, "type": "function",
-                             "function": {"name": "calculator", "arguments": arguments}}]},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": call_id,
+                        "type": "function",
+                        "function": {"name": "calculator", "arguments": arguments},
+                    }
+                ],
+            },
             {"role": "tool", "tool_call_id": call_id, "content": rng.choice(["42", "42.0", "result: 42"])},
         ]
         target = ANSWER
         if rng.random() < 0.3:  # a reflection call after the tool ran may come without tools (AutoGen)
             tools = None
-    prompt = tokenizer.apply_chat_template(conversation, tools=tools, add_generation_prompt=True, tokenize=False)
-    return (tokenizer.encode(prompt, add_special_tokens=False),
-            tokenizer.encode(target + "<|im_end|>", add_special_tokens=False))
+    prompt = tokenizer.apply_chat_template(
+        conversation, tools=tools, add_generation_prompt=True, tokenize=False
+    )
+    return (
+        tokenizer.encode(prompt, add_special_tokens=False),
+        tokenizer.encode(target + "<|im_end|>", add_special_tokens=False),
+    )
 
 
 def build_tool_calling_model(path: Path, steps: int = 400, seed: int = 0) -> Path:
@@ -90,7 +120,7 @@ def build_tool_calling_model(path: Path, steps: int = 400, seed: int = 0) -> Pat
         for r, (prompt, target) in enumerate(batch):
             n = len(prompt) + len(target)
             ids[r, :n] = torch.tensor(prompt + target)
-            labels[r, len(prompt):n] = torch.tensor(target)
+            labels[r, len(prompt) : n] = torch.tensor(target)
             mask[r, :n] = 1
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         optimizer.zero_grad()

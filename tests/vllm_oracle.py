@@ -52,8 +52,17 @@ def _models() -> dict[str, Any]:
     from vllm.entrypoints.openai.responses.protocol import ResponsesResponse
     from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
-    return {m.__name__: m for m in (ChatCompletionResponse, ChatCompletionStreamResponse, CompletionResponse,
-                                    CompletionStreamResponse, ErrorResponse, ResponsesResponse)}
+    return {
+        m.__name__: m
+        for m in (
+            ChatCompletionResponse,
+            ChatCompletionStreamResponse,
+            CompletionResponse,
+            CompletionStreamResponse,
+            ErrorResponse,
+            ResponsesResponse,
+        )
+    }
 
 
 def _validate_event(body: Any) -> Any:
@@ -65,9 +74,12 @@ def _validate_event(body: Any) -> Any:
     from vllm.entrypoints.openai.responses import protocol
 
     event = TypeAdapter(ResponseStreamEvent).validate_python(body)
-    wrappers = {"response.created": protocol.ResponseCreatedEvent, "response.in_progress":
-                protocol.ResponseInProgressEvent, "response.completed": protocol.ResponseCompletedEvent,
-                "response.incomplete": protocol.ResponseIncompleteEvent}
+    wrappers = {
+        "response.created": protocol.ResponseCreatedEvent,
+        "response.in_progress": protocol.ResponseInProgressEvent,
+        "response.completed": protocol.ResponseCompletedEvent,
+        "response.incomplete": protocol.ResponseIncompleteEvent,
+    }
     wrapper = wrappers.get(body.get("type"))
     return event if wrapper is None else wrapper.model_validate(body)
 
@@ -122,7 +134,9 @@ def _parser(model_dir: str) -> tuple[Any, Any]:
     if model_dir not in _tokenizers:
         _tokenizers[model_dir] = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     tokenizer = _tokenizers[model_dir]
-    parser_cls = ParserManager.get_parser(tool_parser_name="hermes", enable_auto_tools=True, tokenizer=tokenizer)
+    parser_cls = ParserManager.get_parser(
+        tool_parser_name="hermes", enable_auto_tools=True, tokenizer=tokenizer
+    )
     return parser_cls, tokenizer
 
 
@@ -138,27 +152,34 @@ def parse(case: dict[str, Any]) -> dict[str, Any]:
     parser = parser_cls(tokenizer)
     request = parser.adjust_request(request)
     reasoning, content, tool_calls = parser.parse(case["text"], request, enable_auto_tools=True)
-    fields = assemble_chat_message_fields(request, reasoning, content, tool_calls, enable_auto_tools=True,
-                                          parser_cls=parser_cls)
+    fields = assemble_chat_message_fields(
+        request, reasoning, content, tool_calls, enable_auto_tools=True, parser_cls=parser_cls
+    )
     answer: dict[str, Any] = {
         "content": fields.content,
-        "tool_calls": [{"name": c.function.name, "arguments": c.function.arguments} for c in fields.tool_calls],
+        "tool_calls": [
+            {"name": c.function.name, "arguments": c.function.arguments} for c in fields.tool_calls
+        ],
         "finish_reason": resolve_finish_reason(case["finish_reason"], request, bool(fields.tool_calls)),
     }
     if case.get("pieces") is not None:
-        processor = ChatStreamProcessor(request, parser_cls(tokenizer), enable_auto_tools=True,
-                                        parser_cls=parser_cls)
+        processor = ChatStreamProcessor(
+            request, parser_cls(tokenizer), enable_auto_tools=True, parser_cls=parser_cls
+        )
         deltas, finish = [], None
         pieces, ids = case["pieces"], case.get("token_ids") or [[0]] * len(case["pieces"])
         for i, (piece, token_ids) in enumerate(zip(pieces, ids, strict=True)):
             last = i == len(pieces) - 1
-            step = processor.step(piece, token_ids, case["finish_reason"] if last else None,
-                                  case.get("prompt_token_ids") or [0])
+            step = processor.step(
+                piece, token_ids, case["finish_reason"] if last else None, case.get("prompt_token_ids") or [0]
+            )
             delta = step.delta
             if delta is None and last:  # serving.py: a finishing choice always sends a chunk
                 deltas.append({})
             else:  # as the chunk carries it (model_dump_json(exclude_unset=True))
-                deltas.append(None if delta is None else json.loads(delta.model_dump_json(exclude_unset=True)))
+                deltas.append(
+                    None if delta is None else json.loads(delta.model_dump_json(exclude_unset=True))
+                )
             finish = step.finish_reason
         answer["stream"] = {"deltas": deltas, "finish_reason": finish}
     return answer
@@ -181,6 +202,7 @@ def _app() -> Any:
 
             async def chunks():
                 yield "data: accepted\n\n"
+
             return chunks()
 
         create_chat_completion = _accept
@@ -190,6 +212,7 @@ def _app() -> Any:
         def __getattr__(self, name: str) -> Any:
             async def call(*args: Any, **kwargs: Any) -> Any:
                 return "stub"
+
             return call
 
     class StubResponses:
@@ -212,6 +235,7 @@ def _app() -> Any:
 
             async def events():
                 yield SimpleNamespace(type="accepted", model_dump_json=lambda **kwargs: "{}")
+
             return events()
 
     app = FastAPI()

@@ -15,5 +15,13 @@ from reward_hooks.rewards.registry import (
     register,
 )
 
-__all__ = ["BUILTINS", "RewardFn", "RewardInput", "RewardInputError", "UnknownRewardFn", "get_allowed_reward_fn",
-           "get_reward_fn", "register"]
+__all__ = [
+    "BUILTINS",
+    "RewardFn",
+    "RewardInput",
+    "RewardInputError",
+    "UnknownRewardFn",
+    "get_allowed_reward_fn",
+    "get_reward_fn",
+    "register",
+]

@@ -111,6 +111,6 @@ def math_answer(inp: RewardInput) -> float:
         raise ValueError(f"params.rel_tol must be a finite number >= 0, got {rel_tol!r}")
     tolerance = Fraction(rel_tol)
     truths = _truth_values(inp.ground_truth)
-    return float(any(
-        abs(a - g) <= tolerance * max(abs(a), abs(g)) for a in final_number(inp.answer) for g in truths
-    ))
+    return float(
+        any(abs(a - g) <= tolerance * max(abs(a), abs(g)) for a in final_number(inp.answer) for g in truths)
+    )

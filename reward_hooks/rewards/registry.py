@@ -53,14 +53,16 @@ class UnknownRewardFn(LookupError):
     """No reward function goes by this name (nor is it an entry point or an importable dotted path)."""
 
 
-BUILTINS: Mapping[str, RewardFn] = MappingProxyType({
-    "exact_match": exact_match,
-    "f1": f1,
-    "format_and_f1": format_and_f1,
-    "math_answer": math_answer,
-    "sql_execution_match": sql_execution_match,
-    "llm_judge": llm_judge,
-})
+BUILTINS: Mapping[str, RewardFn] = MappingProxyType(
+    {
+        "exact_match": exact_match,
+        "f1": f1,
+        "format_and_f1": format_and_f1,
+        "math_answer": math_answer,
+        "sql_execution_match": sql_execution_match,
+        "llm_judge": llm_judge,
+    }
+)
 
 _registered: dict[str, RewardFn] = {}
 
@@ -132,11 +134,15 @@ def get_allowed_reward_fn(name: str, modules: Sequence[str]) -> RewardFn:
         return get_reward_fn(name)
     module = name.partition(":")[0] if ":" in name else name.rpartition(".")[0]
     if not _within(module, modules):
-        raise UnknownRewardFn(f"reward function {name!r} is not a builtin or an entry point, and its module is "
-                              "not in RLGATE_REWARD_FN_MODULES")
+        raise UnknownRewardFn(
+            f"reward function {name!r} is not a builtin or an entry point, and its module is "
+            "not in RLGATE_REWARD_FN_MODULES"
+        )
     fn = get_reward_fn(name)
     if not _within(getattr(fn, "__module__", None) or "", modules):
-        raise UnknownRewardFn(f"reward function {name!r} resolves to {fn!r}, defined outside the allowed modules")
+        raise UnknownRewardFn(
+            f"reward function {name!r} resolves to {fn!r}, defined outside the allowed modules"
+        )
     return fn
 
 

@@ -60,8 +60,9 @@ HEAP_LIMIT_BYTES = 256 << 20
 # spaces every possible way, quadratic in its length when no newline follows.
 _FENCED_SQL = re.compile(r"```[ \t]*(?:(?:sql|sqlite)[ \t]*)?\n(.*?)```", re.IGNORECASE | re.DOTALL)
 _ORDER_BY = re.compile(r"\border\s+by\b", re.IGNORECASE)
-_READ_ACTIONS = frozenset({sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION,
-                           sqlite3.SQLITE_RECURSIVE})
+_READ_ACTIONS = frozenset(
+    {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION, sqlite3.SQLITE_RECURSIVE}
+)
 # SQLite VM instructions between two calls of the progress handler (which checks the clock and lets
 # Python's signal handlers, such as rq's job timeout, run): 100 costs about 5% on a plain counting query,
 # 50 about 25%
@@ -102,9 +103,11 @@ def sql_execution_match(inp: RewardInput) -> float:
     db_path = params.get("db_path")
     if not isinstance(db_path, str) or not Path(db_path).is_file():
         raise RewardInputError(f"params.db_path must name an existing SQLite file, got {db_path!r}")
-    limits = _Limits(timeout_s=_positive(params, "timeout_s", DEFAULT_TIMEOUT_S),
-                     max_rows=int(_positive(params, "max_rows", DEFAULT_MAX_ROWS)),
-                     max_result_bytes=int(_positive(params, "max_result_bytes", DEFAULT_MAX_RESULT_BYTES)))
+    limits = _Limits(
+        timeout_s=_positive(params, "timeout_s", DEFAULT_TIMEOUT_S),
+        max_rows=int(_positive(params, "max_rows", DEFAULT_MAX_ROWS)),
+        max_result_bytes=int(_positive(params, "max_result_bytes", DEFAULT_MAX_RESULT_BYTES)),
+    )
     max_value_bytes = int(_positive(params, "max_value_bytes", DEFAULT_MAX_VALUE_BYTES))
     gold = inp.ground_truth
     if not isinstance(gold, str) or not gold.strip():
@@ -128,8 +131,14 @@ def sql_execution_match(inp: RewardInput) -> float:
             try:
                 gold_rows, gold_columns = _run(connection, gold, limits, trap)
             except _QueryFailed as exc:
-                hint = (f" (max_value_bytes={max_value_bytes} also bounds each row a sort, DISTINCT or "
-                        "GROUP BY holds)") if "too big" in str(exc) else ""
+                hint = (
+                    (
+                        f" (max_value_bytes={max_value_bytes} also bounds each row a sort, DISTINCT or "
+                        "GROUP BY holds)"
+                    )
+                    if "too big" in str(exc)
+                    else ""
+                )
                 raise RewardInputError(f"the gold SQL failed: {exc}{hint}") from exc
             connection.setlimit(sqlite3.SQLITE_LIMIT_COLUMN, max(_MAX_COLUMNS, gold_columns))
             try:
@@ -258,8 +267,9 @@ def _run(connection: sqlite3.Connection, query: str, limits: _Limits, trap: _Tra
         connection.set_progress_handler(None, 0)
 
 
-def _fetch(connection: sqlite3.Connection, query: str, limits: _Limits,
-           trap: _Trap) -> tuple[list[tuple], int]:
+def _fetch(
+    connection: sqlite3.Connection, query: str, limits: _Limits, trap: _Trap
+) -> tuple[list[tuple], int]:
     """`_run` without its deadline and its translation of errors."""
     cursor = connection.execute(query)
     if cursor.description is None:  # no statement at all (empty, only comments): no rows to compare

@@ -39,8 +39,11 @@ def ground_truths(ground_truth: Any) -> list[str]:
     """The acceptable answers: a string, or a non-empty list of strings."""
     if isinstance(ground_truth, str):
         return [ground_truth]
-    if (isinstance(ground_truth, list | tuple) and ground_truth
-            and all(isinstance(item, str) for item in ground_truth)):
+    if (
+        isinstance(ground_truth, list | tuple)
+        and ground_truth
+        and all(isinstance(item, str) for item in ground_truth)
+    ):
         return list(ground_truth)
     raise ValueError(f"ground_truth must be a string or a non-empty list of strings, got {ground_truth!r}")
 
@@ -91,7 +94,7 @@ def extract_tagged(answer: str, tags: tuple[str, str]) -> str | None:
         end = answer.find(close_tag, start + len(open_tag))
         if end < 0:  # no close after this open, so none after any later one either
             break
-        last = answer[start + len(open_tag):end]
+        last = answer[start + len(open_tag) : end]
         pos = end + len(close_tag)
     return last
 
@@ -106,8 +109,11 @@ def format_and_f1(inp: RewardInput) -> float:
     makes an answer gradable. Values: 0.0 (no or empty tags), 0.1 (tagged, no word overlap), up to 1.0.
     """
     tags = inp.params.get("answer_tags", DEFAULT_ANSWER_TAGS)
-    if (not isinstance(tags, list | tuple) or len(tags) != 2
-            or not all(isinstance(tag, str) and tag for tag in tags)):
+    if (
+        not isinstance(tags, list | tuple)
+        or len(tags) != 2
+        or not all(isinstance(tag, str) and tag for tag in tags)
+    ):
         raise ValueError(f"params.answer_tags must be two non-empty strings [open, close], got {tags!r}")
     golds = ground_truths(inp.ground_truth)
     tagged = extract_tagged(inp.answer, (tags[0], tags[1]))
