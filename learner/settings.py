@@ -4,12 +4,15 @@ shares also from their RLGATE_* names: `episodes.settings`)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import BeforeValidator, Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from episodes.settings import SharedSettings
+
+# A model as given (a folder, or a Hub id): text, so that `./tiny` stays a path (a Path would drop the `./`).
+ModelRef = Annotated[str, BeforeValidator(lambda value: str(value) if isinstance(value, Path) else value)]
 
 
 class LearnerSettings(SharedSettings):
@@ -24,8 +27,8 @@ class LearnerSettings(SharedSettings):
         "stable across restarts, so a restarted learner takes back its own pending episodes.",
     )
     group: str = Field("learners", description="The consumer group of the closed-episode stream.")
-    model: Path = Field(
-        Path("model"),
+    model: ModelRef = Field(
+        "model",
         description="The base policy: a local Hugging Face folder, or a Hub id (e.g. "
         "Qwen/Qwen2.5-1.5B-Instruct) taken from the Hugging Face cache and downloaded there when "
         "missing.",

@@ -464,6 +464,7 @@ class LearnerCommand(LearnerSettings):
 
         configure_logging(self.log_level, self.log_format)
         settings = LearnerSettings.model_validate(self.model_dump(exclude={"log_level", "log_format"}))
+        _check_model(str(settings.model))
         asyncio.run(_check_redis(settings.redis_url, settings.key_prefix, 10.0))  # before torch loads
 
         from learner.loop import LogprobMismatch, run
@@ -474,6 +475,18 @@ class LearnerCommand(LearnerSettings):
             pass
         except LogprobMismatch as exc:
             raise UsageError(str(exc)) from exc
+
+
+def _check_model(model: str) -> None:
+    """A model that names a local folder must be one; anything else is taken as a Hugging Face Hub id
+    (`org/name` or a bare name such as `gpt2`), never a path that happens to be missing (a typo would otherwise be looked up online)."""
+    if Path(model).expanduser().is_dir():
+        return
+    looks_like_path = model.startswith(("/", ".", "~")) or model.count("/") > 1 or model.endswith("/")
+    if looks_like_path or Path(model).exists():
+        raise UsageError(
+            f"no model folder {model!r}: give a local Hugging Face folder or a Hub id (org/name)"
+        )
 
 
 class DemoCommand(SharedSettings):

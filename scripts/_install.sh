@@ -8,7 +8,7 @@
 rlgate_install() {
   local venv=$1 extra=$2 python=${PYTHON:-python3}
   local stamp="$venv/.rlgate-installed" want
-  want="$(cat pyproject.toml | sha256sum | cut -c1-16) $extra openrlhf==0.11.2"
+  want="$(sha256sum < pyproject.toml | cut -c1-16) $extra $(pwd) openrlhf==0.11.2"
   if [ -x "$venv/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
     return 0
   fi
@@ -17,9 +17,10 @@ rlgate_install() {
          "OpenRLHF (about 2-6 minutes and 1.5-2 GB, depending on the package mirror)"
     "$python" -m venv "$venv"
   else
-    echo "rlgate: pyproject.toml changed: updating $venv"
+    echo "rlgate: updating $venv for rlgate[$extra] (pyproject.toml, the extra or the checkout changed)"
   fi
   local started=$SECONDS
+  rm -f "$stamp"  # an install cut short is never taken for a complete one
   "$venv/bin/python" -m pip install --quiet --upgrade pip
   "$venv/bin/python" -m pip install --quiet --no-warn-conflicts -e ".[$extra]" 2> >(grep -v -e "BuildBackendWarning" \
     -e "^\s*!!\s*$" -e "^\s*\*\+\s*$" -e "Please be careful with folders" -e "name as your package as they" \

@@ -18,6 +18,8 @@ from pydantic_core import PydanticUndefined
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from pydantic_settings.sources.providers.cli import _CliPositionalArg  # noqa: E402
+
 from rlgate._cli_parse import env_names, subcommands  # noqa: E402
 from rlgate.cli import Rlgate  # noqa: E402
 
@@ -64,7 +66,8 @@ def render() -> str:
         "Generated from the settings classes by `scripts/config_reference.py` (tests/test_docs.py checks it is",
         "current): edit the code's descriptions, not this page. Every option is a flag of its command and, where",
         "named, an environment variable; a service-prefixed variable wins over the shared `RLGATE_*` name. Booleans",
-        "are flags (`--resume` / `--no-resume`). `rlgate COMMAND --help` prints the same.",
+        "are flags (`--resume` / `--no-resume`); an option in capitals is a positional argument (`rlgate reward",
+        "ROLLOUT_ID VALUE`). `rlgate COMMAND --help` prints the same.",
         "",
     ]
     for path, cls in _commands(Rlgate, "rlgate"):
@@ -81,9 +84,9 @@ def render() -> str:
             if name.replace("_", "-") in children:
                 continue
             env = ", ".join(f"`{e}`" for e in env_names(cls, name)) or "-"
+            option = name.upper() if _CliPositionalArg in field.metadata else f"--{name.replace('_', '-')}"
             lines.append(
-                f"| `--{name.replace('_', '-')}` | {env} | {_cell(_default(field))} | "
-                f"{_cell(field.description or '')} |"
+                f"| `{option}` | {env} | {_cell(_default(field))} | {_cell(field.description or '')} |"
             )
         lines.append("")
     return "\n".join(lines)

@@ -436,3 +436,12 @@ def test_list_rollouts_reads_are_bounded():
             await store.aclose()
 
     asyncio.run(go())
+
+
+def test_a_missing_model_folder_is_one_line_not_a_hub_lookup(tmp_path):
+    """A model that looks like a path and is not a folder is a mistake, said at once; only `org/name`
+    (nothing at that path) is taken as a Hugging Face Hub id."""
+    for model in ("./models/tiny", str(tmp_path / "missing"), "runs/tiny/model", "~/nope"):
+        result = rlgate("learner", "--model", model)
+        assert result.returncode == 2, (model, result.stderr)
+        assert result.stderr.strip().count("\n") == 0 and "no model folder" in result.stderr, result.stderr
