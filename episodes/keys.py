@@ -17,6 +17,8 @@
 | `{prefix}:episodes`                | stream | reward hooks, sweeper (closed episodes) | learners (consumer group)| none |
 | `{prefix}:epoch`                   | string | gateway (SET NX, a random value)        | gateways (polled)        | none |
 | `{prefix}:health`                  | string | gateway `/healthz` (a write probe)      | nobody                   | 60 s |
+| `{prefix}:learner:steps`           | stream | learner (one entry per step: `data`, its| dashboards, inspection   | none |
+|                                    |        | numbers as JSON; capped, ~10,000)       |                          |      |
 | `{prefix}:webhook:<id>`            | string | reward webhook (SET NX: a signed        | reward webhook           | 2 T  |
 |                                    |        | request's webhook-id, accepted once)    |                          |      |
 
@@ -123,7 +125,17 @@ def _tag(episode_id: str) -> str:
 class Keys:
     """Builds the keys of one rlgate deployment; `prefix` lets several share a Redis."""
 
-    __slots__ = ("prefix", "policy", "expiry", "rollouts", "outbox", "episodes", "epoch", "health")
+    __slots__ = (
+        "prefix",
+        "policy",
+        "expiry",
+        "rollouts",
+        "outbox",
+        "episodes",
+        "epoch",
+        "health",
+        "learner_steps",
+    )
 
     def __init__(self, prefix: str = "rlgate") -> None:
         if not prefix or "{" in prefix or "}" in prefix:
@@ -136,6 +148,7 @@ class Keys:
         self.episodes = f"{prefix}:episodes"
         self.epoch = f"{prefix}:epoch"
         self.health = f"{prefix}:health"
+        self.learner_steps = f"{prefix}:learner:steps"
 
     def rollout(self, rollout_id: str) -> str:
         return f"{self.prefix}:rollout:{_tag(rollout_id)}"

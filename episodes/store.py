@@ -45,6 +45,7 @@ from episodes.records import (
     RolloutView,
 )
 
+LEARNER_STEPS_KEPT = 10_000  # learner steps kept on their stream (about; XADD MAXLEN ~)
 EVENTS_MAX = 256  # events kept per rollout (each at most EVENT_MAX_BYTES of JSON)
 EVENT_MAX_BYTES = 16 * 1024
 INDEX_MAX = 1_000_000  # rollouts the listing index keeps (the newest; `EpisodeStore.index_max`)
@@ -451,6 +452,19 @@ class EpisodeStore:
         if not status:
             raise RolloutNotFound(f"no rollout {rollout_id!r}")
         raise RolloutNotOpen(rollout_id, status)
+
+    async def add_learner_step(self, metrics: dict[str, Any], keep: int = LEARNER_STEPS_KEPT) -> None:
+        """Keep one learner step's numbers (JSON) on the capped `learner:steps` stream."""
+        async with _guard(self.timeout_s):
+            await self.redis.xadd(
+                self.keys.learner_steps, {"data": orjson.dumps(metrics)}, maxlen=keep, approximate=True
+            )
+
+    async def learner_steps(self, count: int = 100) -> list[dict[str, Any]]:
+        """The newest `count` learner steps, oldest first."""
+        async with _guard(self.timeout_s):
+            entries = await self.redis.xrevrange(self.keys.learner_steps, count=count)
+        return [orjson.loads(fields[b"data"]) for _, fields in reversed(entries)]
 
     async def policy(self) -> Policy:
         """The current policy pointer (version 0 and no adapter before the learner's first push)."""

@@ -219,6 +219,10 @@ class Learner:
             "waiting_episodes": self.collector.waiting_episodes(),
         }
         self._log(metrics)
+        try:  # for dashboards: the step's numbers in Redis too (a capped stream); the files above are kept
+            await self.store.add_learner_step(metrics)
+        except StoreUnavailable as exc:
+            log.warning("step_not_published", step=self.step, error=str(exc))
         return metrics
 
     async def _read_episodes(

@@ -174,6 +174,12 @@ def test_a_step_pushes_an_adapter_that_serves_the_next_call(stack, redis_client:
     assert step["rollout_kl"] == pytest.approx(0.0, abs=1e-3)  # on-policy: the server's log-probs are ours
     assert (out / "adapters" / "policy-v1" / "adapter_config.json").is_file()
     assert (out / "checkpoint" / "latest.pt").is_file() and list((out / "tensorboard").iterdir())
+    # the step's numbers also go to Redis, on a capped stream (for dashboards)
+    [published] = [json.loads(fields[b"data"]) for _, fields in redis_client.xrange("rlgate:learner:steps")]
+    assert published["step"] == 1 and published["loss"] == pytest.approx(step["loss"])
+    assert (
+        published["episodes"] == 8 and published["val_episodes"] == 0 and published["val_reward_mean"] is None
+    )
 
     # every episode consumed exactly once, nothing pending on the stream
     assert all(redis_client.hget(f"rlgate:rollout:{{{rid}}}", "status") == b"consumed" for rid in rids)
