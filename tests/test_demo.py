@@ -14,10 +14,9 @@ pytest.importorskip("openrlhf")
 pytest.importorskip("matplotlib")
 
 
-@pytest.mark.timeout(400)
-def test_quick_demo_shows_the_success_rate_rising(tmp_path: Path, redis_client):
-    out = tmp_path / "summary.json"
-    result = subprocess.run(
+def quick_demo(out: Path, tmp_path: Path) -> subprocess.CompletedProcess:
+    """`rlgate demo --quick` as a process, its summary written to `out`."""
+    return subprocess.run(
         [
             sys.executable,
             "-m",
@@ -36,6 +35,12 @@ def test_quick_demo_shows_the_success_rate_rising(tmp_path: Path, redis_client):
         text=True,
         timeout=380,
     )
+
+
+@pytest.mark.timeout(400)
+def test_quick_demo_shows_the_success_rate_rising(tmp_path: Path, redis_client):
+    out = tmp_path / "summary.json"
+    result = quick_demo(out, tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads(out.read_text())
     assert set(summary) >= {
@@ -66,25 +71,7 @@ def test_the_quick_demo_learns_while_a_cpu_hog_keeps_a_core_busy(tmp_path: Path,
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         out = tmp_path / "summary.json"
-        result = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "rlgate",
-                "demo",
-                "--quick",
-                "--json",
-                str(out),
-                "--workdir",
-                str(tmp_path / "demo"),
-                "--redis-url",
-                REDIS_URL,
-            ],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=380,
-        )
+        result = quick_demo(out, tmp_path)
     finally:
         hog.kill()
         hog.wait()
