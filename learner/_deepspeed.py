@@ -8,15 +8,18 @@ OpenRLHF's trainers do: its ZeRO config (`get_train_ds_config`: stage, gradient 
 fp32 on a CPU), AdamW with bias/norm weights exempt from weight decay, a constant learning rate; and
 `strategy.backward` / `strategy.optimizer_step` / `strategy.get_grad_norm` drive each update. The train
 batch is one micro-batch per optimizer call (OpenRLHF's dynamic-batch mode): gradients of a step's
-micro-batches accumulate and one `optimizer_step` applies them.
+micro-batches accumulate, the last one's backward marked as the accumulation boundary (`backward`), and
+one `optimizer_step` applies them.
 
-One process: the learner reads episodes and trains in rank 0 only; data parallelism across ranks (rank 0
-scattering each step's samples) is not built, so `deepspeed --num_gpus N` is not a way to run it yet.
-First use compiles DeepSpeed's CPU ops (about a minute each on 2 cores; cached in ~/.cache/torch_extensions).
+Several ranks (a launcher's RANK/WORLD_SIZE, `learner.ranks`): DeepSpeed averages the ranks' gradients at
+every backward (ZeRO 0-2 as configured), and the loss is scaled so that the average is the whole step's
+gradient (`policy.Policy.update`). First use compiles DeepSpeed's CPU ops (about a minute each on 2 cores;
+cached in ~/.cache/torch_extensions).
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 from pathlib import Path
@@ -29,7 +32,10 @@ import torch.distributed as dist
 from learner._openrlhf import Actor
 
 
-def _init_distributed(device: torch.device) -> None:
+def init_distributed(device: torch.device, timeout_s: float = 600.0) -> None:
+    """The default process group: from the launcher's variables, or a group of one on a free local port;
+    gloo on a CPU, nccl on a GPU (`device` is this rank's, set as the current CUDA device first). A
+    collective waits at most `timeout_s` for the other ranks."""
     import deepspeed
 
     if dist.is_initialized():
@@ -43,9 +49,11 @@ def _init_distributed(device: torch.device) -> None:
         )
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
-    if dist.get_world_size() != 1:
-        raise RuntimeError("the learner trains in one process: data parallelism across ranks is not built")
+    deepspeed.init_distributed(
+        dist_backend="nccl" if device.type == "cuda" else "gloo",
+        timeout=datetime.timedelta(seconds=timeout_s),
+        verbose=False,
+    )
 
 
 class DeepSpeedEngine:
@@ -64,7 +72,7 @@ class DeepSpeedEngine:
     ) -> None:
         from openrlhf.utils.deepspeed import DeepspeedStrategy
 
-        _init_distributed(device)
+        init_distributed(device)
         args = SimpleNamespace(
             ds=SimpleNamespace(
                 param_dtype="bf16" if device.type == "cuda" else "fp32",
@@ -97,7 +105,13 @@ class DeepSpeedEngine:
     def engine(self) -> Any:
         return self.actor.model
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, last: bool = True) -> None:
+        """Accumulate the gradient of `loss`; `last`: the step's last micro-batch, where DeepSpeed reduces
+        the accumulated gradients (over the ranks) for the optimizer. Without this the engine's
+        one-micro-batch config (gradient_accumulation_steps 1) makes every backward a boundary, and ZeRO
+        1/2 keep only the last micro-batch's gradient (`stage_1_and_2.copy_grads_in_partition` assigns
+        `averaged_gradients` at each boundary): measured here, DeepSpeed 0.19.6."""
+        self.engine.set_gradient_accumulation_boundary(last)
         self.strategy.backward(loss, self.actor, self.optimizer)
 
     def step(self) -> float:

@@ -6,6 +6,11 @@ that no episode is trained twice).
 `checkpoint/v{N}/` holds the policy's state (`Policy.save`: torch tensors, or DeepSpeed's checkpoint);
 `checkpoint/latest.pt` names it and holds the rest, and is replaced atomically (written next to it,
 fsynced, renamed) only after the state is complete; older state folders are deleted after that.
+
+With several ranks (`learner.ranks`) every rank writes its part of the state (DeepSpeed's per-rank ZeRO
+files) into the same folder, so `output_dir` must be one every rank sees (one machine, or a shared
+volume); rank 0 alone clears the folder first and writes `latest.pt` once every rank's part is written.
+A resumed learner must run as many ranks as the one that saved (ZeRO partitions the optimizer by rank).
 """
 
 from __future__ import annotations
@@ -33,11 +38,27 @@ def _file(output_dir: Path) -> Path:
     return output_dir / "checkpoint" / "latest.pt"
 
 
-def save(output_dir: Path, step: int, version: int, policy: Any, trained: list[ClosedEpisode]) -> Path:
+def save(
+    output_dir: Path,
+    step: int,
+    version: int,
+    policy: Any,
+    trained: list[ClosedEpisode],
+    ranks: Any = None,
+) -> Path:
+    """Every rank calls this (`ranks`: `learner.ranks.Ranks`, None for one process)."""
     target = _file(output_dir)
     state_dir = target.parent / f"v{version}"
-    shutil.rmtree(state_dir, ignore_errors=True)  # a half-written one from a crash
+    leader = ranks is None or ranks.leader
+    if leader:
+        shutil.rmtree(state_dir, ignore_errors=True)  # a half-written one from a crash
+    if ranks is not None:
+        ranks.barrier()
     policy.save(state_dir)
+    if ranks is not None:
+        ranks.barrier()  # every rank's part is on disk
+    if not leader:
+        return target
     tmp = target.with_suffix(".tmp")
     payload = {
         "step": step,

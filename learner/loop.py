@@ -15,6 +15,11 @@ loop:
                  weight-transfer phases (push.FullPusher); the policy pointer moves
   ack         <- every episode of the step: consumed exactly once, XACK
   log         <- one structlog line, TensorBoard scalars, a line of output_dir/steps.jsonl
+
+With several data-parallel ranks (`learner.ranks`, started by torchrun or DeepSpeed's launcher) the
+above is rank 0's loop; the samples are split among the ranks before the update (`Order`), every rank
+trains its share and saves its part of the checkpoint, and all agree that the step succeeded before rank
+0 pushes and acknowledges. The other ranks run `_follow`.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import sys
 import time
 from collections import Counter
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -38,7 +44,8 @@ from learner import checkpoint
 from learner.collect import Collector, Group
 from learner.policy import Policy
 from learner.push import FullPusher, LoraPusher
-from learner.samples import Transition, build_samples, micro_batches
+from learner.ranks import Order, Ranks
+from learner.samples import Sample, Transition, build_samples, micro_batches, shard
 from learner.settings import LearnerSettings
 from learner.transitions import credited_transitions
 
@@ -54,6 +61,9 @@ class Learner:
         self.settings = settings
         if settings.threads:
             torch.set_num_threads(settings.threads)
+        self.ranks = Ranks.start(settings)  # before the policy: it sets this rank's device
+        if self.ranks.size > 1:
+            structlog.contextvars.bind_contextvars(rank=self.ranks.rank)
         self.output_dir = settings.output_dir
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.store = EpisodeStore.from_url(settings.redis_url, prefix=settings.key_prefix, timeout_s=10.0)
@@ -67,7 +77,7 @@ class Learner:
             singleton_groups=settings.singleton_groups,
             success_threshold=settings.success_threshold,
         )
-        self.policy = Policy(settings)
+        self.policy = Policy(settings, self.ranks)
         base_model = self.base_model = settings.served_model_name or str(settings.model)
         self.logprobs_checked = settings.logprob_check_tolerance <= 0
         # a claim outlives the time another learner waits before it reclaims a pending entry
@@ -93,14 +103,14 @@ class Learner:
         self.step = 0
         self.version = 0
         self.writer = None
-        if settings.tensorboard:
+        if settings.tensorboard and self.ranks.leader:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(str(self.output_dir / "tensorboard"))
         self.started = time.monotonic()
         self.episodes_trained = 0
         self.progress = None
-        if sys.stderr.isatty():  # a progress bar on a terminal; the log lines go on as they are
+        if sys.stderr.isatty() and self.ranks.leader:  # a progress bar on a terminal; the log lines go on
             from tqdm import tqdm
 
             self.progress = tqdm(
@@ -109,11 +119,19 @@ class Learner:
 
     async def run(self) -> None:
         try:
+            if not self.ranks.leader:
+                await self._follow()
+                return
             if self.settings.resume:
                 await self._resume()
             await self.collector.start()
             while not self.settings.max_steps or self.step < self.settings.max_steps:
-                await self.train_step(await self.collector.next_step())
+                groups = await self.collector.next_step(deadline_s=self.ranks.keepalive_s)
+                if not groups:  # several ranks: the others hear from rank 0 before their collective times out
+                    self.ranks.send(Order("wait"))
+                    continue
+                await self.train_step(groups)
+            self.ranks.send(Order("stop"))
         finally:
             if self.writer is not None:
                 self.writer.close()
@@ -126,7 +144,8 @@ class Learner:
         if saved is None:
             log.info("no_checkpoint", output_dir=str(self.output_dir))
             return
-        self.policy.load(saved.policy_dir)
+        self.ranks.send(Order("resume", policy_dir=str(saved.policy_dir)))
+        self.ranks.guard("loading the checkpoint", self.policy.load, saved.policy_dir)
         self.step, self.version = saved.step, saved.version
         if self.version > 0:
             await self.pusher.push(self.version, self.policy)  # harmless if it had already been pushed
@@ -148,12 +167,10 @@ class Learner:
         if not self.logprobs_checked:
             self.logprobs_checked = await asyncio.to_thread(self._check_logprobs, per_episode)
 
-        batches = micro_batches(samples, s.micro_batch_tokens, self.policy.pad_token_id)
-        # Every epoch's ratio is against the policy before this step's first update; with one epoch those
-        # are the current log-probs, detached, and need no extra forward pass.
-        old = [self.policy.log_probs(b) for b in batches] if s.epochs_per_step > 1 else None
-        for _ in range(s.epochs_per_step):
-            stats = await asyncio.to_thread(self.policy.update, batches, old)
+        # every rank trains its share of the samples (one rank: all of them)
+        shares = shard(samples, self.ranks.size)
+        order = self.ranks.send([Order("step", self.step + 1, self.version + 1, share) for share in shares])
+        stats = await self._update(order.samples)
         train_s = time.perf_counter() - t0
 
         lost = 0
@@ -172,7 +189,17 @@ class Learner:
             )
         self.version += 1
         self.step += 1
-        checkpoint.save(self.output_dir, self.step, self.version, self.policy, entries)
+        self.ranks.guard(
+            "saving the checkpoint",
+            checkpoint.save,
+            self.output_dir,
+            self.step,
+            self.version,
+            self.policy,
+            entries,
+            self.ranks,
+        )
+        self.ranks.agree()  # every rank trained and saved its part: only now push and acknowledge
         push_s = await self.pusher.push(self.version, self.policy)
         await self._ack(entries)
         self.episodes_trained += len(entries)
@@ -184,6 +211,7 @@ class Learner:
             "step": self.step,
             "time": time.time(),
             "policy_version": self.version,
+            "ranks": self.ranks.size,
             "episodes": len(entries),
             "groups": len(views),
             "reward_mean": statistics.fmean(rewards) if rewards else math.nan,
@@ -224,6 +252,46 @@ class Learner:
         except StoreUnavailable as exc:
             log.warning("step_not_published", step=self.step, error=str(exc))
         return metrics
+
+    async def _update(self, samples: list[Sample]) -> Any:
+        """This rank's update on its share of the step's samples: `epochs_per_step` optimizer steps over
+        its micro-batches, padded to the other ranks' number (`Ranks.pad`)."""
+        s = self.settings
+        batches = micro_batches(samples, s.micro_batch_tokens, self.policy.pad_token_id) if samples else []
+        batches = self.ranks.pad(batches, self.policy.pad_token_id)
+        # Every epoch's ratio is against the policy before this step's first update; with one epoch those
+        # are the current log-probs, detached, and need no extra forward pass.
+        old = [self.policy.log_probs(b) for b in batches] if s.epochs_per_step > 1 else None
+        for _ in range(s.epochs_per_step):
+            stats = await asyncio.to_thread(self.ranks.guard, "the update", self.policy.update, batches, old)
+        return stats
+
+    async def _follow(self) -> None:
+        """A rank other than 0: train each step's share of the samples as rank 0 orders, save this rank's
+        part of the checkpoint, agree; until rank 0 says stop. No Redis, no push, no log of the step."""
+        log.info("rank_started", ranks=self.ranks.size)
+        while True:
+            order = self.ranks.receive()
+            if order.kind == "stop":
+                return
+            if order.kind == "resume":
+                self.ranks.guard("loading the checkpoint", self.policy.load, Path(order.policy_dir))
+            elif order.kind == "step":
+                await self._update(order.samples)
+                self.ranks.guard(
+                    "saving the checkpoint",
+                    checkpoint.save,
+                    self.output_dir,
+                    order.step,
+                    order.version,
+                    self.policy,
+                    [],
+                    self.ranks,
+                )
+                self.ranks.agree()
+                log.info(
+                    "step_share", step=order.step, policy_version=order.version, samples=len(order.samples)
+                )
 
     async def _read_episodes(
         self, groups: list[Group]

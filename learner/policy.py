@@ -17,7 +17,9 @@ One update (per epoch over a step's samples): gradients of all micro-batches are
 micro-batch's loss scaled by the step's totals (OpenRLHF's `batch_num_tokens` / `global_batch_size`),
 so the result does not depend on how samples were split; then the gradient norm is clipped and AdamW
 steps: torch's (`engine=torch`), or DeepSpeed's engine through OpenRLHF's strategy (`engine=deepspeed`,
-`learner._deepspeed`).
+`learner._deepspeed`). With K data-parallel ranks (`learner.ranks`) each rank trains its share of the
+step; the totals are summed over the ranks and each loss is multiplied by K, because DeepSpeed averages
+the ranks' gradients: the step's gradient is the same as one rank's on all the samples.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from learner._openrlhf import (
     log_probs_from_logits,
     masked_mean,
 )
+from learner.ranks import Ranks
 from learner.samples import MicroBatch
 from learner.settings import LearnerSettings
 
@@ -125,14 +128,17 @@ def masked_entropy(z: torch.Tensor, mask: torch.Tensor) -> float:
 
 
 class Policy:
-    """The trainable policy and its optimizer (one process; see the module docstring)."""
+    """The trainable policy and its optimizer (this rank's, with `ranks`; see the module docstring)."""
 
-    def __init__(self, settings: LearnerSettings) -> None:
+    def __init__(self, settings: LearnerSettings, ranks: Ranks | None = None) -> None:
         self.settings = settings
+        self.ranks = ranks or Ranks()
         device = settings.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
+        self.device = (
+            torch.device("cuda", self.ranks.local_rank) if device == "cuda" else torch.device(device)
+        )
         torch.manual_seed(settings.seed)
         dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
         # a local folder, or a Hugging Face Hub id: taken from the Hugging Face cache (where vLLM downloads it
@@ -231,10 +237,25 @@ class Policy:
     ) -> UpdateStats:
         """One optimizer step over `batches` (gradient accumulation). `old_log_probs` (per micro-batch) are
         the policy's log-probs before this step's first update; None means this is that first update and
-        the current log-probs (detached) are the old ones."""
+        the current log-probs (detached) are the old ones.
+
+        With K ranks, `batches` are this rank's (every rank runs as many: `Ranks.pad`): the step's totals
+        N (action tokens) and S (samples with an action token) are summed over the ranks, each
+        micro-batch's loss is OpenRLHF's `aggregate_loss` with `dp_size=K` (token level: sum of its
+        masked per-token losses / N * K), and DeepSpeed's average of the ranks' gradients is then the
+        gradient of sum over all micro-batches / N. The returned statistics are the step's: the losses
+        summed over the ranks / K, the token-weighted ones summed, the maximum weight the maximum."""
         s = self.settings
-        total_tokens = sum(b.num_actions for b in batches)
-        total_samples = sum(len(b.samples) for b in batches)
+        k = self.ranks.size
+        total_tokens, total_samples = (
+            int(v)
+            for v in self.ranks.sum(
+                [
+                    sum(b.num_actions for b in batches),
+                    sum(1 for b in batches for sample in b.samples if sample.num_actions),
+                ]
+            )
+        )
         if total_tokens == 0:
             raise ValueError("no action tokens to train on")
         references = [self.log_probs(b, reference=True) for b in batches] if s.kl_coef > 0 else None
@@ -257,7 +278,11 @@ class Policy:
         w_max = 0.0
         for i, batch in enumerate(batches):
             mask = batch.action_mask.to(self.device)
+            last = i == len(batches) - 1
             log_probs, z = self._log_probs(batch)
+            if not batch.num_actions:  # padding (`Ranks.pad`): no loss, but DeepSpeed reduces on every rank
+                self._backward(log_probs.sum() * 0.0, last)
+                continue
             old = log_probs.detach() if old_log_probs is None else old_log_probs[i].to(self.device)
             rollout_lp = batch.rollout_logprobs.to(self.device)
             unknown = torch.isnan(rollout_lp)  # calls the server gave no log-probs for: ours before the step
@@ -269,6 +294,7 @@ class Policy:
                 batch.advantages.to(self.device),
                 action_mask=mask,
                 rollout_log_probs=rollout_lp,
+                dp_size=k,
                 batch_num_tokens=total_tokens,
                 global_batch_size=total_samples,
             )
@@ -279,17 +305,14 @@ class Policy:
                 # loss_batch_info and token_level_loss left at its default): a token mean over the step,
                 # whatever the policy loss's reduction
                 kl_loss = aggregate_loss(
-                    kl, mask, dp_size=1, batch_num_tokens=total_tokens, global_batch_size=total_samples
+                    kl, mask, dp_size=k, batch_num_tokens=total_tokens, global_batch_size=total_samples
                 )
                 loss = loss + s.kl_coef * kl_loss
                 sums["kl"] += float(kl_loss.detach())
-            if self.deepspeed is None:
-                loss.backward()
-            else:
-                self.deepspeed.backward(loss)
-            share = batch.num_actions / total_tokens  # the micro-batch's share of the step's tokens
+            self._backward(loss, last)
             sums["loss"] += float(loss.detach())
             sums["policy_loss"] += float(policy_loss.detach())
+            share = batch.num_actions / total_tokens  # the micro-batch's share of the step's tokens
             sums["clip"] += float(clip_ratio) * share
             sums["ppo_kl"] += float(ppo_kl) * share
             if rollout_kl is not None:
@@ -300,15 +323,14 @@ class Policy:
                     float(masked_mean(rollout_lp - log_probs.detach(), mask.float(), dim=None)) * share
                 )
             sums["entropy"] += masked_entropy(z, mask) * share
-            if batch.num_actions:
-                log_w = (old - rollout_lp).detach()[mask]
-                w = log_w.exp()
-                sums["w_mean"] += float(w.sum()) / total_tokens
-                sums["gap"] += float(log_w.abs().sum()) / total_tokens
-                sums["outside"] += (
-                    float(((w < s.is_threshold_low) | (w > s.is_threshold_high)).sum()) / total_tokens
-                )
-                w_max = max(w_max, float(w.max()))
+            log_w = (old - rollout_lp).detach()[mask]
+            w = log_w.exp()
+            sums["w_mean"] += float(w.sum()) / total_tokens
+            sums["gap"] += float(log_w.abs().sum()) / total_tokens
+            sums["outside"] += (
+                float(((w < s.is_threshold_low) | (w > s.is_threshold_high)).sum()) / total_tokens
+            )
+            w_max = max(w_max, float(w.max()))
         if self.deepspeed is not None:
             grad_norm = self.deepspeed.step()
         else:
@@ -320,6 +342,12 @@ class Policy:
                 )
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+        if k > 1:  # the step's numbers, not this rank's
+            keys = list(sums)
+            sums = dict(zip(keys, self.ranks.sum([sums[key] for key in keys]), strict=True))
+            for key in ("loss", "policy_loss", "kl"):
+                sums[key] /= k
+            [w_max] = self.ranks.max([w_max])
         return UpdateStats(
             loss=sums["loss"],
             policy_loss=sums["policy_loss"],
@@ -337,6 +365,12 @@ class Policy:
             tokens=total_tokens,
             samples=total_samples,
         )
+
+    def _backward(self, loss: torch.Tensor, last: bool) -> None:
+        if self.deepspeed is None:
+            loss.backward()
+        else:
+            self.deepspeed.backward(loss, last)
 
     # -----------------------------------------------------------------------------------------------------
     # Saving and restoring
@@ -373,9 +407,11 @@ class Policy:
         tmp.replace(path)
 
     def save(self, directory: Path) -> None:
-        """The trainable weights, the optimizer and the RNG into `directory` (DeepSpeed: its checkpoint)."""
+        """The trainable weights, the optimizer and the RNG into `directory` (DeepSpeed: its checkpoint,
+        written by every rank; the RNG state by rank 0, every rank loads it)."""
         directory.mkdir(parents=True, exist_ok=True)
-        torch.save({"torch_rng": torch.get_rng_state()}, directory / "rng.pt")
+        if self.ranks.leader:
+            torch.save({"torch_rng": torch.get_rng_state()}, directory / "rng.pt")
         if self.deepspeed is not None:
             self.deepspeed.save(directory)
             return

@@ -167,6 +167,21 @@ def collate(samples: Sequence[Sample], pad_token_id: int) -> MicroBatch:
     )
 
 
+def shard(samples: Sequence[Sample], ranks: int) -> list[list[Sample]]:
+    """The step's samples split among `ranks` data-parallel ranks, balanced by tokens: longest first (ties
+    in the given order), each to the rank with the fewest tokens so far (the lowest rank on a tie). Each
+    share keeps the given order. Fewer samples than ranks leave some shares empty."""
+    if ranks < 1:
+        raise ValueError("ranks must be at least 1")
+    load = [0] * ranks
+    owner = [0] * len(samples)
+    for i in sorted(range(len(samples)), key=lambda i: (-len(samples[i].tokens), i)):
+        r = min(range(ranks), key=lambda r: (load[r], r))
+        owner[i] = r
+        load[r] += len(samples[i].tokens)
+    return [[s for s, o in zip(samples, owner, strict=True) if o == r] for r in range(ranks)]
+
+
 def micro_batches(samples: Sequence[Sample], token_budget: int, pad_token_id: int) -> list[MicroBatch]:
     """Split samples into micro-batches of at most `token_budget` padded tokens (rows x longest row),
     similar lengths together (sorted by length, then filled greedily). A sample longer than the budget

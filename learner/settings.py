@@ -170,9 +170,18 @@ class LearnerSettings(SharedSettings):
     engine: Literal["torch", "deepspeed"] = Field(
         "torch",
         description="torch: AdamW in this process; deepspeed: OpenRLHF's DeepspeedStrategy (ZeRO "
-        "stage `zero_stage`, gloo on a CPU, nccl on a GPU; one process).",
+        "stage `zero_stage`, gloo on a CPU, nccl on a GPU), in one process or in several data-parallel "
+        "ranks started by torchrun or DeepSpeed's launcher.",
     )
-    zero_stage: int = Field(1, ge=0, le=3, description="DeepSpeed ZeRO stage (engine=deepspeed).")
+    zero_stage: int = Field(
+        1, ge=0, le=3, description="DeepSpeed ZeRO stage (engine=deepspeed; 0-2 with several ranks)."
+    )
+    dist_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="Several ranks: how long a rank waits in a collective for the others before the "
+        "step fails (a rank that dies is noticed at once on gloo).",
+    )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto",
         description="Where the policy trains (auto: cuda "

@@ -1,12 +1,17 @@
-"""Learner benchmark: one update's time and tokens/s against batch size, and the LoRA and full pushes against
-a real `rlgate serve` (everything a push does, from saving the weights to moving the policy pointer).
+"""Learner benchmark: one update's time and tokens/s against batch size, the LoRA and full pushes against
+a real `rlgate serve` (everything a push does, from saving the weights to moving the policy pointer), and
+the update on 1 and 2 data-parallel ranks (DeepSpeed ZeRO-1; gloo on a CPU, NCCL on GPUs), each rank a
+process started with the launcher's variables, as torchrun would.
 
     .venv/bin/python scripts/bench_learner.py                        # tiny model, CPU
-    .venv/bin/python scripts/bench_learner.py --device cuda --hidden 512 --layers 8    # on a GPU
+    .venv/bin/python scripts/bench_learner.py --device cuda --hidden 512 --layers 8 --ranks 1   # one GPU
+    .venv/bin/python scripts/bench_learner.py --device cuda --hidden 512 --layers 8 --ranks 1,2,4,8
 
 Samples have the demo's shape scaled up: a `--prompt`-token prompt and a `--completion`-token completion,
 one call per sample, random tokens, advantages +-1. Each cell is the median of `--repeat` updates after
-one warm-up. Prints a Markdown table.
+one warm-up. Prints Markdown tables. The ranks table counts one episode per sample (one call each): its
+episodes/s is the update's throughput, the whole step's samples over its time, and per rank that over
+the number of ranks; every rank runs `--threads` torch threads.
 """
 
 from __future__ import annotations
@@ -14,8 +19,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -82,6 +89,109 @@ def bench_updates(settings: LearnerSettings, sizes: list[int], args: argparse.Na
     return rows
 
 
+def rank_worker(args: argparse.Namespace) -> None:
+    """One rank of `bench_ranks` (started with RANK/WORLD_SIZE/MASTER_* set): its share of the step's samples,
+    `--repeat` timed updates after a warm-up; rank 0 writes the median to `--json`."""
+    from learner.ranks import Ranks
+    from learner.samples import shard
+
+    settings = LearnerSettings(
+        model=args.model,
+        tensorboard=False,
+        device=args.device,
+        engine="deepspeed",
+        zero_stage=1,
+        micro_batch_tokens=args.micro_batch_tokens,
+        dist_timeout_s=300,
+    )
+    ranks = Ranks.start(settings)
+    policy = Policy(settings, ranks)
+    samples = build_samples(episodes(args.size, args.prompt, args.completion, random.Random(0)))
+    mine = shard(samples, ranks.size)[ranks.rank]
+    batches = micro_batches(mine, settings.micro_batch_tokens, policy.pad_token_id) if mine else []
+    batches = ranks.pad(batches, policy.pad_token_id)
+    policy.update(batches)  # warm-up
+    times = []
+    for _ in range(args.repeat):
+        ranks.barrier()
+        if policy.device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        stats = policy.update(batches)
+        if policy.device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(ranks.max([time.perf_counter() - t0])[0])  # the step ends when the slowest rank's does
+    if ranks.leader:
+        args.json.write_text(
+            json.dumps(
+                {"step_s": statistics.median(times), "tokens": stats.tokens, "micro_batches": len(batches)}
+            )
+        )
+
+
+def bench_ranks(model: Path, counts: list[int], sizes: list[int], args: argparse.Namespace) -> list[dict]:
+    rows = []
+    for size in sizes:
+        for count in counts:
+            result = Path(tempfile.mkdtemp(prefix="bench_ranks_")) / "result.json"
+            port = str(_free_port())
+            procs = []
+            for rank in range(count):
+                env = {
+                    **os.environ,
+                    "RANK": str(rank),
+                    "LOCAL_RANK": str(rank),
+                    "WORLD_SIZE": str(count),
+                    "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": port,
+                    "OMP_NUM_THREADS": str(args.threads),
+                }
+                command = [
+                    sys.executable,
+                    __file__,
+                    "--rank-worker",
+                    "--model",
+                    str(model),
+                    "--size",
+                    str(size),
+                ]
+                command += ["--json", str(result), "--device", args.device, "--threads", str(args.threads)]
+                command += ["--prompt", str(args.prompt), "--completion", str(args.completion)]
+                command += [
+                    "--repeat",
+                    str(args.repeat),
+                    "--micro-batch-tokens",
+                    str(args.micro_batch_tokens),
+                ]
+                procs.append(
+                    subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                )
+            errors = [p.communicate(timeout=900)[1] for p in procs]
+            if any(p.returncode for p in procs):
+                raise SystemExit(f"a rank failed:\n{errors[0].decode()[-3000:]}")
+            r = json.loads(result.read_text())
+            rows.append(
+                {
+                    "ranks": count,
+                    "samples": size,
+                    "micro_batches_per_rank": r["micro_batches"],
+                    "step_s": r["step_s"],
+                    "episodes_per_s": size / r["step_s"],
+                    "episodes_per_s_per_rank": size / r["step_s"] / count,
+                    "action_tokens_per_s": r["tokens"] / r["step_s"],
+                }
+            )
+    return rows
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 async def bench_push(
     settings: LearnerSettings, model: Path, repeat: int, redis_url: str
 ) -> dict[str, list[float]]:
@@ -128,8 +238,17 @@ if __name__ == "__main__":
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    parser.add_argument("--ranks", default="1,2", help="data-parallel ranks to compare ('' for none)")
+    parser.add_argument("--rank-sizes", default="128,512", help="samples per step in the ranks table")
+    parser.add_argument("--micro-batch-tokens", type=int, default=2048, help="ranks table: per micro-batch")
+    parser.add_argument("--rank-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--size", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.rank_worker:
+        rank_worker(args)
+        raise SystemExit(0)
     model = build_tiny_model(
         Path(tempfile.mkdtemp(prefix="bench_model_")) / "m",
         seed=0,
@@ -164,5 +283,19 @@ if __name__ == "__main__":
                 f"| {labels[kind]} | {statistics.median(times) * 1000:.1f} | {max(times) * 1000:.1f} | "
                 f"{len(times)} |"
             )
+    rank_rows: list[dict] = []
+    if args.ranks:
+        counts = [int(c) for c in args.ranks.split(",")]
+        rank_rows = bench_ranks(model, counts, [int(s) for s in args.rank_sizes.split(",")], args)
+        print(
+            f"\n| ranks (DeepSpeed ZeRO-1, {args.threads} thread(s) each) | samples per step | micro-batches per "
+            "rank | update s | episodes/s | episodes/s per rank | action tokens/s |"
+        )
+        print("|---:|---:|---:|---:|---:|---:|---:|")
+        for r in rank_rows:
+            print(
+                f"| {r['ranks']} | {r['samples']} | {r['micro_batches_per_rank']} | {r['step_s']:.3f} | "
+                f"{r['episodes_per_s']:,.0f} | {r['episodes_per_s_per_rank']:,.0f} | {r['action_tokens_per_s']:,.0f} |"
+            )
     if args.json:
-        args.json.write_text(json.dumps({"updates": rows, "push_s": push}, indent=2))
+        args.json.write_text(json.dumps({"updates": rows, "push_s": push, "ranks": rank_rows}, indent=2))

@@ -9,10 +9,14 @@
 #   pip download -d wheels --no-deps openrlhf==0.11.2
 #
 # What it checks, printing one table at the end:
-#   1. the learner's update on CUDA (scripts/bench_learner.py --device cuda) on a larger tiny model
+#   1. the learner's update on CUDA (scripts/bench_learner.py --device cuda) on a larger tiny model, with
+#      torch's AdamW and on DeepSpeed (one rank, NCCL); with two GPUs or more, also on one rank per GPU
 #   2. vLLM serving the tiny model with runtime LoRA (--enable-lora, VLLM_ALLOW_RUNTIME_LORA_UPDATING)
 #   3. the gateway in front of vLLM recording token ids, then a LoRA push from the learner's pusher, and a
 #      call through the gateway served by the adapter and tagged with the new version
+#
+# The learner on several GPUs (data-parallel ranks, NCCL; docs/learner.md#data-parallel-ranks), e.g. 8:
+#   torchrun --standalone --nproc-per-node 8 -m rlgate learner --engine deepspeed --zero-stage 2 --device cuda ...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 wheels=${1:?usage: scripts/gpu_check.sh WHEELS_DIR}
@@ -27,9 +31,15 @@ redis-server --port 6399 --save "" --appendonly no --daemonize yes >/dev/null 2>
 export RLGATE_TEST_REDIS_URL=redis://127.0.0.1:6399
 
 declare -A result
-"$py" scripts/bench_learner.py --device cuda --hidden 512 --layers 8 --sizes 32,128,512 \
+"$py" scripts/bench_learner.py --device cuda --hidden 512 --layers 8 --sizes 32,128,512 --ranks 1 \
   --redis-url "$RLGATE_TEST_REDIS_URL/0" --json "$out/bench.json" > "$out/bench.log" 2>&1 \
   && result[learner_step_cuda]=ok || result[learner_step_cuda]="FAILED (see $out/bench.log)"
+gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+if [ "$gpus" -ge 2 ]; then  # one rank per GPU, NCCL
+  "$py" scripts/bench_learner.py --device cuda --hidden 512 --layers 8 --sizes 32 --ranks "1,$gpus" \
+    --redis-url "$RLGATE_TEST_REDIS_URL/0" > "$out/bench_ranks.log" 2>&1 \
+    && result[learner_ranks_nccl]=ok || result[learner_ranks_nccl]="FAILED (see $out/bench_ranks.log)"
+fi
 
 "$py" - "$out" > "$out/vllm.log" 2>&1 <<'PY'
 import json, os, subprocess, sys, time, uuid, asyncio
@@ -91,3 +101,4 @@ echo "|---|---|"
 for key in "${!result[@]}"; do echo "| $key | ${result[$key]} |"; done
 echo
 cat "$out/bench.log" 2>/dev/null | sed -n '/^| samples/,$p'
+cat "$out/bench_ranks.log" 2>/dev/null | sed -n '/^| ranks/,$p'

@@ -290,3 +290,37 @@ def test_a_call_without_server_logprobs_trains_with_importance_weight_one(tiny: 
     assert stats.is_weight_mean == pytest.approx(
         float((w.sum() + (batch.action_mask & unknown).sum()) / batch.action_mask.sum()), rel=1e-5
     )
+
+
+def test_deepspeed_applies_every_micro_batchs_gradient_as_torch_does(tiny: Path):
+    """`--engine deepspeed` over several micro-batches: the same loss, gradient norm and update as torch's
+    AdamW. (DeepSpeed's one-micro-batch config makes every backward an accumulation boundary unless told
+    otherwise, and ZeRO-1 then kept only the last micro-batch's gradient.)"""
+    pytest.importorskip("deepspeed")
+    import os
+
+    import torch.distributed as dist
+
+    samples = build_samples(transitions(10))
+    results = {}
+    environ = dict(os.environ)
+    try:
+        for engine in ("torch", "deepspeed"):
+            policy = Policy(settings(tiny, engine=engine, zero_stage=1))
+            batches = micro_batches(samples, 60, policy.pad_token_id)
+            assert len(batches) >= 3
+            stats = policy.update(batches)
+            params = {
+                n: p.detach().clone() for n, p in policy.peft_model.named_parameters() if p.requires_grad
+            }
+            results[engine] = stats, params
+    finally:  # the group of one and its launcher variables (MASTER_PORT...) must not reach later subprocesses
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environ)
+    (torch_stats, torch_params), (ds_stats, ds_params) = results["torch"], results["deepspeed"]
+    assert ds_stats.loss == pytest.approx(torch_stats.loss, abs=1e-6)
+    assert ds_stats.grad_norm == pytest.approx(torch_stats.grad_norm, rel=1e-5) and ds_stats.grad_norm > 0
+    assert torch_params.keys() == ds_params.keys()
+    assert all(torch.allclose(torch_params[n], ds_params[n], atol=1e-5) for n in torch_params)
