@@ -460,6 +460,7 @@ def run(cfg: DemoConfig) -> dict[str, Any]:
             f"(keys {where['prefix']}:*), logs in {cfg.workdir / 'logs'}",
             flush=True,
         )
+        print(f"dashboard: {where['gateway']}/ui", flush=True)
         steps = watch(cfg, where, started)
         wall_s = time.monotonic() - started
     finally:

@@ -10,13 +10,15 @@
 | `{prefix}:rollout:{<rid>}:air`     | hash   | gateway AIR (call index -> reward)      | learner, inspection      | none |
 | `{prefix}:policy`                  | hash   | learner (`version`, `adapter`, `draining`,| gateway (polled)         | none |
 |                                    |        | `base_model`: `records.Policy`)         |                          |      |
-| `{prefix}:expiry`                  | zset   | gateway (rollout id -> expires_at)      | sweeper                  | none |
-| `{prefix}:rollouts`                | zset   | gateway (rollout id -> created_at, at   | `GET /rollouts` (listing)| none |
+| `{prefix}:expiry`                  | zset   | gateway (rollout id -> expires_at)      | sweeper, /ui (count)     | none |
+| `{prefix}:rollouts`                | zset   | gateway (rollout id -> created_at, at   | `GET /rollouts`, /ui     | none |
 |                                    |        | creation; trimmed to the newest N)      |                          |      |
 | `{prefix}:outbox`                  | zset   | reward hooks, sweeper (id -> intent ts) | sweeper (repair)         | none |
 | `{prefix}:episodes`                | stream | reward hooks, sweeper (closed episodes) | learners (consumer group)| none |
 | `{prefix}:epoch`                   | string | gateway (SET NX, a random value)        | gateways (polled)        | none |
 | `{prefix}:health`                  | string | gateway `/healthz` (a write probe)      | nobody                   | 60 s |
+| `{prefix}:sweeper`                 | string | sweepers (SET NX PX: the lease of the   | sweepers                 | lease|
+|                                    |        | one process sweeping, renewed by it)    |                          |      |
 | `{prefix}:learner:steps`           | stream | learner (one entry per step: `data`, its| dashboards, inspection   | none |
 |                                    |        | numbers as JSON; capped, ~10,000)       |                          |      |
 | `{prefix}:webhook:<id>`            | string | reward webhook (SET NX: a signed        | reward webhook           | 2 T  |
@@ -134,6 +136,7 @@ class Keys:
         "episodes",
         "epoch",
         "health",
+        "sweeper",
         "learner_steps",
     )
 
@@ -148,6 +151,7 @@ class Keys:
         self.episodes = f"{prefix}:episodes"
         self.epoch = f"{prefix}:epoch"
         self.health = f"{prefix}:health"
+        self.sweeper = f"{prefix}:sweeper"
         self.learner_steps = f"{prefix}:learner:steps"
 
     def rollout(self, rollout_id: str) -> str:

@@ -35,7 +35,7 @@ from starlette.routing import BaseRoute, Match
 
 from episodes import EpisodeStore
 from episodes.api_error import error_body
-from gateway import errors
+from gateway import errors, ui
 from gateway._asgi import send_body
 from gateway.auth import Credentials
 from gateway.metrics import GatewayMetrics
@@ -160,6 +160,8 @@ class Gateway:
         self._agent_routes: list[BaseRoute] = []
         self._background: list[Callable[[], Awaitable[None]]] = [self.proxy.watch.run]
         self._tasks: list[asyncio.Task[None]] = []
+        # the dashboard (/ui): checks the operator token itself, as a Bearer header or its session cookie
+        self.add_routes(ui.install(self), signed=True)
 
     def add_routes(self, router: APIRouter, signed: bool = False) -> None:
         """Serve more routes on the operator surface (how `rlgate gateway` adds the reward webhook).

@@ -54,6 +54,15 @@ class GatewaySettings(SharedSettings):
         "there). Publish only the agent port to agents.",
     )
     control_host: str = Field("127.0.0.1", description="Interface the control port listens on.")
+    workers: int = Field(
+        1,
+        ge=1,
+        le=256,
+        description="Gateway processes serving the same port(s), one event loop each: each has its own "
+        "SO_REUSEPORT socket of the agent port (the kernel spreads connections over them) and they share "
+        "the control port. A worker that dies is started again; SIGTERM stops them all. Metrics are "
+        "summed across them. 1: one process, no supervisor.",
+    )
     public_url: str | None = Field(
         None,
         description="Base URL agents reach this gateway at, used in the base_url that POST /rollouts "

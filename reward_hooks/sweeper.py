@@ -1,10 +1,21 @@
 """The sweeper: expires open rollouts past their TTL (or closes them with the fill reward) and republishes
-closed episodes whose closer died before publishing them. Safe to run in every gateway process at once:
-each transition is an exactly-once script."""
+closed episodes whose closer died before publishing them.
+
+Every gateway process runs one, but only the holder of a lease in Redis (`keys.sweeper`, `SweeperLease`)
+sweeps: one pass per interval for the whole deployment, not one per process. Each process asks once
+per interval (one script call); the holder renews its lease with that call, and when it dies the lease
+runs out (`lease_s`: three intervals plus 5 s) and another process takes over. A pass that outlives the
+lease could overlap the next holder's; that is still correct, as each transition is an exactly-once
+script and the stream is at-least-once anyway (the learner's claim is the exactly-once point), only no
+longer the cheap case."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import socket
+import uuid
 
 import structlog
 
@@ -12,6 +23,50 @@ from episodes import EpisodeLifecycle, EpisodeStore, StoreUnavailable
 from reward_hooks.settings import RewardSettings
 
 log = structlog.get_logger("rlgate.sweeper")
+
+# KEYS[1] the lease; ARGV[1] this holder's token, ARGV[2] the lease in ms. 1 if this holder has it now.
+_HOLD = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  return 1
+end
+return 0
+"""
+# KEYS[1] the lease; ARGV[1] this holder's token: let it go if still ours.
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+
+class SweeperLease:
+    """Which one process of a deployment sweeps: a Redis key holding its token, with a TTL."""
+
+    def __init__(self, store: EpisodeStore, lease_s: float) -> None:
+        self.store = store
+        self.key = store.keys.sweeper
+        self.lease_ms = max(1, round(lease_s * 1000))
+        self.token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"  # who, for inspection
+        self._hold = store.redis.register_script(_HOLD)
+        self._release = store.redis.register_script(_RELEASE)
+
+    async def hold(self) -> bool:
+        """Take the lease, or renew it if this holder has it; whether it does now."""
+        async with self.store.guard():
+            return bool(await self._hold(keys=[self.key], args=[self.token, self.lease_ms]))
+
+    async def release(self) -> None:
+        async with self.store.guard():
+            await self._release(keys=[self.key], args=[self.token])
+
+
+def lease_s(settings: RewardSettings) -> float:
+    return 3 * settings.sweep_interval_s + 5.0
 
 
 async def sweep_once(
@@ -28,11 +83,23 @@ async def sweep_once(
 
 async def sweep_forever(store: EpisodeStore, settings: RewardSettings) -> None:
     lifecycle = EpisodeLifecycle(store)
-    while True:
-        try:
-            await sweep_once(lifecycle, settings)
-        except StoreUnavailable as exc:
-            log.warning("sweep_failed", error=str(exc))
-        except Exception:  # a sweeper that dies silently would stop expiry and repair for good
-            log.exception("sweep_crashed")
-        await asyncio.sleep(settings.sweep_interval_s)
+    lease = SweeperLease(store, lease_s(settings))
+    holding = False
+    try:
+        while True:
+            try:
+                held = await lease.hold()
+                if held != holding:
+                    log.info("sweeper_lease_taken" if held else "sweeper_lease_lost", holder=lease.token)
+                holding = held
+                if held:
+                    await sweep_once(lifecycle, settings)
+            except StoreUnavailable as exc:
+                log.warning("sweep_failed", error=str(exc))
+            except Exception:  # a sweeper that dies silently would stop expiry and repair for good
+                log.exception("sweep_crashed")
+            await asyncio.sleep(settings.sweep_interval_s)
+    finally:  # a process that stops hands the sweeping on at once, not after the lease runs out
+        if holding:
+            with contextlib.suppress(Exception):
+                await lease.release()

@@ -98,12 +98,23 @@ class GatewayCommand(GatewaySettings, RewardSettings):
         configure_logging(self.log_level, self.log_format)
         gateway_settings = GatewaySettings.model_validate(self.model_dump())
         reward_settings = RewardSettings.model_validate(self.model_dump())
-        try:  # both check their settings (layout, secrets) when built: a mistake is one line
+
+        def build() -> Gateway:  # in this process, and again in each worker when there are several
             app = Gateway(gateway_settings)  # the store the webhook routes share is the gateway's own
             # Operator surface: the operator token, or for these routes a valid webhook signature instead
             # (without a token configured: a signature when a webhook secret is set, as before).
             operator = app.is_operator if gateway_settings.operator_token is not None else None
             auth = WebhookAuth(reward_settings, is_operator=operator)
+            app.add_routes(
+                build_router(app.store, reward_settings, RewardQueue(reward_settings), auth),
+                signed=reward_settings.webhook_secret is not None,
+            )
+            app.add_agent_routes(build_agl_router(app.store, reward_settings))
+            app.add_background(lambda store: sweep_forever(store, reward_settings))
+            return app
+
+        try:  # both check their settings (layout, secrets) when built: a mistake is one line
+            app = build()
         except ValueError as exc:
             raise UsageError(str(exc)) from exc
         try:  # the gateway runs without Redis (503 to agents, or unrecorded with on_store_error=pass): say so
@@ -114,13 +125,7 @@ class GatewayCommand(GatewaySettings, RewardSettings):
                 f"answers at {_redact(self.redis_url)} (start redis-server or set RLGATE_REDIS_URL)",
                 file=sys.stderr,
             )
-        app.add_routes(
-            build_router(app.store, reward_settings, RewardQueue(reward_settings), auth),
-            signed=reward_settings.webhook_secret is not None,
-        )
-        app.add_agent_routes(build_agl_router(app.store, reward_settings))
-        app.add_background(lambda store: sweep_forever(store, reward_settings))
-        serve(gateway_settings, app)
+        serve(gateway_settings, app, build)
 
 
 def _like(cls: type[BaseSettings], name: str) -> Any:
@@ -452,7 +457,8 @@ class MakeTinyModelCommand(_FlagsOnly):
 class LearnerCommand(LearnerSettings):
     """Train the policy on closed episodes: identical credit assignment (LightningRL), group advantages,
     OpenRLHF's policy loss; push each new version to the inference servers as a LoRA adapter and move the
-    policy pointer the gateway reads. Needs `pip install rlgate[learner]` (and OpenRLHF: see README)."""
+    policy pointer the gateway reads. Needs `pip install rlgate[learner]` (and OpenRLHF: see README).
+    Data-parallel on K ranks: `torchrun --nproc-per-node K -m rlgate learner --engine deepspeed ...`."""
 
     model_config = SettingsConfigDict(env_prefix="RLGATE_LEARNER_", cli_kebab_case=True, extra="ignore")
 
@@ -468,13 +474,17 @@ class LearnerCommand(LearnerSettings):
         asyncio.run(_check_redis(settings.redis_url, settings.key_prefix, 10.0))  # before torch loads
 
         from learner.loop import LogprobMismatch, run
+        from learner.ranks import RankFailed, RanksMisconfigured
 
         try:
             run(settings)
         except KeyboardInterrupt:
             pass
-        except LogprobMismatch as exc:
+        except (LogprobMismatch, RanksMisconfigured) as exc:
             raise UsageError(str(exc)) from exc
+        except RankFailed as exc:  # another rank died or hung: this step failed, nothing was acknowledged
+            print(f"rlgate learner: error: {exc}", file=sys.stderr)
+            raise SystemExit(1) from None
 
 
 def _check_model(model: str) -> None:

@@ -9,14 +9,20 @@ Method
     recording into Redis), and `litellm` (LiteLLM proxy, one worker, no database) when its binary is
     given or on PATH. Proxies are pinned to CPU 0; the load generator, the upstream and a dedicated
     redis-server are pinned to CPU 1.
+  * `--workers 1,2`: instead of one gateway, one per worker count (`rlgate gateway --workers N`, targets
+    `rlgate-1w`, `rlgate-2w`, ...), and nothing pinned: N workers pinned to one CPU would measure nothing,
+    so every process (load generator, upstream, Redis, gateways) shares every CPU. Cells default to
+    stream off/on at concurrency 64.
   * Cells: stream off/on x concurrency 1/32; N requests per cell per round. Latency is request start to
     last byte; TTFB is to the first body byte. Proxy CPU per request comes from /proc (utime + stime of
     the proxy's process tree) over the cell. "added p50" = the target's p50 minus direct's p50.
 
 Run
   .venv/bin/python scripts/bench_gateway.py [--rounds 3] [--requests 2000] [--litellm PATH|none]
-      [--cells unary:1,unary:32,stream:1,stream:32] [--py-spy PREFIX] [--rollout-keys]
+      [--cells unary:1,unary:32,stream:1,stream:32] [--py-spy PREFIX] [--rollout-keys] [--workers 1,2] [--poll-ui S]
   (--rollout-keys: the gateway requires rollout-scoped keys, and each agent sends its rollout's key)
+  (--poll-ui S: while the load runs, a dashboard reader on the load's CPU fetches the /ui pages (overview,
+  its live part, the rollouts listing, a rollout of the load, training) one after another every S seconds)
   (the CPU of py-spy itself is not the gateway's, but its sampling slows the gateway: profile in a run
   of its own, not in the one whose numbers you keep)
 """
@@ -34,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -159,8 +166,11 @@ def serve_upstream(port: int, bodies_path: Path) -> None:
 # Processes
 
 
+PIN = True  # off with --workers
+
+
 def pinned(cpu: int):
-    return lambda: os.sched_setaffinity(0, {cpu})
+    return lambda: os.sched_setaffinity(0, {cpu}) if PIN else None
 
 
 def wait_http(url: str, timeout: float = 60) -> None:
@@ -239,6 +249,24 @@ async def drive(
     return wall, latencies, ttfbs
 
 
+def poll_dashboard(base: str, token: str | None, every_s: float, stop: threading.Event, counts: dict) -> None:
+    """Read the dashboard's pages, as a browser left open on it would, until `stop` is set."""
+    import urllib.request
+
+    pages = ["/ui", "/ui?fragment=1", "/ui/rollouts", "/ui/rollouts/bench-0", "/ui/training"]
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    while not stop.wait(every_s):
+        for page in pages:
+            try:
+                with urllib.request.urlopen(
+                    urllib.request.Request(base + page, headers=headers), timeout=30
+                ) as r:
+                    r.read()
+                    counts["ok" if r.status == 200 else "failed"] += 1
+            except OSError:
+                counts["failed"] += 1
+
+
 def pct(values: list[float], q: float) -> float:
     return (
         statistics.quantiles(values, n=100, method="inclusive")[q - 1] * 1000
@@ -254,8 +282,13 @@ def main() -> None:
     ap.add_argument("--litellm", default=shutil.which("litellm") or "none", help="litellm binary, or none")
     ap.add_argument(
         "--cells",
-        default="unary:1,unary:32,stream:1,stream:32",
-        help="which cells to run, as mode:concurrency (mode unary or stream)",
+        default=None,
+        help="which cells to run, as mode:concurrency (mode unary or stream); default "
+        "unary:1,unary:32,stream:1,stream:32, with --workers unary:64,stream:64",
+    )
+    ap.add_argument(
+        "--workers",
+        help="compare gateways with these worker counts (comma-separated, e.g. 1,2) instead of one gateway",
     )
     ap.add_argument(
         "--py-spy",
@@ -268,6 +301,12 @@ def main() -> None:
         action="store_true",
         help="the gateway requires rollout-scoped keys; each agent sends its rollout's key",
     )
+    ap.add_argument(
+        "--poll-ui",
+        type=float,
+        metavar="S",
+        help="read the dashboard's /ui pages every S seconds during the load (a browser left open on it)",
+    )
     ap.add_argument("--upstream-only", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--bodies", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -275,7 +314,14 @@ def main() -> None:
         serve_upstream(args.upstream_only, Path(args.bodies))
         return
 
-    os.sched_setaffinity(0, {CPU_LOAD})
+    global PIN
+    PIN = args.workers is None
+    worker_counts = [int(n) for n in args.workers.split(",")] if args.workers else [0]
+    args.cells = args.cells or (
+        "unary:64,stream:64" if args.workers else "unary:1,unary:32,stream:1,stream:32"
+    )
+    if PIN:
+        os.sched_setaffinity(0, {CPU_LOAD})
     tmp = Path(tempfile.mkdtemp(prefix="rlgate-bench-"))
     procs: list[subprocess.Popen] = []
     try:
@@ -309,32 +355,36 @@ def main() -> None:
                 preexec_fn=pinned(CPU_LOAD),
             )
         )
-        gw_port = free_port()
-        env = {
-            **os.environ,
-            "RLGATE_UPSTREAM_URL": upstream_url,
-            "RLGATE_PORT": str(gw_port),
-            "RLGATE_REDIS_URL": f"redis://127.0.0.1:{redis_port}/0",
-            "RLGATE_LOG_FORMAT": "json",
-        }
         secret = os.urandom(16).hex().encode() if args.rollout_keys else None
-        if secret is not None:
-            env.update(
-                RLGATE_ROLLOUT_KEY_SECRET=secret.decode(),
-                RLGATE_REQUIRE_ROLLOUT_KEYS="true",
-                RLGATE_OPERATOR_TOKEN=os.urandom(16).hex(),
+        targets = {"direct": (upstream_url, None)}
+        for workers in worker_counts:  # 0: one gateway, as `rlgate gateway` starts by default
+            gw_port = free_port()
+            env = {
+                **os.environ,
+                "RLGATE_UPSTREAM_URL": upstream_url,
+                "RLGATE_PORT": str(gw_port),
+                "RLGATE_REDIS_URL": f"redis://127.0.0.1:{redis_port}/0",
+                "RLGATE_LOG_FORMAT": "json",
+                **({"RLGATE_WORKERS": str(workers)} if workers else {}),
+            }
+            if secret is not None:
+                env.update(
+                    RLGATE_ROLLOUT_KEY_SECRET=secret.decode(),
+                    RLGATE_REQUIRE_ROLLOUT_KEYS="true",
+                    RLGATE_OPERATOR_TOKEN=os.urandom(16).hex(),
+                )
+            gateway = subprocess.Popen(
+                [sys.executable, "-m", "rlgate", "gateway"],
+                env=env,
+                cwd=ROOT,
+                stdout=(tmp / f"gateway{workers}.log").open("wb"),
+                stderr=subprocess.STDOUT,
+                preexec_fn=pinned(CPU_PROXY),
             )
-        gateway = subprocess.Popen(
-            [sys.executable, "-m", "rlgate", "gateway"],
-            env=env,
-            cwd=ROOT,
-            stdout=(tmp / "gateway.log").open("wb"),
-            stderr=subprocess.STDOUT,
-            preexec_fn=pinned(CPU_PROXY),
-        )
-        procs.append(gateway)
-        wait_http(f"http://127.0.0.1:{gw_port}/healthz")
-        targets = {"direct": (upstream_url, None), "rlgate": (f"http://127.0.0.1:{gw_port}/v1", gateway.pid)}
+            procs.append(gateway)
+            wait_http(f"http://127.0.0.1:{gw_port}/healthz")
+            name = f"rlgate-{workers}w" if workers else "rlgate"
+            targets[name] = (f"http://127.0.0.1:{gw_port}/v1", gateway.pid)
 
         if args.litellm != "none":
             ll_port = free_port()
@@ -368,13 +418,33 @@ def main() -> None:
         for name, (url, _) in targets.items():  # warm-up
             for stream, conc in cells:
                 asyncio.run(
-                    drive(f"{url}/chat/completions", stream, conc, 200, secret if name == "rlgate" else None)
+                    drive(
+                        f"{url}/chat/completions",
+                        stream,
+                        conc,
+                        200,
+                        secret if name.startswith("rlgate") else None,
+                    )
                 )
+        stop_polling, polled = threading.Event(), {"ok": 0, "failed": 0}
+        if args.poll_ui:
+            poller = threading.Thread(
+                target=poll_dashboard,
+                args=(
+                    f"http://127.0.0.1:{gw_port}",
+                    env.get("RLGATE_OPERATOR_TOKEN"),
+                    args.poll_ui,
+                    stop_polling,
+                    polled,
+                ),
+                daemon=True,
+            )
+            poller.start()
         for r in range(args.rounds):
             for stream, conc in cells:
                 for name, (url, pid) in targets.items():
                     spy = None
-                    if args.py_spy and name == "rlgate" and r == args.rounds - 1:
+                    if args.py_spy and name.startswith("rlgate") and r == args.rounds - 1:
                         out = f"{args.py_spy}-{'stream' if stream else 'unary'}-c{conc}.svg"
                         spy = subprocess.Popen(
                             [
@@ -393,7 +463,7 @@ def main() -> None:
                         )
                         time.sleep(1.0)  # py-spy attaches
                     cpu0 = tree_cpu_seconds(pid) if pid else 0.0
-                    keys = secret if name == "rlgate" else None
+                    keys = secret if name.startswith("rlgate") else None
                     wall, lat, ttfb = uvloop.run(
                         drive(f"{url}/chat/completions", stream, conc, args.requests, keys)
                     )
@@ -409,11 +479,19 @@ def main() -> None:
                     cell["ttfb"].extend(ttfb)
                     cell["cpu"].append(cpu / len(lat) * 1000)
             print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+        stop_polling.set()
 
-        print(
-            f"\n{args.rounds} rounds x {args.requests} requests per cell; proxies on CPU {CPU_PROXY}, "
-            f"load + upstream + redis on CPU {CPU_LOAD}\n"
+        layout = (
+            f"proxies on CPU {CPU_PROXY}, load + upstream + redis on CPU {CPU_LOAD}"
+            if PIN
+            else f"nothing pinned: everything shares the {os.cpu_count()} CPUs"
         )
+        print(f"\n{args.rounds} rounds x {args.requests} requests per cell; {layout}\n")
+        if args.poll_ui:
+            print(
+                f"dashboard read every {args.poll_ui:g} s during the load: {polled['ok']} pages, "
+                f"{polled['failed']} failed\n"
+            )
         print(
             "| target | stream | concurrency | req/s | p50 ms | p99 ms | TTFB p50 ms | added p50 ms | proxy CPU ms/req |"
         )

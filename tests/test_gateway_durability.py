@@ -207,6 +207,29 @@ def test_two_gateways_share_one_store(gateway: Proc, fake_vllm: Proc, tmp_path, 
         assert [c["index"] for c in calls] == list(range(60))
         assert sorted(c["request"]["seed"] for c in calls) == list(range(60))
         assert rollout(gateway, rid) == rollout(other, rid)
+        # one agent whose calls alternate between the two: recorded in its order, one index each
+        turns = uuid.uuid4().hex
+        for i in range(10):
+            body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, "seed": i, "stream": i % 4 == 1}
+            url = f"{(gateway, other)[i % 2].url}/rollouts/{turns}/v1/chat/completions"
+            with httpx.stream("POST", url, json=body, timeout=30) as response:
+                response.read()
+                assert response.status_code == 200
+        calls = rollout(gateway, turns)["calls"]
+        assert [(c["index"], c["request"]["seed"]) for c in calls] == [(i, i) for i in range(10)]
+        # both follow the one policy pointer: a push seen by each, their next calls tagged with it
+        redis_client.hset("rlgate:policy", "version", 4)
+        try:
+            for g in (gateway, other):
+                wait_for_policy_version(g, 4)
+                assert (
+                    httpx.post(f"{g.url}/rollouts/{turns}/v1/chat/completions", json=body).status_code == 200
+                )
+        finally:
+            redis_client.hset("rlgate:policy", "version", 0)
+            for g in (gateway, other):
+                wait_for_policy_version(g, 0)
+        assert [c["policy_version"] for c in rollout(other, turns)["calls"]] == [0] * 10 + [4, 4]
     finally:
         other.kill()
 

@@ -1,0 +1,241 @@
+"""The overview page: throughput, backlog, the policy, success by policy version, errors, recent rollouts.
+
+Store-wide numbers come from `episodes.overview.StoreOverview.counts` (no SCAN); this gateway's calls and
+errors from its Prometheus counters. Rates are deltas between polls (`Rates`), so they need two polls;
+episodes started per second is counted on the listing index over the last minute and needs one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter
+
+from episodes.overview import CallHead, StoreCounts
+from episodes.records import RolloutSummary
+from gateway.ui.html import Html, join, num, tag, when
+from gateway.ui.svg import line_chart
+
+
+def counter_values(
+    registry: CollectorRegistry, counter: Counter, label: str | None = None
+) -> dict[str, float]:
+    """A labelled Prometheus counter's totals (summed over other labels), by the value of `label`; one
+    entry, "total", without a label. Read from the registry /metrics serves, so that with several
+    worker processes (multiprocess mode) the totals are every worker's, not the answering one's."""
+    name = counter.describe()[0].name
+    totals: dict[str, float] = {}
+    for metric in registry.collect():
+        if metric.name != name:
+            continue
+        for sample in metric.samples:
+            if not sample.name.endswith("_total"):
+                continue
+            key = sample.labels.get(label, "") if label else "total"
+            totals[key] = totals.get(key, 0.0) + sample.value
+    return totals
+
+
+class Rates:
+    """Per-second rates of counters from their deltas between polls, over the last `horizon_s`."""
+
+    def __init__(self, horizon_s: float = 60.0, max_samples: int = 256) -> None:
+        self.horizon_s = horizon_s
+        self.samples: deque[tuple[float, dict[str, float]]] = deque(maxlen=max_samples)
+
+    def add(self, values: dict[str, float], now: float | None = None) -> dict[str, float]:
+        """Remember `values` and return the rate of each since the oldest sample in the horizon; a name
+        absent before counts from 0. Empty until two polls at least 0.5 s apart."""
+        now = time.monotonic() if now is None else now
+        self.samples.append((now, dict(values)))
+        while len(self.samples) > 2 and now - self.samples[1][0] >= self.horizon_s:
+            self.samples.popleft()
+        then, before = self.samples[0]
+        if now - then < 0.5:
+            return {}
+        return {k: max(0.0, (v - before.get(k, 0.0)) / (now - then)) for k, v in values.items()}
+
+
+@dataclass
+class Snapshot:
+    counts: StoreCounts
+    steps: list[dict[str, Any]]  # recent learner steps, oldest first
+    calls: dict[str, float]  # this gateway's calls by outcome
+    errors: dict[str, float]  # this gateway's errors by kind
+    rates: dict[str, float]
+    recent: Sequence[RolloutSummary]
+    heads: dict[str, CallHead]
+    gateway_backlog: int
+    holding: bool
+
+
+def _stat(key: str, label: str, value: Any, note: str = "") -> Html:
+    return tag(
+        "div",
+        tag("dt", label),
+        tag("dd", num(value), id=key),
+        tag("small", note) if note else None,
+        class_="stat",
+    )
+
+
+def _rate(rates: dict[str, float], key: str) -> str:
+    return f"{rates[key]:.2f}" if key in rates else "—"
+
+
+def pushed_at(counts: StoreCounts, steps: list[dict[str, Any]]) -> float | None:
+    """When the current policy version was pushed: the time of the learner step that made it."""
+    version = counts.policy.version
+    for step in reversed(steps):
+        if step.get("policy_version") == version:
+            return step.get("time")
+    return None
+
+
+def rollout_rows(rows: Sequence[RolloutSummary], heads: dict[str, CallHead]) -> Html:
+    """The rows of a rollout table (the overview's recent rollouts and the rollouts page)."""
+    out = []
+    for r in rows:
+        head = heads.get(r.rollout_id, CallHead())
+        versions = (
+            "—"
+            if head.first_version is None
+            else str(head.first_version)
+            if head.first_version == head.last_version
+            else f"{head.first_version}–{head.last_version}"
+        )
+        out.append(
+            tag(
+                "tr",
+                tag("td", tag("a", r.rollout_id, href=f"/ui/rollouts/{r.rollout_id}", class_="rollout-link")),
+                tag("td", r.task_id or "—"),
+                tag("td", r.status.value, class_=f"status {r.status.value}"),
+                tag("td", r.mode),
+                tag("td", head.agent_name or "—"),
+                tag("td", versions, class_="num"),
+                tag("td", num(r.reward), class_="num"),
+                tag("td", num(r.calls), class_="num"),
+                tag("td", when(r.created_at)),
+                data_rollout=r.rollout_id,
+            )
+        )
+    return join(out)
+
+
+ROLLOUT_HEADER = tag(
+    "tr",
+    *(
+        tag("th", name)
+        for name in (
+            "rollout",
+            "task",
+            "status",
+            "mode",
+            "agent",
+            "version",
+            "reward",
+            "calls",
+            "created (UTC)",
+        )
+    ),
+)
+
+
+def live(s: Snapshot) -> Html:
+    """The part of the overview that refreshes itself."""
+    c = s.counts
+    started = c.started_recently / c.window_s
+    pushed = pushed_at(c, s.steps)
+    stats = tag(
+        "dl",
+        _stat("episodes-started-per-s", "episodes started / s", f"{started:.2f}", f"last {c.window_s:g} s"),
+        _stat("episodes-closed-per-s", "episodes closed / s", _rate(s.rates, "closed")),
+        _stat("calls-per-s", "calls / s", _rate(s.rates, "calls"), "this gateway"),
+        _stat("open", "open", c.open, "agents at work"),
+        _stat("reward-jobs", "awaiting reward", c.reward_jobs, "reward jobs queued"),
+        _stat(
+            "closed-waiting",
+            "closed, not yet trained",
+            c.closed_waiting,
+            "learners' lag + pending" if c.has_group else "no learner group yet: stream length",
+        ),
+        _stat("policy-version", "policy version", c.policy.version, f"pushed {when(pushed)} UTC"),
+        _stat("indexed", "rollouts listed", c.indexed),
+        class_="stats",
+    )
+    train = [st for st in s.steps if st.get("episodes")]
+    reward_chart = line_chart(
+        "Training episodes by policy version",
+        [
+            ("success rate", [(st["policy_version"], st.get("success_rate")) for st in train]),
+            ("mean reward", [(st["policy_version"], st.get("reward_mean")) for st in train]),
+        ],
+        x_label="policy version pushed by the step",
+        chart_id="chart-success",
+    )
+    val_chart = line_chart(
+        "Validation episodes (never trained on)",
+        [
+            ("success rate", [(st["policy_version"], st.get("val_success_rate")) for st in s.steps]),
+            ("mean reward", [(st["policy_version"], st.get("val_reward_mean")) for st in s.steps]),
+        ],
+        x_label="policy version",
+        chart_id="chart-validation",
+    )
+    kinds = sorted(set(s.errors) | {k for k in s.rates if k.startswith("error:")} - {""})
+    errors = tag(
+        "table",
+        tag("tr", tag("th", "error kind"), tag("th", "total"), tag("th", "per s")),
+        [
+            tag(
+                "tr",
+                tag("td", kind),
+                tag("td", num(int(s.errors.get(kind, 0))), class_="num"),
+                tag("td", _rate(s.rates, f"error:{kind}"), class_="num"),
+                data_kind=kind,
+            )
+            for kind in kinds
+        ]
+        or tag("tr", tag("td", "no errors", colspan=3)),
+        id="errors",
+    )
+    outcomes = tag(
+        "table",
+        tag("tr", tag("th", "call outcome"), tag("th", "total")),
+        [tag("tr", tag("td", k), tag("td", num(int(v)), class_="num")) for k, v in sorted(s.calls.items())],
+        id="outcomes",
+    )
+    held = " (holding new rollouts)" if s.holding else ""
+    return join(
+        [
+            stats,
+            tag("div", reward_chart, val_chart, class_="charts"),
+            tag(
+                "div",
+                tag("section", tag("h2", "Errors (this gateway)"), errors),
+                tag("section", tag("h2", "Calls (this gateway)"), outcomes),
+                tag(
+                    "section",
+                    tag("h2", "Backpressure"),
+                    tag("p", f"backlog {s.gateway_backlog}{held}", id="gateway-backlog"),
+                ),
+                class_="columns",
+            ),
+            tag("h2", "Recent rollouts"),
+            tag("table", ROLLOUT_HEADER, rollout_rows(s.recent, s.heads), id="recent", class_="rollouts"),
+            tag("p", tag("a", "All rollouts", href="/ui/rollouts")),
+        ]
+    )
+
+
+def render(s: Snapshot, every_s: float) -> Html:
+    return join(
+        [
+            tag("h1", "Overview"),
+            tag("div", live(s), id="live", data_refresh="/ui?fragment=1", data_every=f"{every_s:g}"),
+        ]
+    )
