@@ -32,6 +32,7 @@ import signal
 import socket
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
@@ -129,6 +130,7 @@ def _supervise(settings: GatewaySettings, build: Callable[[], Gateway]) -> NoRet
     # prometheus_client's multiprocess directory, named after this supervisor
     shared = tempfile.mkdtemp(prefix=f"{_METRICS_DIR}{os.getpid()}-")
     workers: dict[int, int] = {}  # pid -> index of its agent socket
+    started_at: dict[int, float] = {}  # index -> when its worker was last forked
     stopping, failed = False, False
     signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)  # taken one at a time below, never mid-fork
 
@@ -137,6 +139,7 @@ def _supervise(settings: GatewaySettings, build: Callable[[], Gateway]) -> NoRet
         if pid == 0:
             _worker(settings, build, index, agent_sockets, control_socket, shared)
         workers[pid] = index
+        started_at[index] = time.monotonic()
         return pid
 
     try:
@@ -148,12 +151,15 @@ def _supervise(settings: GatewaySettings, build: Callable[[], Gateway]) -> NoRet
         while workers:
             info = signal.sigwaitinfo(_SIGNALS)
             if info.si_signo != signal.SIGCHLD:
-                if not stopping:  # the first one only: a worker drains its connections on one signal
+                if not stopping:  # the first: every worker drains its connections
                     log.info("gateway_workers_stopping", signal=signal.Signals(info.si_signo).name)
                     stopping = True
                     _signal_all(workers, signal.SIGTERM)
-                    for sock in agent_sockets:  # closed for good once the workers close theirs
-                        sock.close()
+                    for sock in [*agent_sockets, *([control_socket] if control_socket else [])]:
+                        sock.close()  # closed for good once the workers close theirs
+                else:  # a second one forces the stop, as a second Ctrl-C does to a single uvicorn
+                    log.info("gateway_workers_forced_stop", signal=signal.Signals(info.si_signo).name)
+                    _signal_all(workers, signal.SIGINT)
                 continue
             for pid, status in _reap():
                 index = workers.pop(pid)
@@ -169,6 +175,8 @@ def _supervise(settings: GatewaySettings, build: Callable[[], Gateway]) -> NoRet
                     _signal_all(workers, signal.SIGTERM)
                     continue
                 log.warning("gateway_worker_died", pid=pid, exit_code=code, worker=index)
+                if time.monotonic() - started_at.get(index, 0.0) < 1.0:  # dying at once: no tight loop
+                    time.sleep(1.0)
                 log.info("gateway_worker_restarted", pid=start(index), worker=index)
     finally:
         _signal_all(workers, signal.SIGKILL)  # only after an error of the supervisor's own

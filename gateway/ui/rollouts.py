@@ -157,7 +157,8 @@ def _tool_calls(calls: Any) -> Html | None:
         return None
     items = []
     for call in calls:
-        fn = call.get("function", {}) if isinstance(call, dict) else {}
+        fn = call.get("function") if isinstance(call, dict) else None
+        fn = fn if isinstance(fn, dict) else {}  # the agent's own request: any shape
         items.append(
             tag(
                 "li",
@@ -184,6 +185,9 @@ def _message(m: Any) -> Html:
     )
 
 
+MESSAGES_SHOWN = 20  # per call: of the messages before its last assistant turn, and of those after
+
+
 def _request(request: dict[str, Any]) -> Html:
     """The messages (or prompt, or input) the call saw: what came after the last assistant message openly
     (the user's turn, tool results), all of them folded."""
@@ -193,13 +197,17 @@ def _request(request: dict[str, Any]) -> Html:
             (i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant"),
             default=-1,
         )
-        new = messages[last + 1 :]
+        new = messages[last + 1 :][-MESSAGES_SHOWN:]
+        earlier = messages[max(0, last + 1 - MESSAGES_SHOWN) : last + 1]  # a page's size stays bounded
         return join(
             [
                 tag(
                     "details",
-                    tag("summary", f"earlier messages ({last + 1} of {len(messages)})"),
-                    [_message(m) for m in messages[: last + 1]],
+                    tag(
+                        "summary",
+                        f"earlier messages ({last + 1} of {len(messages)}; the last {len(earlier)} shown)",
+                    ),
+                    [_message(m) for m in earlier],
                 )
                 if last >= 0
                 else None,

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 router = APIRouter(prefix="/ui", include_in_schema=False)
 
 LIST_MAX = 200  # index entries one listing page reads
-CALLS_MAX = 100  # calls one rollout page shows
+CALLS_MAX = 50  # calls one rollout page shows
 CALLS_DEFAULT = 20
 STEPS_DEFAULT = 200
 REFRESH_S = 3.0  # how often the overview refreshes itself

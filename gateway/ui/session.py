@@ -31,7 +31,7 @@ def valid(token: bytes, cookie: str | None, now: float | None = None) -> bool:
     if not cookie:
         return False
     expires, dot, mac = cookie.partition(".")
-    if not dot or not expires.isdigit() or len(expires) > 12:
+    if not dot or not (expires.isascii() and expires.isdigit()) or len(expires) > 12:
         return False
     if int(expires) <= (time.time() if now is None else now):
         return False
