@@ -231,8 +231,13 @@ async def overview_page(request: Request) -> Response:
             d.overview.counts(), d.overview.learner_steps(STEPS_DEFAULT), d.store.list_rollouts(limit=RECENT)
         )
         heads = await d.overview.call_heads([r.rollout_id for r in recent.rollouts])
-        calls = overview.counter_values(metrics.registry, metrics.calls, "outcome")
-        errors = overview.counter_values(metrics.registry, metrics.errors, "kind")
+        # with several workers this reads every worker's metric files: off the event loop
+        calls, errors = await asyncio.to_thread(
+            lambda: (
+                overview.counter_values(metrics.registry, metrics.calls, "outcome"),
+                overview.counter_values(metrics.registry, metrics.errors, "kind"),
+            )
+        )
         rates = d.rates.add(
             {
                 "calls": sum(calls.values()),
