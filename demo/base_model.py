@@ -1,0 +1,176 @@
+"""The calc-chat demo's base model: a tiny Qwen2 "pretrained" in code, the stand-in for a downloaded base.
+
+Real pipelines start from a pretrained model, which among much else can copy text it has seen (the
+expression from the question into a tool call, the tool's result into the answer). No model can be
+downloaded here and a randomly initialised one cannot copy: measured on this machine, a 64-wide 2-layer
+model fine-tuned on Calc-X traces alone stays at chance on the digits it must copy after 700 steps, and so
+does a 64-wide 2-layer model trained on copying alone after 1,500. So this module builds the base the way
+base models are built, at toy scale:
+
+1. a tokenizer: byte-level BPE with merges learned from chat text (`inference.tiny_model`, Qwen2's
+   split, digits one token each), so that a Calc-X prompt of about 970 characters is about 220 tokens;
+2. a model: `inference.tiny_model` (Qwen2 architecture) `WIDTH` wide and `LAYERS` deep;
+3. pretraining: next-token prediction on a synthetic corpus in which text repeats (`copy_text`:
+   words, digits and operators, then the same again), the skill every web-text model has.
+
+Nothing in the pretraining corpus is a Calc-X conversation, a tool call or an answer: the task's format
+is what the warm start (`demo.warm_start`) teaches, from teacher traces recorded through the gateway.
+
+Built once per machine and kept (`cached_base_model`), as a downloaded base would be.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from demo.calc_chat import SYSTEM, TOOL_NAME, TOOLS, random_question
+
+WIDTH = 128
+LAYERS = 3
+HEADS = 4
+MERGES = 400
+PRETRAIN_STEPS = 800
+PRETRAIN_BATCH = 32
+PRETRAIN_LR = 3e-3
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+_WORDS = ("the", "is", "what", "a", "of", "x", "=", "and", "value", "result", "number", "say", "then", "it")
+_SOURCES = ("is {}?", "({})", "x = {};", "<{}>", "\n{}\n", "say {}.", "{}", ": {}", "'{}'")
+_COPIES = (' "', " [", ": ", "\n", " = ", "(", ' {"v": "', " echo ")
+_CLOSE = {'"': '"', "[": "]", "(": ")"}
+
+
+def tokenizer_corpus(rng: random.Random, n: int = 300) -> list[str]:
+    """Chat text the tokenizer's merges are learned from: Calc-X-like conversations rendered by the
+    model's chat template (the system prompt, the tool schema, questions and tool turns): the text the
+    tokenizer will mostly see, as a real tokenizer is trained on text like its model's."""
+    from inference.tiny_model import build_tokenizer
+
+    template = build_tokenizer()
+    texts = []
+    for _ in range(n):
+        question = random_question(rng)
+        arguments = json.dumps({"expression": question.expression})
+        call = {"id": "call_0", "type": "function", "function": {"name": TOOL_NAME, "arguments": arguments}}
+        messages = [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": question.text},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_0", "content": str(question.answer)},
+            {"role": "assistant", "content": f"ANSWER: {question.answer}"},
+        ]
+        texts.append(template.apply_chat_template(messages, tools=TOOLS, tokenize=False))
+    return texts
+
+
+def copy_text(rng: random.Random) -> tuple[str, int]:
+    """One pretraining text and the length of its part before the copy (the loss is on the copy: the
+    copying is what the base must learn; the rest is noise). The span is words or numbers joined by
+    operators; it appears once after one marker and then again after another (`say 37 + 5 and then: "37
+    + 5"`), so the model learns to find where a span starts from what precedes it, not only to continue
+    a repeat it has begun."""
+    parts = []
+    for _ in range(rng.randint(1, 3)):
+        if rng.random() < 0.75:
+            parts.append(str(rng.randint(0, 10 ** rng.randint(1, 4) - 1)))
+        else:
+            parts.append("".join(rng.choice(_LETTERS) for _ in range(rng.randint(1, 6))))
+    span = parts[0]
+    for part in parts[1:]:
+        span += rng.choice([" + ", " - ", " * ", "+", "*", " ", ", "]) + part
+    words = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(0, 8)))
+    source = rng.choice(_SOURCES).format(span)
+    filler = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(0, 12)))
+    marker = rng.choice(_COPIES)
+    head = f"{words} {source} {filler}{marker}"
+    return f"{head}{span}{_CLOSE.get(marker[-1], '')}", len(head)
+
+
+def build_base_model(
+    path: Path, *, seed: int = 0, steps: int = PRETRAIN_STEPS, log: Any = print
+) -> dict[str, Any]:
+    """Write the base model (weights and tokenizer) to `path` (created, must be empty)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from inference.tiny_model import build_tiny_model
+
+    rng = random.Random(seed)
+    build_tiny_model(
+        path,
+        seed=seed,
+        hidden_size=WIDTH,
+        num_layers=LAYERS,
+        num_heads=HEADS,
+        vocab_corpus=tokenizer_corpus(rng),
+        merges=MERGES,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=PRETRAIN_LR)
+    started = time.monotonic()
+    loss_value = float("nan")
+    for step in range(steps):
+        rows = []
+        for _ in range(PRETRAIN_BATCH):
+            text, head = copy_text(rng)
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            rows.append((ids, len(tokenizer.encode(text[:head], add_special_tokens=False))))
+        width = max(len(ids) for ids, _ in rows)
+        ids = torch.full((len(rows), width), tokenizer.pad_token_id)
+        labels = torch.full((len(rows), width), -100)
+        attention = torch.zeros((len(rows), width), dtype=torch.long)
+        for r, (tokens, start) in enumerate(rows):
+            ids[r, : len(tokens)] = torch.tensor(tokens)
+            attention[r, : len(tokens)] = 1
+            labels[r, start : len(tokens)] = torch.tensor(tokens[start:])
+        for group in optimizer.param_groups:
+            group["lr"] = PRETRAIN_LR * min(1.0, (step + 1) / 30)
+        loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        loss_value = loss.item()
+        if (step + 1) % 100 == 0 or step + 1 == steps:
+            log(
+                f"base model: pretraining step {step + 1}/{steps}  loss {loss_value:.3f}  "
+                f"{time.monotonic() - started:.0f} s"
+            )
+    model.eval()
+    model.save_pretrained(path)
+    return {"steps": steps, "loss": round(loss_value, 4), "seconds": round(time.monotonic() - started, 1)}
+
+
+def cached_base_model(seed: int = 0, steps: int = PRETRAIN_STEPS, log: Any = print) -> Path:
+    """The base model, built once and kept under `$RLGATE_CACHE` (default `~/.cache/rlgate`) in a folder
+    named by a hash of the code that builds it, the arguments and torch's version."""
+    import torch
+
+    import inference.tiny_model as tiny
+
+    digest = hashlib.sha256()
+    for source in (Path(__file__), Path(tiny.__file__), Path(__file__).with_name("calc_chat.py")):
+        digest.update(source.read_bytes())
+    digest.update(f"{seed}|{steps}|{torch.__version__}".encode())
+    root = Path(os.environ.get("RLGATE_CACHE") or Path.home() / ".cache" / "rlgate")
+    target = root / f"calc-chat-base-{digest.hexdigest()[:16]}"
+    if (target / "model.safetensors").exists():
+        return target
+    building = root / f"{target.name}.building-{os.getpid()}"
+    shutil.rmtree(building, ignore_errors=True)
+    log(f"base model: building {target} (once per machine)")
+    build_base_model(building, seed=seed, steps=steps, log=log)
+    try:
+        building.rename(target)  # atomic: a concurrent builder's copy wins, this one is dropped
+    except OSError:
+        shutil.rmtree(building, ignore_errors=True)
+    return target

@@ -1,0 +1,203 @@
+"""`rlgate demo --task calc-chat`: what differs from the one-token demo (`demo.run` drives both).
+
+Before the loop starts, the policy is warm-started the way real pipelines do it, through the product:
+
+1. the base model (`demo.base_model`, built once per machine and cached);
+2. the teacher (`demo.teacher`, scripted and imperfect on purpose) answers `WARM_EPISODES` Calc-X
+   conversations of the unchanged agent (`demo.chat_agent`) through an rlgate gateway, which records them
+   under a key prefix of their own; the `math_answer` reward job closes each;
+3. `rlgate export --format sft` writes them as chat rows;
+4. `demo.warm_start` fine-tunes the base on those rows: the warm policy.
+
+Then `demo.run` serves the warm policy and runs the same agent against the gateway with the learner
+training on what it records. The learner's samples are trajectories (`sample_shape=trajectory`): the chat
+template renders the model's tool call back exactly as it wrote it, so the second call's prompt extends the
+first call's prompt and completion and an episode of two turns trains as one sequence (a call whose
+prompt does not extend the previous one, e.g. after a malformed call the agent did not send back, starts
+its own sample).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import redis
+
+WARM_EPISODES = 400
+WARM_STEPS = 400
+TEACHER_TOOL_RATE = 0.65
+TEACHER_BROKEN_RATE = 0.25
+
+
+def warm_policy(
+    cfg: Any, redis_url: str, helpers: dict[str, Callable[..., Any]]
+) -> tuple[Path, dict[str, Any]]:
+    """Build the warm-started policy in `cfg.workdir / "warm"`; returns its path and what happened."""
+    from demo.base_model import cached_base_model
+    from demo.warm_start import warm_start
+
+    spawn, wait_http, free_port, stop_named = (
+        helpers["spawn"],
+        helpers["wait_http"],
+        helpers["free_port"],
+        helpers["stop"],
+    )
+    started = time.monotonic()
+    base = cached_base_model(seed=cfg.seed, log=lambda line: print(line, flush=True))
+    base_s = time.monotonic() - started
+    prefix = f"demo-warm-{int(time.time())}"
+    rlgate = [sys.executable, "-m", "rlgate"]
+    common = {
+        "RLGATE_REDIS_URL": redis_url,
+        "RLGATE_KEY_PREFIX": prefix,
+        "RLGATE_LOG_FORMAT": "json",
+        "RLGATE_REWARD_QUEUE": f"{prefix}-rewards",
+    }
+    teacher_port = free_port()
+    teacher = spawn(
+        "teacher",
+        [
+            sys.executable,
+            "-m",
+            "demo.teacher",
+            "--port",
+            str(teacher_port),
+            "--seed",
+            str(cfg.seed),
+            "--tool-rate",
+            str(TEACHER_TOOL_RATE),
+            "--broken-rate",
+            str(TEACHER_BROKEN_RATE),
+        ],
+    )
+    wait_http(f"http://127.0.0.1:{teacher_port}/health", teacher, "the teacher")
+    gateway_port = free_port()
+    gateway = spawn(
+        "warm-gateway",
+        [*rlgate, "gateway"],
+        {
+            **common,
+            "RLGATE_UPSTREAM_URL": f"http://127.0.0.1:{teacher_port}/v1",
+            "RLGATE_PORT": str(gateway_port),
+        },
+    )
+    gateway_url = f"http://127.0.0.1:{gateway_port}"
+    wait_http(f"{gateway_url}/healthz", gateway, "the warm-start gateway")
+    spawn("warm-worker", [*rlgate, "worker", "--fork", "false", "--log-level", "warning"], common)
+    stats = cfg.workdir / "warm_agent.jsonl"
+    stats.unlink(missing_ok=True)
+    print(f"warm start: {WARM_EPISODES} teacher episodes through the gateway {gateway_url}", flush=True)
+    agent = spawn(
+        "warm-agent",
+        [
+            sys.executable,
+            "-m",
+            "demo.chat_agent",
+            "--gateway",
+            gateway_url,
+            "--model",
+            "teacher",
+            "--episodes",
+            str(WARM_EPISODES),
+            "--concurrency",
+            "16",
+            "--prefix",
+            "warm",
+            "--seed",
+            str(cfg.seed + 1000),
+            "--stats",
+            str(stats),
+        ],
+    )
+    if agent.wait(timeout=600) != 0:
+        raise RuntimeError(f"the warm-start agent failed; see {cfg.workdir / 'logs' / 'warm-agent.log'}")
+    episodes = [json.loads(line) for line in stats.read_text().splitlines() if line.strip()]
+    _wait_closed(redis_url, prefix, len(episodes))
+    sft = cfg.workdir / "warm_sft.jsonl"
+    exported = subprocess.run(
+        [*rlgate, "export", str(sft), "--format", "sft", "--redis-url", redis_url, "--key-prefix", prefix],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if exported.returncode != 0:
+        raise RuntimeError(f"rlgate export failed: {exported.stderr.strip()[-500:]}")
+    stop_named(("warm-agent", "warm-worker", "warm-gateway", "teacher"))
+    removed = _remove_keys(redis_url, prefix)
+    print(f"warm start: exported {json.loads(exported.stdout)['rows']} chat rows to {sft}", flush=True)
+    warm = cfg.workdir / "warm"
+    result = warm_start(
+        base,
+        sft,
+        warm,
+        steps=WARM_STEPS,
+        batch_size=16,
+        learning_rate=3e-3,
+        seed=cfg.seed,
+        log=lambda line: print(line, flush=True),
+    )
+    return warm, {
+        "base_model": str(base),
+        "base_model_seconds": round(base_s, 1),
+        "teacher_episodes": len(episodes),
+        "teacher_success_rate": sum(e["right"] for e in episodes) / max(len(episodes), 1),
+        "teacher_tool_use": sum(e["used_tool"] for e in episodes) / max(len(episodes), 1),
+        "sft_rows": json.loads(exported.stdout)["rows"],
+        "keys_removed": removed,
+        **{f"sft_{k}": v for k, v in result.items()},
+        "seconds": round(time.monotonic() - started, 1),
+    }
+
+
+def _wait_closed(redis_url: str, prefix: str, episodes: int, timeout_s: float = 120.0) -> None:
+    """Until the reward jobs have closed `episodes` rollouts (each close appends to the episode stream)."""
+    client = redis.Redis.from_url(redis_url, socket_timeout=5)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            if int(client.xlen(f"{prefix}:episodes")) >= episodes:
+                return
+            time.sleep(0.2)
+    finally:
+        client.close()
+    raise RuntimeError("the warm-start episodes were not all rewarded in time")
+
+
+def _remove_keys(redis_url: str, prefix: str) -> int:
+    client = redis.Redis.from_url(redis_url, socket_timeout=10)
+    removed = 0
+    try:
+        for pattern in (f"{prefix}:*", f"rq:*{prefix}-rewards*"):
+            keys = list(client.scan_iter(match=pattern, count=1000))
+            for i in range(0, len(keys), 500):
+                removed += client.unlink(*keys[i : i + 500])
+    finally:
+        client.close()
+    return removed
+
+
+def step_agent_stats(steps: list[dict[str, Any]], stats_path: Path) -> list[dict[str, float | None]]:
+    """Per learner step, the agent's view of the episodes that ended since the step before: the share
+    that used the tool and the share that wrote a well-formed call (None where none ended)."""
+    if not stats_path.is_file():
+        return [{"tool_use": None, "well_formed": None} for _ in steps]
+    episodes = [json.loads(line) for line in stats_path.read_text().splitlines() if line.strip()]
+    out = []
+    previous = float("-inf")
+    for step in steps:
+        window = [e for e in episodes if previous < e["time"] <= step["time"]]
+        previous = step["time"]
+        n = len(window)
+        out.append(
+            {
+                "tool_use": sum(e["used_tool"] for e in window) / n if n else None,
+                "well_formed": sum(e["well_formed"] for e in window) / n if n else None,
+            }
+        )
+    return out
