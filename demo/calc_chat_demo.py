@@ -31,16 +31,20 @@ import redis
 
 WARM_EPISODES = 400
 WARM_STEPS = 400
-TEACHER_TOOL_RATE = 0.65
-TEACHER_BROKEN_RATE = 0.25
+TEACHER_TOOL_RATE = 0.8
+TEACHER_BROKEN_RATE = 0.4
 
 
 def warm_policy(
     cfg: Any, redis_url: str, helpers: dict[str, Callable[..., Any]]
 ) -> tuple[Path, dict[str, Any]]:
     """Build the warm-started policy in `cfg.workdir / "warm"`; returns its path and what happened."""
+    from transformers.utils import logging as transformers_logging
+
     from demo.base_model import cached_base_model
     from demo.warm_start import warm_start
+
+    transformers_logging.disable_progress_bar()  # the demo prints its own progress lines
 
     spawn, wait_http, free_port, stop_named = (
         helpers["spawn"],
@@ -59,77 +63,90 @@ def warm_policy(
         "RLGATE_LOG_FORMAT": "json",
         "RLGATE_REWARD_QUEUE": f"{prefix}-rewards",
     }
-    teacher_port = free_port()
-    teacher = spawn(
-        "teacher",
-        [
-            sys.executable,
-            "-m",
-            "demo.teacher",
-            "--port",
-            str(teacher_port),
-            "--seed",
-            str(cfg.seed),
-            "--tool-rate",
-            str(TEACHER_TOOL_RATE),
-            "--broken-rate",
-            str(TEACHER_BROKEN_RATE),
-        ],
-    )
-    wait_http(f"http://127.0.0.1:{teacher_port}/health", teacher, "the teacher")
-    gateway_port = free_port()
-    gateway = spawn(
-        "warm-gateway",
-        [*rlgate, "gateway"],
-        {
-            **common,
-            "RLGATE_UPSTREAM_URL": f"http://127.0.0.1:{teacher_port}/v1",
-            "RLGATE_PORT": str(gateway_port),
-        },
-    )
-    gateway_url = f"http://127.0.0.1:{gateway_port}"
-    wait_http(f"{gateway_url}/healthz", gateway, "the warm-start gateway")
-    spawn("warm-worker", [*rlgate, "worker", "--fork", "false", "--log-level", "warning"], common)
-    stats = cfg.workdir / "warm_agent.jsonl"
-    stats.unlink(missing_ok=True)
-    print(f"warm start: {WARM_EPISODES} teacher episodes through the gateway {gateway_url}", flush=True)
-    agent = spawn(
-        "warm-agent",
-        [
-            sys.executable,
-            "-m",
-            "demo.chat_agent",
-            "--gateway",
-            gateway_url,
-            "--model",
+    removed = 0
+    try:
+        teacher_port = free_port()
+        teacher = spawn(
             "teacher",
-            "--episodes",
-            str(WARM_EPISODES),
-            "--concurrency",
-            "16",
-            "--prefix",
-            "warm",
-            "--seed",
-            str(cfg.seed + 1000),
-            "--stats",
-            str(stats),
-        ],
-    )
-    if agent.wait(timeout=600) != 0:
-        raise RuntimeError(f"the warm-start agent failed; see {cfg.workdir / 'logs' / 'warm-agent.log'}")
-    episodes = [json.loads(line) for line in stats.read_text().splitlines() if line.strip()]
-    _wait_closed(redis_url, prefix, len(episodes))
-    sft = cfg.workdir / "warm_sft.jsonl"
-    exported = subprocess.run(
-        [*rlgate, "export", str(sft), "--format", "sft", "--redis-url", redis_url, "--key-prefix", prefix],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if exported.returncode != 0:
-        raise RuntimeError(f"rlgate export failed: {exported.stderr.strip()[-500:]}")
-    stop_named(("warm-agent", "warm-worker", "warm-gateway", "teacher"))
-    removed = _remove_keys(redis_url, prefix)
+            [
+                sys.executable,
+                "-m",
+                "demo.teacher",
+                "--port",
+                str(teacher_port),
+                "--seed",
+                str(cfg.seed),
+                "--tool-rate",
+                str(TEACHER_TOOL_RATE),
+                "--broken-rate",
+                str(TEACHER_BROKEN_RATE),
+            ],
+        )
+        wait_http(f"http://127.0.0.1:{teacher_port}/health", teacher, "the teacher")
+        gateway_port = free_port()
+        gateway = spawn(
+            "warm-gateway",
+            [*rlgate, "gateway"],
+            {
+                **common,
+                "RLGATE_UPSTREAM_URL": f"http://127.0.0.1:{teacher_port}/v1",
+                "RLGATE_PORT": str(gateway_port),
+            },
+        )
+        gateway_url = f"http://127.0.0.1:{gateway_port}"
+        wait_http(f"{gateway_url}/healthz", gateway, "the warm-start gateway")
+        spawn("warm-worker", [*rlgate, "worker", "--fork", "false", "--log-level", "warning"], common)
+        stats = cfg.workdir / "warm_agent.jsonl"
+        stats.unlink(missing_ok=True)
+        print(f"warm start: {WARM_EPISODES} teacher episodes through the gateway {gateway_url}", flush=True)
+        agent = spawn(
+            "warm-agent",
+            [
+                sys.executable,
+                "-m",
+                "demo.chat_agent",
+                "--gateway",
+                gateway_url,
+                "--model",
+                "teacher",
+                "--episodes",
+                str(WARM_EPISODES),
+                "--concurrency",
+                "16",
+                "--prefix",
+                "warm",
+                "--seed",
+                str(cfg.seed + 1000),
+                "--stats",
+                str(stats),
+            ],
+        )
+        if agent.wait(timeout=600) != 0:
+            raise RuntimeError(f"the warm-start agent failed; see {cfg.workdir / 'logs' / 'warm-agent.log'}")
+        episodes = [json.loads(line) for line in stats.read_text().splitlines() if line.strip()]
+        _wait_closed(redis_url, prefix, len(episodes))
+        sft = cfg.workdir / "warm_sft.jsonl"
+        exported = subprocess.run(
+            [
+                *rlgate,
+                "export",
+                str(sft),
+                "--format",
+                "sft",
+                "--redis-url",
+                redis_url,
+                "--key-prefix",
+                prefix,
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if exported.returncode != 0:
+            raise RuntimeError(f"rlgate export failed: {exported.stderr.strip()[-500:]}")
+    finally:  # also when something above failed: the warm-start processes stop, their keys go
+        stop_named(("warm-agent", "warm-worker", "warm-gateway", "teacher"))
+        removed = _remove_keys(redis_url, prefix)
     print(f"warm start: exported {json.loads(exported.stdout)['rows']} chat rows to {sft}", flush=True)
     warm = cfg.workdir / "warm"
     result = warm_start(

@@ -34,7 +34,7 @@ import openai
 from demo.calc_chat import SYSTEM, TOOLS, Question, calculate, random_question
 
 MAX_TURNS = 4
-TEMPERATURE = 1.0
+TEMPERATURE = 0.7
 MAX_TOKENS = 96
 
 

