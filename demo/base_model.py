@@ -168,9 +168,12 @@ def cached_base_model(seed: int = 0, steps: int = PRETRAIN_STEPS, log: Any = pri
     building = root / f"{target.name}.building-{os.getpid()}"
     shutil.rmtree(building, ignore_errors=True)
     log(f"base model: building {target} (once per machine)")
-    build_base_model(building, seed=seed, steps=steps, log=log)
     try:
+        build_base_model(building, seed=seed, steps=steps, log=log)
         building.rename(target)  # atomic: a concurrent builder's copy wins, this one is dropped
     except OSError:
-        shutil.rmtree(building, ignore_errors=True)
+        if not (target / "model.safetensors").exists():
+            raise
+    finally:
+        shutil.rmtree(building, ignore_errors=True)  # what a failed or a losing build left
     return target

@@ -19,7 +19,9 @@ its own sample).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -55,7 +57,7 @@ def warm_policy(
     started = time.monotonic()
     base = cached_base_model(seed=cfg.seed, log=lambda line: print(line, flush=True))
     base_s = time.monotonic() - started
-    prefix = f"demo-warm-{int(time.time())}"
+    prefix = f"demo-warm-{int(time.time())}-{os.getpid()}"
     rlgate = [sys.executable, "-m", "rlgate"]
     common = {
         "RLGATE_REDIS_URL": redis_url,
@@ -124,6 +126,11 @@ def warm_policy(
         if agent.wait(timeout=600) != 0:
             raise RuntimeError(f"the warm-start agent failed; see {cfg.workdir / 'logs' / 'warm-agent.log'}")
         episodes = [json.loads(line) for line in stats.read_text().splitlines() if line.strip()]
+        if len(episodes) < WARM_EPISODES // 2:
+            raise RuntimeError(
+                f"only {len(episodes)} of {WARM_EPISODES} teacher episodes finished; see "
+                f"{cfg.workdir / 'logs'} (warm-agent.log, warm-gateway.log, teacher.log)"
+            )
         _wait_closed(redis_url, prefix, len(episodes))
         sft = cfg.workdir / "warm_sft.jsonl"
         exported = subprocess.run(
@@ -146,7 +153,8 @@ def warm_policy(
             raise RuntimeError(f"rlgate export failed: {exported.stderr.strip()[-500:]}")
     finally:  # also when something above failed: the warm-start processes stop, their keys go
         stop_named(("warm-agent", "warm-worker", "warm-gateway", "teacher"))
-        removed = _remove_keys(redis_url, prefix)
+        with contextlib.suppress(redis.RedisError):  # never in place of the error that got here
+            removed = _remove_keys(redis_url, prefix)
     print(f"warm start: exported {json.loads(exported.stdout)['rows']} chat rows to {sft}", flush=True)
     warm = cfg.workdir / "warm"
     result = warm_start(

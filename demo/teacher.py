@@ -28,7 +28,6 @@ from demo.calc_chat import warm_start_answer
 
 def build_app(tool_rate: float, broken_rate: float, seed: int, model: str = "teacher") -> FastAPI:
     app = FastAPI(title="rlgate demo teacher")
-    rng = random.Random(seed)
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -45,6 +44,10 @@ def build_app(tool_rate: float, broken_rate: float, seed: int, model: str = "tea
     async def chat(request: Request) -> JSONResponse:
         body = await request.json()
         try:
+            # one generator per conversation, seeded by the question: the same traces whatever
+            # order concurrent requests arrive in
+            question = next(m["content"] for m in body["messages"] if m["role"] == "user")
+            rng = random.Random(f"{seed}:{question}")
             message = warm_start_answer(body["messages"], rng, tool_rate, broken_rate)
         except (KeyError, TypeError, ValueError, StopIteration) as exc:
             error = {"message": f"not a Calc-X conversation: {exc}", "type": "BadRequestError", "param": None}

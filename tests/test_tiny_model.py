@@ -312,6 +312,7 @@ def test_a_tokenizer_with_learned_merges_reads_the_same_in_every_loader(tmp_path
     assert type(loaded).__name__ == "Qwen2Tokenizer"  # transformers 5 rebuilt the pipeline
     assert VOCAB < len(loaded) <= VOCAB + 64
     assert AutoConfig.from_pretrained(path).vocab_size == len(loaded)
+    assert sorted(loaded.get_vocab().values()) == list(range(len(loaded)))  # no id left out
     for text in [*corpus[:3], "What is 1234 * 56? café 👋 <tool_call>{}</tool_call>", " \n\n x  y"]:
         ids = loaded.encode(text)
         assert raw.encode(text).ids == ids == built.encode(text)
