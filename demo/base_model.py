@@ -99,6 +99,7 @@ def build_base_model(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from demo.warm_start import supervised_step
     from inference.tiny_model import build_tiny_model
 
     rng = random.Random(seed)
@@ -124,22 +125,9 @@ def build_base_model(
             text, head = copy_text(rng)
             ids = tokenizer.encode(text, add_special_tokens=False)
             rows.append((ids, len(tokenizer.encode(text[:head], add_special_tokens=False))))
-        width = max(len(ids) for ids, _ in rows)
-        ids = torch.full((len(rows), width), tokenizer.pad_token_id)
-        labels = torch.full((len(rows), width), -100)
-        attention = torch.zeros((len(rows), width), dtype=torch.long)
-        for r, (tokens, start) in enumerate(rows):
-            ids[r, : len(tokens)] = torch.tensor(tokens)
-            attention[r, : len(tokens)] = 1
-            labels[r, start : len(tokens)] = torch.tensor(tokens[start:])
-        for group in optimizer.param_groups:
-            group["lr"] = PRETRAIN_LR * min(1.0, (step + 1) / 30)
-        loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        loss_value = loss.item()
+        batch = [(tokens, [i >= start for i in range(len(tokens))]) for tokens, start in rows]
+        lr = PRETRAIN_LR * min(1.0, (step + 1) / 30)
+        loss_value = supervised_step(model, optimizer, batch, tokenizer.pad_token_id, lr)
         if (step + 1) % 100 == 0 or step + 1 == steps:
             log(
                 f"base model: pretraining step {step + 1}/{steps}  loss {loss_value:.3f}  "

@@ -87,22 +87,8 @@ def warm_start(
     loss_value = float("nan")
     for step in range(steps):
         batch = [data[rng.randrange(len(data))] for _ in range(batch_size)]
-        width = max(len(ids) for ids, _ in batch)
-        ids = torch.full((len(batch), width), tokenizer.pad_token_id)
-        labels = torch.full((len(batch), width), -100)
-        attention = torch.zeros((len(batch), width), dtype=torch.long)
-        for r, (tokens, mask) in enumerate(batch):
-            ids[r, : len(tokens)] = torch.tensor(tokens)
-            attention[r, : len(tokens)] = 1
-            labels[r, : len(tokens)] = torch.where(torch.tensor(mask), torch.tensor(tokens), -100)
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate * min(1.0, (step + 1) / 20) * (1 - step / steps)
-        loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        loss_value = loss.item()
+        lr = learning_rate * min(1.0, (step + 1) / 20) * (1 - step / steps)
+        loss_value = supervised_step(model, optimizer, batch, tokenizer.pad_token_id, lr)
         if (step + 1) % 50 == 0 or step + 1 == steps:
             log(
                 f"warm start: step {step + 1}/{steps}  loss {loss_value:.4f}  {time.monotonic() - started:.0f} s"
@@ -120,3 +106,29 @@ def warm_start(
         "loss": round(loss_value, 4),
         "seconds": round(time.monotonic() - started, 1),
     }
+
+
+def supervised_step(
+    model: Any, optimizer: Any, batch: list[tuple[list[int], list[bool]]], pad_id: int, lr: float
+) -> float:
+    """One AdamW step of next-token loss on the masked tokens of `batch` (token ids, trained-or-not per
+    token), right-padded; gradient norm clipped at 1. Returns the loss. Shared by the warm start and the
+    base model's pretraining (`demo.base_model`)."""
+    import torch
+
+    width = max(len(ids) for ids, _ in batch)
+    ids = torch.full((len(batch), width), pad_id)
+    labels = torch.full((len(batch), width), -100)
+    attention = torch.zeros((len(batch), width), dtype=torch.long)
+    for r, (tokens, mask) in enumerate(batch):
+        ids[r, : len(tokens)] = torch.tensor(tokens)
+        attention[r, : len(tokens)] = 1
+        labels[r, : len(tokens)] = torch.where(torch.tensor(mask), torch.tensor(tokens), -100)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
+    optimizer.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    return loss.item()
