@@ -55,6 +55,8 @@ class Adapters:
     ) -> None:
         self.base = base
         self.root = root  # None: no path is accepted
+        # replaced or unloaded adapters' schedulers finishing the requests they took, by their drain task
+        self._draining: dict[asyncio.Task[None], Scheduler] = {}
         self.logprobs_mode = logprobs_mode
         self.base_name = base_name
         self.pad_token_id = pad_token_id
@@ -83,7 +85,7 @@ class Adapters:
         previous = self.loaded.get(name)
         self.loaded[name] = Adapter(name, path, scheduler)
         if previous is not None:  # in place: requests already queued on the old weights finish on them
-            await previous.scheduler.aclose()
+            self._drain(previous)
         return f"Success: LoRA adapter '{name}' added successfully."
 
     async def unload(self, name: str) -> str:
@@ -92,7 +94,7 @@ class Adapters:
         adapter = self.loaded.pop(name, None)
         if adapter is None:
             raise AdapterNotFound(f"The lora adapter '{name}' cannot be found.", param="lora_name")
-        await adapter.scheduler.aclose()
+        self._drain(adapter)  # requests it already took finish on it
         return f"Success: LoRA adapter '{name}' removed successfully."
 
     def _merge(self, path: str) -> nn.Module:
@@ -104,7 +106,16 @@ class Adapters:
             raise BadRequest(f"could not load the LoRA adapter at {path}: {exc}", param="lora_path") from exc
         return model.merge_and_unload().eval()
 
+    def _drain(self, adapter: Adapter) -> None:
+        """Let the adapter's scheduler finish its queued and running requests in the background."""
+        task = asyncio.create_task(adapter.scheduler.drain())
+        self._draining[task] = adapter.scheduler
+        task.add_done_callback(lambda done: self._draining.pop(done, None))
+
     async def aclose(self) -> None:
+        for task, scheduler in list(self._draining.items()):
+            task.cancel()
+            await scheduler.aclose()
         for adapter in self.loaded.values():
             await adapter.scheduler.aclose()
         self.loaded.clear()

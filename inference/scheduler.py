@@ -31,11 +31,21 @@ class Scheduler:
         self._task: asyncio.Task[None] | None = None
         self.lock = asyncio.Lock()  # held while a batch runs; a weight update takes it between batches
         self.batches = 0  # how many engine batches ran (for tests and metrics)
+        self.running = False  # a batch is in the engine now
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run())
 
+    async def drain(self) -> None:
+        """Finish what is queued and running (on these weights), then stop: an adapter replaced in place
+        or unloaded lets the requests it already took finish. Requests that reach this scheduler while it
+        drains (looked up before the swap) are served too."""
+        while self._task is not None and not self._task.done() and (self._pending or self.running):
+            await asyncio.sleep(0.005)
+        await self.aclose()
+
     async def aclose(self) -> None:
+        """Stop now: every request queued or in the running batch fails ("shutting down")."""
         if self._task is not None:
             self._task.cancel()
             try:
@@ -72,6 +82,7 @@ class Scheduler:
             batch = [p for p in batch if not p.future.cancelled()]
             if not batch:
                 continue
+            self.running = True
             try:
                 async with self.lock:
                     results = await asyncio.to_thread(
@@ -82,7 +93,13 @@ class Scheduler:
                     if not pending.future.done():
                         pending.future.set_exception(exc)
                 continue
+            except asyncio.CancelledError:  # aclose() during the batch: its requests fail, none hangs
+                for pending in batch:
+                    if not pending.future.done():
+                        pending.future.set_exception(RuntimeError("the inference server is shutting down"))
+                raise
             finally:
+                self.running = False
                 self.batches += 1
             for pending, result in zip(batch, results, strict=True):
                 if pending.future.done():

@@ -335,3 +335,38 @@ def test_one_logprobs_mode_default_everywhere():
         )
     ).eval()
     assert Engine(model, pad_token_id=PAD, eos_token_ids=(EOS,)).logprobs_mode == "raw_logprobs"
+
+
+def test_a_closed_scheduler_fails_its_running_batch_and_a_drained_one_finishes_it(engine):
+    """aclose() while a batch is in the engine: its requests fail at once instead of hanging; drain()
+    lets queued and running requests finish on the same weights, then stops."""
+    import asyncio
+
+    from inference.scheduler import Scheduler
+
+    params = SamplingParams(max_tokens=48, seed=3)
+
+    async def in_the_engine(scheduler: Scheduler) -> asyncio.Task:
+        request = asyncio.create_task(scheduler.generate(PROMPTS[0], params))
+        while not scheduler.running:
+            await asyncio.sleep(0.001)
+        return request
+
+    async def go():
+        closed = Scheduler(engine, window_s=0.001)
+        closed.start()
+        request = await in_the_engine(closed)
+        await closed.aclose()
+        with pytest.raises(RuntimeError, match="shutting down"):
+            await asyncio.wait_for(request, timeout=30)
+        drained = Scheduler(engine, window_s=0.001)
+        drained.start()
+        request = await in_the_engine(drained)
+        queued = asyncio.create_task(drained.generate(PROMPTS[1], params))
+        await asyncio.sleep(0)
+        await asyncio.wait_for(drained.drain(), timeout=60)
+        return request.result(), queued.result(), drained._task.done()
+
+    first, second, stopped = asyncio.run(go())
+    assert first.token_ids and second.token_ids and stopped
+    assert first.finish_reason in ("length", "stop") and second.finish_reason in ("length", "stop")
