@@ -93,6 +93,18 @@ local n = redis.call('RPUSH', KEYS[2], unpack(ARGV, 10))
 return {0, n - n_records, created}
 """
 
+# Retention, part of the scripts that end a rollout for good (consumed, expired, failed): every key of the
+# rollout (KEYS, all of one hash slot) expires in `ms` milliseconds; '0' keeps them.
+_RETAIN = """
+local function retain(ms)
+  if tonumber(ms) > 0 then
+    for i = 1, #KEYS do
+      redis.call('PEXPIRE', KEYS[i], ms)
+    end
+  end
+end
+"""
+
 # Closes an open rollout with its final return, exactly once.
 # KEYS[1] rollout hash
 # ARGV[1] reward (canonical repr), ARGV[2] reward metadata JSON, ARGV[3] now
@@ -130,12 +142,14 @@ return 0
 """
 
 # Expires an open rollout whose time has passed, or closes it with a fill reward.
-# KEYS[1] rollout hash
-# ARGV[1] now, ARGV[2] fill reward (canonical repr, '' for none)
+# KEYS the rollout's keys, its hash first (`Keys.rollout_keys`)
+# ARGV[1] now, ARGV[2] fill reward (canonical repr, '' for none), ARGV[3] retention in ms (expired, failed)
 # Returns {'expired'}, {'closed'} (filled), {'failed'}, {'not_due', expires_at} or {'not_open'}. A
 # rollout with a pending reward job (a `finish` request) is never filled: its job died (say, a killed
 # worker) or never ran, so it is `failed`, with that as its error.
-EXPIRE = """
+EXPIRE = (
+    _RETAIN
+    + """
 if redis.call('HGET', KEYS[1], 'status') ~= 'open' then
   return {'not_open'}
 end
@@ -146,6 +160,7 @@ end
 if redis.call('HEXISTS', KEYS[1], 'finish') == 1 then
   redis.call('HSET', KEYS[1], 'status', 'failed', 'closed_at', ARGV[1],
              'error', 'the reward job did not close the episode before its TTL')
+  retain(ARGV[3])
   return {'failed'}
 end
 if ARGV[2] ~= '' then
@@ -154,29 +169,39 @@ if ARGV[2] ~= '' then
   return {'closed'}
 end
 redis.call('HSET', KEYS[1], 'status', 'expired', 'closed_at', ARGV[1])
+retain(ARGV[3])
 return {'expired'}
 """
+)
 
 # Marks an open rollout failed (its reward job gave up).
-# KEYS[1] rollout hash; ARGV[1] error, ARGV[2] now
+# KEYS the rollout's keys, its hash first; ARGV[1] error, ARGV[2] now, ARGV[3] retention in ms
 # Returns the status before ('open' means it failed now; '' when missing).
-FAIL = """
+FAIL = (
+    _RETAIN
+    + """
 local status = redis.call('HGET', KEYS[1], 'status')
 if status == 'open' then
   redis.call('HSET', KEYS[1], 'status', 'failed', 'error', ARGV[1], 'closed_at', ARGV[2])
+  retain(ARGV[3])
 end
 return status or ''
 """
+)
 
 # Marks a closed rollout consumed by a learner; returns 1 the first time, else 0.
-# KEYS[1] rollout hash; ARGV[1] now
-CONSUME = """
+# KEYS the rollout's keys, its hash first; ARGV[1] now, ARGV[2] retention in ms
+CONSUME = (
+    _RETAIN
+    + """
 if redis.call('HGET', KEYS[1], 'status') == 'closed' then
   redis.call('HSET', KEYS[1], 'status', 'consumed', 'consumed_at', ARGV[1])
+  retain(ARGV[2])
   return 1
 end
 return 0
 """
+)
 
 # Attaches an intermediate reward to one call of an open rollout. A closed one takes no more: a learner
 # may already have read it, and a reward it never sees must be refused, not silently kept.
@@ -243,4 +268,46 @@ if redis.call('LLEN', KEYS[2]) >= tonumber(ARGV[2]) then
   return {2}
 end
 return {0, redis.call('RPUSH', KEYS[2], ARGV[1]) - 1}
+"""
+
+# Trims the closed-episode stream: removes the entries every consumer group has acknowledged (older than
+# each group's oldest pending entry and not after its last delivered one) that are older than a cutoff.
+# Nothing while no group exists (the episodes wait for their first learner). New entries always get
+# higher ids than any delivered one, so a trim never removes an entry a group has yet to read.
+# KEYS[1] the stream; ARGV[1] cutoff: a stream id (ms-0), entries below it may go
+# Returns the number of entries removed.
+TRIM_EPISODES = """
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  return 0
+end
+local function parse(id)
+  local ms, seq = string.match(id, '^(%d+)-(%d+)$')
+  return tonumber(ms), tonumber(seq)
+end
+local function less(a, b)
+  local am, as = parse(a)
+  local bm, bs = parse(b)
+  return am < bm or (am == bm and as < bs)
+end
+local groups = redis.call('XINFO', 'GROUPS', KEYS[1])
+if #groups == 0 then
+  return 0
+end
+local bound = ARGV[1]
+for _, group in ipairs(groups) do
+  local name, last
+  for i = 1, #group, 2 do
+    if group[i] == 'name' then name = group[i + 1] end
+    if group[i] == 'last-delivered-id' then last = group[i + 1] end
+  end
+  local pending = redis.call('XPENDING', KEYS[1], name)
+  local keep = last
+  if tonumber(pending[1]) > 0 and less(pending[2], keep) then
+    keep = pending[2]
+  end
+  if less(keep, bound) then
+    bound = keep
+  end
+end
+return redis.call('XTRIM', KEYS[1], 'MINID', bound)
 """

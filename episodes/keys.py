@@ -2,19 +2,19 @@
 
 | key                                | type   | writer                                  | reader                   | TTL  |
 |------------------------------------|--------|-----------------------------------------|--------------------------|------|
-| `{prefix}:rollout:{<rid>}`         | hash   | gateway (create, first call), reward    | gateway, reward, learner | none |
+| `{prefix}:rollout:{<rid>}`         | hash   | gateway (create, first call), reward    | gateway, reward, learner | R    |
 |                                    |        | hooks (close, fail), sweeper (expire),  |                          |      |
 |                                    |        | learner (consume)                       |                          |      |
-| `{prefix}:rollout:{<rid>}:calls`   | list   | gateway (one entry per choice)          | gateway, reward, learner | none |
-| `{prefix}:rollout:{<rid>}:rewards` | hash   | reward webhook (call index -> reward)   | learner, inspection      | none |
-| `{prefix}:rollout:{<rid>}:air`     | hash   | gateway AIR (call index -> reward)      | learner, inspection      | none |
+| `{prefix}:rollout:{<rid>}:calls`   | list   | gateway (one entry per choice)          | gateway, reward, learner | R    |
+| `{prefix}:rollout:{<rid>}:rewards` | hash   | reward webhook (call index -> reward)   | learner, inspection      | R    |
+| `{prefix}:rollout:{<rid>}:air`     | hash   | gateway AIR (call index -> reward)      | learner, inspection      | R    |
 | `{prefix}:policy`                  | hash   | learner (`version`, `adapter`, `draining`,| gateway (polled)         | none |
 |                                    |        | `base_model`: `records.Policy`)         |                          |      |
 | `{prefix}:expiry`                  | zset   | gateway (rollout id -> expires_at)      | sweeper, /ui (count)     | none |
 | `{prefix}:rollouts`                | zset   | gateway (rollout id -> created_at, at   | `GET /rollouts`, /ui     | none |
 |                                    |        | creation; trimmed to the newest N)      |                          |      |
 | `{prefix}:outbox`                  | zset   | reward hooks, sweeper (id -> intent ts) | sweeper (repair)         | none |
-| `{prefix}:episodes`                | stream | reward hooks, sweeper (closed episodes) | learners (consumer group)| none |
+| `{prefix}:episodes`                | stream | reward hooks, sweeper (closed episodes) | learners (consumer group)| trim |
 | `{prefix}:epoch`                   | string | gateway (SET NX, a random value)        | gateways (polled)        | none |
 | `{prefix}:health`                  | string | gateway `/healthz` (a write probe)      | nobody                   | 60 s |
 | `{prefix}:sweeper`                 | string | sweepers (SET NX PX: the lease of the   | sweepers                 | lease|
@@ -24,6 +24,13 @@
 | `{prefix}:webhook:<id>`            | string | reward webhook (SET NX: a signed        | reward webhook           | 2 T  |
 |                                    |        | request's webhook-id, accepted once)    |                          |      |
 
+- Retention (`R`, `EpisodeStore.retention_s`, `RLGATE_RETENTION_S`, default 7 days, 0: forever): the script
+  that ends a rollout for good (consume, expire, fail) sets a TTL of `retention_s` on every key of the
+  rollout (`Keys.rollout_keys`, events included), in the same script, so a finished rollout goes as a
+  whole. A closed rollout no learner has consumed yet has no TTL: it waits for training. The sweeper
+  trims (`XTRIM MINID`) stream entries older than `retention_s` that every consumer group has
+  acknowledged (older than each group's oldest pending entry and not after its last delivered one), and
+  trims nothing while no group exists.
 - The rollout hash holds the fields of `records.Rollout` (`status`, `reward`, `closed_at`, ... with
   JSON for `metadata`, `reward_metadata` and `finish`; absent means null) plus `published`, the outbox
   flag ('0' from closing until the episode is on the stream, then '1'), and a learner's training claim
@@ -169,6 +176,16 @@ class Keys:
     def events(self, rollout_id: str) -> str:
         """The events the rollout's agent posted (Agent Lightning's event route), JSON, in order."""
         return f"{self.prefix}:rollout:{_tag(rollout_id)}:events"
+
+    def rollout_keys(self, rollout_id: str) -> list[str]:
+        """Every key of one rollout (one hash slot), the hash first: what retention expires together."""
+        return [
+            self.rollout(rollout_id),
+            self.calls(rollout_id),
+            self.rewards(rollout_id),
+            self.air(rollout_id),
+            self.events(rollout_id),
+        ]
 
     def webhook(self, msg_id: str) -> str:
         """A signed request's webhook-id (`reward_hooks.signing` allows A-Z a-z 0-9 _ - only)."""

@@ -73,6 +73,10 @@ class EpisodeLifecycle:
         self._claim = redis.register_script(_lua.CLAIM)
         self._set_call_reward = redis.register_script(_lua.SET_CALL_REWARD)
         self._set_finish = redis.register_script(_lua.SET_FINISH)
+        self._trim_episodes = redis.register_script(_lua.TRIM_EPISODES)
+
+    def _retention_ms(self) -> str:
+        return str(max(0, round(self.store.retention_s * 1000)))
 
     # ---------------------------------------------------------------------------------------------------
     # Final return
@@ -177,7 +181,10 @@ class EpisodeLifecycle:
         """The FAIL script: the status before ('open': failed now; '' when missing)."""
         async with self.store.guard():
             before = _text(
-                await self._fail(keys=[self.keys.rollout(rollout_id)], args=[error[:2000], repr(time.time())])
+                await self._fail(
+                    keys=self.keys.rollout_keys(rollout_id),
+                    args=[error[:2000], repr(time.time()), self._retention_ms()],
+                )
             )
             if before == "open":
                 await self.store.redis.zrem(self.keys.expiry, rollout_id)
@@ -196,9 +203,14 @@ class EpisodeLifecycle:
         return {1: "claimed", 0: "not_closed", -1: "held"}[reply]
 
     async def consume(self, rollout_id: str) -> bool:
-        """Mark a closed rollout consumed by a learner; True only the first time."""
+        """Mark a closed rollout consumed by a learner; True only the first time. Its keys expire after
+        the store's `retention_s` (0: kept)."""
         async with self.store.guard():
-            return bool(await self._consume(keys=[self.keys.rollout(rollout_id)], args=[repr(time.time())]))
+            return bool(
+                await self._consume(
+                    keys=self.keys.rollout_keys(rollout_id), args=[repr(time.time()), self._retention_ms()]
+                )
+            )
 
     # ---------------------------------------------------------------------------------------------------
     # Sweeping: expiry and outbox repair
@@ -216,7 +228,9 @@ class EpisodeLifecycle:
             async with self.store.guard():
                 if fill:
                     await self.store.redis.zadd(self.keys.outbox, {intent: now})
-                reply = await self._expire(keys=[self.keys.rollout(rollout_id)], args=[repr(now), fill])
+                reply = await self._expire(
+                    keys=self.keys.rollout_keys(rollout_id), args=[repr(now), fill, self._retention_ms()]
+                )
             outcome = _text(reply[0])
             if outcome == "closed":
                 await self._publish(rollout_id, None, fill, intent)
@@ -231,6 +245,15 @@ class EpisodeLifecycle:
                     await pipe.execute()
             done[rollout_id] = outcome
         return done
+
+    async def trim_episodes(self) -> int:
+        """Remove closed-episode stream entries that every learner group has acknowledged and that are
+        older than the store's `retention_s` (none while it is 0). Returns how many went."""
+        if self.store.retention_s <= 0:
+            return 0
+        cutoff = f"{max(0, int((time.time() - self.store.retention_s) * 1000))}-0"
+        async with self.store.guard():
+            return int(await self._trim_episodes(keys=[self.keys.episodes], args=[cutoff]))
 
     async def repair_outbox(self, grace_s: float = 30.0, limit: int = 200) -> list[str]:
         """Publish closed episodes whose closer died (or failed) before publishing them; drop intents that

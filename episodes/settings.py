@@ -13,6 +13,7 @@ service:
 | `operator_token`     | `RLGATE_OPERATOR_TOKEN`      |                                                 |
 | `webhook_secret`     | `RLGATE_WEBHOOK_SECRET`      |                                                 |
 | `rollout_key_secret` | `RLGATE_ROLLOUT_KEY_SECRET`  |                                                 |
+| `retention_s`        | `RLGATE_RETENTION_S`         | e.g. `RLGATE_LEARNER_RETENTION_S`               |
 | the inference key    | `RLGATE_INFERENCE_API_KEY`   | `RLGATE_UPSTREAM_API_KEY` (gateway), `RLGATE_LEARNER_INFERENCE_API_KEY`, `RLGATE_SERVE_API_KEY` |
 
 Order, first wins: a command-line flag, the service-prefixed variable (so deployments that set
@@ -43,6 +44,7 @@ SHARED_ENV: dict[str, str] = {
         "webhook_secret",
         "rollout_key_secret",
         "inference_api_key",
+        "retention_s",
     )
 }
 

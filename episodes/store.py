@@ -48,6 +48,7 @@ from episodes.records import (
 LEARNER_STEPS_KEPT = 10_000  # learner steps kept on their stream (about; XADD MAXLEN ~)
 EVENTS_MAX = 256  # events kept per rollout (each at most EVENT_MAX_BYTES of JSON)
 EVENT_MAX_BYTES = 16 * 1024
+RETENTION_S = 7 * 86400.0  # a finished rollout's keys and its stream entry are kept this long (0: forever)
 INDEX_MAX = 1_000_000  # rollouts the listing index keeps (the newest; `EpisodeStore.index_max`)
 LIST_MAX = 1000  # most index entries one `list_rollouts` call reads
 _SUMMARY_FIELDS = ("rollout_id", "task_id", "status", "mode", "created_at", "closed_at", "reward", "error")
@@ -99,11 +100,15 @@ class EpisodeStore:
         keys: Keys | None = None,
         timeout_s: float = 5.0,
         rollout_ttl_s: float = 3600.0,
+        retention_s: float = RETENTION_S,
     ) -> None:
         self.redis = redis
         self.keys = keys or Keys()
         self.timeout_s = timeout_s
         self.rollout_ttl_s = rollout_ttl_s
+        # a rollout no learner will read again (consumed, expired, failed) keeps its keys this long, and
+        # closed-episode entries every consumer group acknowledged stay on the stream this long (0: forever)
+        self.retention_s = retention_s
         self.index_max = INDEX_MAX  # the listing index is trimmed to this many (the newest) rollouts
         self._create = redis.register_script(_lua.CREATE_ROLLOUT)
         self._record = ScriptBatcher(redis, _lua.RECORD_CALLS, timeout_s)
@@ -117,18 +122,19 @@ class EpisodeStore:
         prefix: str = "rlgate",
         timeout_s: float = 5.0,
         rollout_ttl_s: float = 3600.0,
+        retention_s: float = RETENTION_S,
         max_connections: int = 64,
     ) -> EpisodeStore:
         """A store on its own connection pool. `timeout_s` bounds every operation, so a hung Redis
         turns into `StoreUnavailable` instead of a hung call; open rollouts expire `rollout_ttl_s` after
-        they were created."""
+        they were created; finished ones are kept `retention_s` (`EpisodeStore.retention_s`)."""
         client = aioredis.Redis.from_url(
             url,
             socket_connect_timeout=timeout_s,
             max_connections=max_connections,
             health_check_interval=30,
         )
-        return cls(client, Keys(prefix), timeout_s, rollout_ttl_s)
+        return cls(client, Keys(prefix), timeout_s, rollout_ttl_s, retention_s)
 
     def guard(self, extra_s: float = 0.0) -> Any:
         """`async with store.guard():` bounds a Redis operation (by the store's timeout plus `extra_s`, for

@@ -148,6 +148,7 @@ class Gateway:
             prefix=settings.key_prefix,
             timeout_s=settings.redis_timeout_s,
             rollout_ttl_s=settings.rollout_ttl_s,
+            retention_s=settings.retention_s,
         )
         self.store.index_max = settings.rollout_index_max
         self.upstream = Upstream(settings)

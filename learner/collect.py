@@ -10,9 +10,14 @@ id (the GRPO group key), until a step can be formed:
   episodes joins then, incomplete or not;
 - a group of one (an episode without a task id, or one left alone after the wait) has no baseline:
   with `singleton_groups="drop"` it is acknowledged untrained and counted; with `"keep"` it trains with
-  its return as advantage.
+  its return as advantage;
+- with `dynamic_filtering` (DAPO's dynamic sampling, OpenRLHF's `--dynamic_filtering`), a group whose
+  episodes all have the same reward (all right or all wrong: every advantage zero) is acknowledged
+  untrained and tallied (`uniform`), and the step waits for `tasks_per_step` groups that differ. Without
+  it such groups join steps with zero advantages: once nearly every group is right, a step's only
+  signal is its rare failures, a tiny gradient that AdamW scales to a full-size step.
 
-Nothing is acknowledged here except dropped singletons: the loop acknowledges a step's episodes after
+Nothing is acknowledged here except dropped singletons and, with `dynamic_filtering`, uniform groups: the loop acknowledges a step's episodes after
 its checkpoint and push. A restarted learner first takes back its own unacknowledged entries, and
 entries other consumers left pending longer than `reclaim_idle_s` (dead learners) are claimed too.
 """
@@ -66,6 +71,7 @@ class Collector:
         singleton_groups: str,
         reclaim_idle_s: float = 300.0,
         success_threshold: float = 1.0,
+        dynamic_filtering: bool = False,
     ) -> None:
         self.stream = stream
         self.consumer = consumer
@@ -78,6 +84,8 @@ class Collector:
         self.seen: set[str] = set()  # entry ids waiting here, so a redelivery is not counted twice
         self.dropped_singletons = 0
         self.validation = Validation(success_threshold)  # validation episodes scored since the last step
+        self.dynamic_filtering = dynamic_filtering
+        self.uniform = Validation(success_threshold)  # episodes of uniform groups dropped since the last step
         self._last_reclaim = 0.0
 
     async def start(self) -> None:
@@ -127,6 +135,13 @@ class Collector:
 
     async def _take(self) -> list[Group]:
         now = time.monotonic()
+        if self.dynamic_filtering:
+            for key in [
+                k
+                for k, g in self.waiting.items()
+                if g.task_id is not None and len(g.episodes) >= self.rollouts_per_task and _uniform(g)
+            ]:
+                await self._drop_uniform(self.waiting.pop(key))
         ordered = sorted(self.waiting.items(), key=lambda item: item[1].first_seen)
         ready = [
             (k, g)
@@ -145,6 +160,10 @@ class Collector:
                 for key in [k for k, g in overdue if len(g.episodes) == 1]:
                     await self._drop(self.waiting.pop(key))
                 overdue = [(k, g) for k, g in overdue if len(g.episodes) > 1]
+            if self.dynamic_filtering:
+                for key in [k for k, g in overdue if len(g.episodes) > 1 and _uniform(g)]:
+                    await self._drop_uniform(self.waiting.pop(key))
+                overdue = [(k, g) for k, g in overdue if k in self.waiting]
             chosen = (ready + overdue)[: self.tasks_per_step]
         else:
             return []
@@ -160,3 +179,17 @@ class Collector:
             self.seen.discard(entry.entry_id)
             await self.stream.ack(entry)
         self.dropped_singletons += len(group.episodes)
+
+    async def _drop_uniform(self, group: Group) -> None:
+        """Acknowledge a group whose rewards are all equal untrained (`dynamic_filtering`); its rewards
+        still count in the step's success rate (`uniform`)."""
+        for entry in group.episodes:
+            self.seen.discard(entry.entry_id)
+            await self.stream.ack(entry)
+            self.uniform.add(entry.reward)
+
+
+def _uniform(group: Group) -> bool:
+    """Every episode of the group has the same (finite) reward: no group-relative signal."""
+    rewards = {entry.reward for entry in group.episodes}
+    return len(rewards) == 1 and all(math.isfinite(r) for r in rewards)

@@ -66,7 +66,9 @@ class Learner:
             structlog.contextvars.bind_contextvars(rank=self.ranks.rank)
         self.output_dir = settings.output_dir
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        self.store = EpisodeStore.from_url(settings.redis_url, prefix=settings.key_prefix, timeout_s=10.0)
+        self.store = EpisodeStore.from_url(
+            settings.redis_url, prefix=settings.key_prefix, timeout_s=10.0, retention_s=settings.retention_s
+        )
         self.stream = ClosedEpisodes(self.store, settings.group)
         self.collector = Collector(
             self.stream,
@@ -76,6 +78,7 @@ class Learner:
             max_group_wait_s=settings.max_group_wait_s,
             singleton_groups=settings.singleton_groups,
             success_threshold=settings.success_threshold,
+            dynamic_filtering=settings.dynamic_filtering,
         )
         self.policy = Policy(settings, self.ranks)
         base_model = self.base_model = settings.served_model_name or str(settings.model)
@@ -205,18 +208,21 @@ class Learner:
         self.episodes_trained += len(entries)
 
         rewards = [v.reward for g in views for v in g]
-        val = self.collector.validation
+        val, uniform = self.collector.validation, self.collector.uniform
         self.collector.validation = dataclasses.replace(val, episodes=0, reward_sum=0.0, successes=0)
+        self.collector.uniform = dataclasses.replace(uniform, episodes=0, reward_sum=0.0, successes=0)
+        # the step's episodes: those trained and those of uniform groups dropped for it (dynamic filtering)
+        seen = len(rewards) + uniform.episodes
         metrics = {
             "step": self.step,
             "time": time.time(),
             "policy_version": self.version,
             "ranks": self.ranks.size,
-            "episodes": len(entries),
+            "episodes": len(entries) + uniform.episodes,
             "groups": len(views),
-            "reward_mean": statistics.fmean(rewards) if rewards else math.nan,
-            "success_rate": sum(r >= s.success_threshold for r in rewards) / len(rewards)
-            if rewards
+            "reward_mean": (sum(rewards) + uniform.reward_sum) / seen if seen else math.nan,
+            "success_rate": (sum(r >= s.success_threshold for r in rewards) + uniform.successes) / seen
+            if seen
             else math.nan,
             "val_episodes": val.episodes,
             "val_reward_mean": val.reward_sum / val.episodes if val.episodes else math.nan,
@@ -237,6 +243,7 @@ class Learner:
             "claimed_elsewhere": read_counts["claimed_elsewhere"],
             "claims_lost": lost,
             "dropped_singleton": counts["singleton_episodes"] + self.collector.dropped_singletons,
+            "dropped_uniform": uniform.episodes,
             "already_trained": read_counts["already_trained"],
             "staleness_mean": counts["staleness_sum"] / max(1, counts["trained"]),
             **{k: v for k, v in asdict(stats).items() if k not in ("samples", "tokens")},

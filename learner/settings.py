@@ -10,6 +10,7 @@ from pydantic import BeforeValidator, Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from episodes.settings import SharedSettings
+from episodes.store import RETENTION_S
 
 # A model as given (a folder, or a Hub id): text, so that `./tiny` stays a path (a Path would drop the `./`).
 ModelRef = Annotated[str, BeforeValidator(lambda value: str(value) if isinstance(value, Path) else value)]
@@ -99,6 +100,15 @@ class LearnerSettings(SharedSettings):
     success_threshold: float = Field(
         1.0, description="An episode counts as a success in the logs when its return is at least this."
     )
+    retention_s: float = Field(
+        RETENTION_S,
+        ge=0,
+        description="How long a finished rollout is kept: once it is consumed by a learner, expired or "
+        "failed, its keys expire after this many seconds, and closed-episode stream entries every learner "
+        "group has acknowledged are trimmed once this old (by the gateway's sweeper). 0: kept forever. Export "
+        "what you want to keep (rlgate export) within this time. Give every service the same value "
+        "(RLGATE_RETENTION_S reaches them all).",
+    )
     max_steps: int = Field(0, ge=0, description="Stop after this many steps (0: run until stopped).")
 
     # Credit and advantages
@@ -116,6 +126,13 @@ class LearnerSettings(SharedSettings):
     )
     estimator: Literal["group_norm", "rloo", "reinforce_baseline", "dr_grpo"] = "group_norm"
     stats_over: Literal["episodes", "transitions"] = "episodes"
+    dynamic_filtering: bool = Field(
+        False,
+        description="DAPO's dynamic sampling (OpenRLHF's --dynamic_filtering): a task group whose "
+        "episodes all have the same reward carries no group-relative signal and is acknowledged untrained; a "
+        "step waits for tasks_per_step groups whose rewards differ. Keeps a nearly solved task from "
+        "training on its rare failures alone (AdamW scales that tiny gradient to a full step).",
+    )
     sample_shape: Literal["transition", "trajectory"] = "transition"
     max_staleness: int = Field(
         4,
@@ -195,4 +212,9 @@ class LearnerSettings(SharedSettings):
     def _push_matches_finetune(self) -> LearnerSettings:
         if self.push == "lora" and self.finetune == "full":
             raise ValueError("--push lora needs --finetune lora (full fine-tuning has no adapter to push)")
+        if self.dynamic_filtering and self.intermediate_rewards:
+            raise ValueError(
+                "--dynamic-filtering looks at episodes' final rewards only; with --intermediate-rewards a "
+                "group of equal final rewards can still carry signal: use one or the other"
+            )
         return self

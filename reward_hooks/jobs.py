@@ -65,7 +65,12 @@ def compute_reward(rollout_id: str, key_prefix: str) -> float | None:
 
 
 def _store(key_prefix: str, settings: RewardSettings) -> EpisodeStore:
-    return EpisodeStore.from_url(settings.redis_url, prefix=key_prefix, timeout_s=settings.redis_timeout_s)
+    return EpisodeStore.from_url(
+        settings.redis_url,
+        prefix=key_prefix,
+        timeout_s=settings.redis_timeout_s,
+        retention_s=settings.retention_s,
+    )
 
 
 async def _compute(rollout_id: str, key_prefix: str, settings: RewardSettings) -> float:

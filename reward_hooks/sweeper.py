@@ -1,5 +1,6 @@
-"""The sweeper: expires open rollouts past their TTL (or closes them with the fill reward) and republishes
-closed episodes whose closer died before publishing them.
+"""The sweeper: expires open rollouts past their TTL (or closes them with the fill reward), republishes
+closed episodes whose closer died before publishing them, and trims the closed-episode stream of entries
+every learner group acknowledged more than `retention_s` ago.
 
 Every gateway process runs one, but only the holder of a lease in Redis (`keys.sweeper`, `SweeperLease`)
 sweeps: one pass per interval for the whole deployment, not one per process. Each process asks once
@@ -74,6 +75,9 @@ async def sweep_once(
 ) -> tuple[dict[str, str], list[str]]:
     expired = await lifecycle.expire_due(fill_reward=settings.expired_fill_reward)
     repaired = await lifecycle.repair_outbox(grace_s=settings.outbox_grace_s)
+    trimmed = await lifecycle.trim_episodes()
+    if trimmed:
+        log.info("episodes_trimmed", entries=trimmed, retention_s=lifecycle.store.retention_s)
     for rollout_id, outcome in expired.items():
         log.info("rollout_expired", rollout_id=rollout_id, outcome=outcome)
     for rollout_id in repaired:

@@ -144,3 +144,38 @@ def test_validation_episodes_are_scored_apart_and_never_trained(redis_client: re
     assert (
         statuses[0] == statuses[4] == "consumed" and statuses[1] == "closed"
     )  # trained ones: acked after training
+
+
+def test_dynamic_filtering_drops_groups_whose_rewards_are_all_equal(redis_client: redis.Redis):
+    """With dynamic_filtering a group of equal rewards (all right, all wrong) is acknowledged untrained and
+    tallied for the step's success rate; the step waits for groups whose rewards differ, and an overdue
+    incomplete group of equal rewards is dropped too. Without it the oldest ready groups train, equal or
+    not."""
+    rewards = {"a": [1, 1, 1], "b": [1, 0, 1], "c": [0, 0, 0], "d": [0, 1, 1], "e": [1, 1]}
+    for task, values in rewards.items():
+        for i, reward in enumerate(values):
+            redis_client.xadd(
+                "t:episodes", {"rollout_id": f"{task}-{i}", "task_id": task, "reward": str(reward)}
+            )
+
+    async def body(store, filtering):
+        c = collector(store, dynamic_filtering=filtering)
+        await c.start()
+        first = await c.next_step(deadline_s=2)
+        tally = (c.uniform.episodes, c.uniform.successes)
+        pending = await c.stream.pending()
+        second = await c.next_step(deadline_s=1.5)  # e waits out max_group_wait_s, then is dropped
+        return first, tally, pending, second, c.uniform.episodes, await c.stream.pending()
+
+    first, tally, pending, second, dropped, pending_after = with_store(lambda s: body(s, True))
+    assert [g.task_id for g in first] == ["b", "d"]
+    assert tally == (6, 3) and pending == 8  # a and c acknowledged; b, d (the step's) and e pending
+    assert second == [] and dropped == 8 and pending_after == 6
+    redis_client.delete("t:episodes")
+    for task, values in rewards.items():
+        for i, reward in enumerate(values):
+            redis_client.xadd(
+                "t:episodes", {"rollout_id": f"{task}-{i}", "task_id": task, "reward": str(reward)}
+            )
+    first, tally, *_ = with_store(lambda s: body(s, False))
+    assert [g.task_id for g in first] == ["a", "b"] and tally == (0, 0)

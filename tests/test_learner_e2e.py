@@ -430,3 +430,28 @@ def test_a_server_reporting_raw_logprobs_is_caught_on_the_first_step(
     finally:
         gateway.kill(signal.SIGTERM)
         raw.kill(signal.SIGTERM)
+
+
+def test_dynamic_filtering_skips_uniform_groups_and_consumed_episodes_get_the_retention(
+    stack, redis_client: redis.Redis, tmp_path: Path, monkeypatch
+):
+    """With dynamic filtering a group whose rewards are all equal is consumed untrained and the step
+    trains the groups that differ; the step's success rate still counts every episode. Consumed
+    episodes' keys expire after the retention that the shared RLGATE_RETENTION_S gives the learner."""
+    serve, gateway, model = stack
+    rewards = {"same": [1.0] * 4, "add-1": [1.0, 0.0, 0.0, 1.0], "add-2": [0.0, 1.0, 0.0, 0.0]}
+    rids = {task: [episode(gateway, task, r) for r in values] for task, values in rewards.items()}
+    out = tmp_path / "learner"
+    monkeypatch.setenv("RLGATE_RETENTION_S", "900")
+    proc = learner(model, serve, out, dynamic_filtering="true")
+    assert proc.wait(timeout=240) == 0, (out.parent / "learner.log").read_text()[-4000:]
+
+    [step] = steps(out)
+    assert step["groups"] == 2 and step["samples"] == 16 and step["dropped_uniform"] == 4
+    assert step["episodes"] == 12 and step["success_rate"] == pytest.approx(7 / 12)
+    for task, ids in rids.items():
+        for rid in ids:
+            assert redis_client.hget(f"rlgate:rollout:{{{rid}}}", "status") == b"consumed", task
+            assert 880 <= redis_client.ttl(f"rlgate:rollout:{{{rid}}}") <= 900
+            assert 880 <= redis_client.ttl(f"rlgate:rollout:{{{rid}}}:calls") <= 900
+    assert redis_client.xpending("rlgate:episodes", "learners")["pending"] == 0

@@ -333,3 +333,83 @@ def test_mark_failed_happens_once_and_is_never_published(redis_client: redis.Red
     assert closed.status == "closed" and kept.status == "closed" and kept.reward == 0.5
     assert stream_rollouts(redis_client) == ["f2"]  # only the closed one
     assert redis_client.zscore("t:expiry", "f1") is None and redis_client.zcard("t:outbox") == 0
+
+
+def test_a_finished_rollout_keeps_its_keys_for_the_retention_time_then_they_go(redis_client: redis.Redis):
+    """Consumed, expired and failed rollouts: every key of the rollout (hash, calls, rewards, AIR,
+    events) gets the retention TTL in the script that ends it; a closed one waiting for a learner keeps
+    its keys; with retention 0 nothing expires."""
+
+    def keys(rid: str) -> list[str]:
+        tag = f"t:rollout:{{{rid}}}"
+        return [tag, f"{tag}:calls", f"{tag}:rewards", f"{tag}:air", f"{tag}:events"]
+
+    async def scenario(store, lifecycle):
+        store.retention_s = 600.0
+        closed = ClosedEpisodes(store)
+        await closed.ensure_group()
+        for rid in ("trained", "waiting", "failed", "kept"):
+            await store.record_calls(rid, "task", [_record(rid)])
+            await lifecycle.set_call_reward(rid, 0, 0.5)
+            await lifecycle.set_call_reward(rid, 0, 0.25, automatic=True)
+            redis_client.rpush(f"t:rollout:{{{rid}}}:events", "{}")
+        await store.create_rollout("stale")
+        redis_client.zadd("t:expiry", {"stale": 0})  # its TTL has passed
+        redis_client.hset("t:rollout:{stale}", "expires_at", 0)
+        await lifecycle.close("trained", 1.0)
+        await lifecycle.close("waiting", 1.0)
+        await lifecycle.mark_failed("failed", "the agent crashed")
+        [entry, _] = await closed.read("l0", count=2, block_ms=100)
+        assert await closed.ack(entry) and entry.rollout_id == "trained"
+        assert await lifecycle.expire_due() == {"stale": "expired"}
+        store.retention_s = 0.0
+        await lifecycle.close("kept", 1.0)
+        [kept] = [e for e in await closed.read("l0", count=5, block_ms=100) if e.rollout_id == "kept"]
+        assert await closed.ack(kept)
+
+    run(scenario)
+    for rid in ("trained", "failed"):
+        ttls = [redis_client.ttl(k) for k in keys(rid)]
+        assert all(590 <= t <= 600 for t in ttls), (rid, ttls)
+    assert 590 <= redis_client.ttl("t:rollout:{stale}") <= 600
+    assert [redis_client.ttl(k) for k in keys("waiting")] == [-1] * 5  # closed, not yet trained: kept
+    assert [redis_client.ttl(k) for k in keys("kept")] == [-1] * 5  # retention 0: forever
+    redis_client.pexpire("t:rollout:{trained}", 1)  # and when the TTL runs out, the rollout is gone
+    time.sleep(0.05)
+    assert not redis_client.exists("t:rollout:{trained}")
+
+
+def test_the_sweeper_trims_only_entries_every_group_acknowledged_past_the_retention(
+    redis_client: redis.Redis,
+):
+    """The stream keeps what any consumer group has not acknowledged (pending, or not yet delivered), and
+    what is younger than the retention; nothing is trimmed while no group exists or retention is 0."""
+
+    async def scenario(store, lifecycle):
+        for i in range(6):
+            await store.record_calls(f"e{i}", "task", [_record(f"e{i}")])
+            await lifecycle.close(f"e{i}", 1.0)
+        store.retention_s = 0.001
+        await asyncio.sleep(0.01)
+        no_group = await lifecycle.trim_episodes()
+        a, b = ClosedEpisodes(store, "a"), ClosedEpisodes(store, "b")
+        await a.ensure_group()
+        await b.ensure_group()
+        read_a = await a.read("la", count=6, block_ms=100)  # a: all six delivered
+        for entry in read_a[:2] + read_a[3:]:
+            await a.ack(entry)  # a leaves e2 pending
+        for entry in await b.read("lb", count=4, block_ms=100):  # b: e0-e3 delivered and acknowledged
+            await b.drop(entry)
+        await asyncio.sleep(0.01)
+        store.retention_s = 0.0
+        off = await lifecycle.trim_episodes()
+        store.retention_s = 3600.0
+        young = await lifecycle.trim_episodes()
+        store.retention_s = 0.001
+        trimmed = await lifecycle.trim_episodes()
+        return no_group, off, young, trimmed
+
+    no_group, off, young, trimmed = run(scenario)
+    assert (no_group, off, young) == (0, 0, 0)
+    assert trimmed == 2  # e0, e1: acknowledged by both groups; e2 is pending in a, e4/e5 undelivered to b
+    assert stream_rollouts(redis_client) == ["e2", "e3", "e4", "e5"]
