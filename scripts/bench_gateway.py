@@ -16,6 +16,9 @@ Method
   * Cells: stream off/on x concurrency 1/32; N requests per cell per round. Latency is request start to
     last byte; TTFB is to the first body byte. Proxy CPU per request comes from /proc (utime + stime of
     the proxy's process tree) over the cell. "added p50" = the target's p50 minus direct's p50.
+  * Redis per recorded call: the dedicated redis-server's INFO (commands, network bytes, used_memory) and
+    DBSIZE before and after each gateway cell, divided by the cell's calls: the sizing numbers of
+    docs/deployment.md.
 
 Run
   .venv/bin/python scripts/bench_gateway.py [--rounds 3] [--requests 2000] [--litellm PATH|none]
@@ -267,6 +270,25 @@ def poll_dashboard(base: str, token: str | None, every_s: float, stop: threading
                 counts["failed"] += 1
 
 
+def redis_counters(port: int) -> dict[str, float]:
+    """The dedicated Redis's counters: commands run, bytes in and out, memory used, keys."""
+    import redis
+
+    client = redis.Redis(port=port)
+    try:
+        info = client.info("all")
+        commands = sum(v["calls"] for k, v in info.items() if k.startswith("cmdstat_"))
+        return {
+            "commands": commands,
+            "in": info["total_net_input_bytes"],
+            "out": info["total_net_output_bytes"],
+            "memory": info["used_memory"],
+            "keys": client.dbsize(),
+        }
+    finally:
+        client.close()
+
+
 def pct(values: list[float], q: float) -> float:
     return (
         statistics.quantiles(values, n=100, method="inclusive")[q - 1] * 1000
@@ -415,6 +437,7 @@ def main() -> None:
             for mode, conc in (cell.split(":") for cell in args.cells.split(","))
         ]
         results: dict[tuple[str, bool, int], dict[str, list[float]]] = {}
+        redis_cost: dict[tuple[str, bool], dict[str, list[float]]] = {}
         for name, (url, _) in targets.items():  # warm-up
             for stream, conc in cells:
                 asyncio.run(
@@ -464,10 +487,16 @@ def main() -> None:
                         time.sleep(1.0)  # py-spy attaches
                     cpu0 = tree_cpu_seconds(pid) if pid else 0.0
                     keys = secret if name.startswith("rlgate") else None
+                    before = redis_counters(redis_port) if name.startswith("rlgate") else None
                     wall, lat, ttfb = uvloop.run(
                         drive(f"{url}/chat/completions", stream, conc, args.requests, keys)
                     )
                     cpu = (tree_cpu_seconds(pid) - cpu0) if pid else float("nan")
+                    if before is not None:  # what the recording cost Redis, per call of this cell
+                        after = redis_counters(redis_port)
+                        per_call = redis_cost.setdefault((name, stream), {k: [] for k in after})
+                        for key, value in after.items():
+                            per_call[key].append((value - before[key]) / len(lat))
                     if spy is not None:
                         spy.send_signal(signal.SIGINT)  # py-spy writes its flame graph and exits
                         spy.wait(timeout=60)
@@ -508,6 +537,21 @@ def main() -> None:
                     f"{'' if name == 'direct' else f'{p50 - base:+.2f}'} | "
                     f"{'' if name == 'direct' else f'{cpu:.3f}'} |"
                 )
+        print(
+            "\nRedis per recorded call (deltas of the dedicated redis-server's INFO over each cell, "
+            "divided by its calls; each call is a rollout of its own here, so its rollout hash, calls list "
+            "and index entries are all counted; nothing is consumed or expired during the run)\n"
+        )
+        print(
+            "| target | stream | commands/call | bytes in/call | bytes out/call | memory/call | keys/call |"
+        )
+        print("|---|---|---:|---:|---:|---:|---:|")
+        for (name, stream), cost in redis_cost.items():
+            med = {k: statistics.median(v) for k, v in cost.items()}
+            print(
+                f"| {name} | {'yes' if stream else 'no'} | {med['commands']:.2f} | {med['in']:,.0f} | "
+                f"{med['out']:,.0f} | {med['memory']:,.0f} B | {med['keys']:.2f} |"
+            )
     finally:
         for p in reversed(procs):
             p.send_signal(signal.SIGTERM)

