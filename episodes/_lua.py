@@ -275,10 +275,10 @@ return {0, redis.call('RPUSH', KEYS[2], ARGV[1]) - 1}
 # Nothing while no group exists (the episodes wait for their first learner). New entries always get
 # higher ids than any delivered one, so a trim never removes an entry a group has yet to read.
 # KEYS[1] the stream; ARGV[1] cutoff: a stream id (ms-0), entries below it may go
-# Returns the number of entries removed.
+# Returns {entries removed, the group that holds back entries older than the cutoff ('' for none)}.
 TRIM_EPISODES = """
 if redis.call('EXISTS', KEYS[1]) == 0 then
-  return 0
+  return {0, ''}
 end
 local function parse(id)
   local ms, seq = string.match(id, '^(%d+)-(%d+)$')
@@ -291,9 +291,10 @@ local function less(a, b)
 end
 local groups = redis.call('XINFO', 'GROUPS', KEYS[1])
 if #groups == 0 then
-  return 0
+  return {0, ''}
 end
 local bound = ARGV[1]
+local holder = ''
 for _, group in ipairs(groups) do
   local name, last
   for i = 1, #group, 2 do
@@ -307,7 +308,8 @@ for _, group in ipairs(groups) do
   end
   if less(keep, bound) then
     bound = keep
+    holder = name
   end
 end
-return redis.call('XTRIM', KEYS[1], 'MINID', bound)
+return {redis.call('XTRIM', KEYS[1], 'MINID', bound), holder}
 """

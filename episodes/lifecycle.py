@@ -76,7 +76,9 @@ class EpisodeLifecycle:
         self._trim_episodes = redis.register_script(_lua.TRIM_EPISODES)
 
     def _retention_ms(self) -> str:
-        return str(max(0, round(self.store.retention_s * 1000)))
+        """The store's retention in whole milliseconds for the scripts: '0' (keep) only for 0."""
+        retention_s = self.store.retention_s
+        return str(max(1, math.ceil(retention_s * 1000))) if retention_s > 0 else "0"
 
     # ---------------------------------------------------------------------------------------------------
     # Final return
@@ -246,14 +248,17 @@ class EpisodeLifecycle:
             done[rollout_id] = outcome
         return done
 
-    async def trim_episodes(self) -> int:
-        """Remove closed-episode stream entries that every learner group has acknowledged and that are
-        older than the store's `retention_s` (none while it is 0). Returns how many went."""
+    async def trim_episodes(self) -> tuple[int, str | None]:
+        """Remove closed-episode stream entries that every consumer group has acknowledged and that are
+        older than the store's `retention_s` (none while it is 0). Returns how many went and the group
+        that holds back entries older than the retention, if one does (a learner stuck on an old entry,
+        or the group of an old experiment nobody reads: `XGROUP DESTROY` it)."""
         if self.store.retention_s <= 0:
-            return 0
+            return 0, None
         cutoff = f"{max(0, int((time.time() - self.store.retention_s) * 1000))}-0"
         async with self.store.guard():
-            return int(await self._trim_episodes(keys=[self.keys.episodes], args=[cutoff]))
+            removed, holder = await self._trim_episodes(keys=[self.keys.episodes], args=[cutoff])
+        return int(removed), _text(holder) or None
 
     async def repair_outbox(self, grace_s: float = 30.0, limit: int = 200) -> list[str]:
         """Publish closed episodes whose closer died (or failed) before publishing them; drop intents that

@@ -32,6 +32,7 @@ class Scheduler:
         self.lock = asyncio.Lock()  # held while a batch runs; a weight update takes it between batches
         self.batches = 0  # how many engine batches ran (for tests and metrics)
         self.running = False  # a batch is in the engine now
+        self.closed = False  # aclose() ran: a request now fails at once instead of waiting forever
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run())
@@ -45,7 +46,9 @@ class Scheduler:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Stop now: every request queued or in the running batch fails ("shutting down")."""
+        """Stop now: every request queued or in the running batch fails ("shutting down"), and so does
+        any that comes later."""
+        self.closed = True
         if self._task is not None:
             self._task.cancel()
             try:
@@ -66,6 +69,8 @@ class Scheduler:
 
     async def generate(self, prompt: list[int], params: SamplingParams) -> Completion:
         """Queue one row and wait for its completion."""
+        if self.closed:  # e.g. it picked a replaced adapter's scheduler before waiting out a pause
+            raise RuntimeError("the inference server is shutting down")
         future: asyncio.Future[Completion] = asyncio.get_running_loop().create_future()
         self._pending.append(_Pending(prompt, params, future))
         self._wake.set()

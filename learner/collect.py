@@ -185,11 +185,11 @@ class Collector:
         still count in the step's success rate (`uniform`)."""
         for entry in group.episodes:
             self.seen.discard(entry.entry_id)
-            await self.stream.ack(entry)
-            self.uniform.add(entry.reward)
+            if await self.stream.ack(entry):  # a second copy of an episode counts once
+                self.uniform.add(entry.reward)
 
 
 def _uniform(group: Group) -> bool:
     """Every episode of the group has the same (finite) reward: no group-relative signal."""
     rewards = {entry.reward for entry in group.episodes}
-    return len(rewards) == 1 and all(math.isfinite(r) for r in rewards)
+    return len(group.episodes) > 1 and len(rewards) == 1 and all(math.isfinite(r) for r in rewards)

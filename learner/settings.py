@@ -103,6 +103,8 @@ class LearnerSettings(SharedSettings):
     retention_s: float = Field(
         RETENTION_S,
         ge=0,
+        le=10 * 365 * 86400,
+        allow_inf_nan=False,
         description="How long a finished rollout is kept: once it is consumed by a learner, expired or "
         "failed, its keys expire after this many seconds, and closed-episode stream entries every learner "
         "group has acknowledged are trimmed once this old (by the gateway's sweeper). 0: kept forever. Export "
@@ -212,6 +214,10 @@ class LearnerSettings(SharedSettings):
     def _push_matches_finetune(self) -> LearnerSettings:
         if self.push == "lora" and self.finetune == "full":
             raise ValueError("--push lora needs --finetune lora (full fine-tuning has no adapter to push)")
+        if self.dynamic_filtering and self.rollouts_per_task < 2:
+            raise ValueError(
+                "--dynamic-filtering needs --rollouts-per-task of at least 2 (a group to compare)"
+            )
         if self.dynamic_filtering and self.intermediate_rewards:
             raise ValueError(
                 "--dynamic-filtering looks at episodes' final rewards only; with --intermediate-rewards a "

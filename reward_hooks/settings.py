@@ -102,6 +102,8 @@ class RewardSettings(SharedSettings):
     retention_s: float = Field(
         RETENTION_S,
         ge=0,
+        le=10 * 365 * 86400,
+        allow_inf_nan=False,
         description="How long a finished rollout is kept: once it is consumed by a learner, expired or "
         "failed, its keys expire after this many seconds, and closed-episode stream entries every learner "
         "group has acknowledged are trimmed once this old (by the gateway's sweeper). 0: kept forever. Export "

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import os
 import socket
+import time
 import uuid
 
 import structlog
@@ -75,14 +76,34 @@ async def sweep_once(
 ) -> tuple[dict[str, str], list[str]]:
     expired = await lifecycle.expire_due(fill_reward=settings.expired_fill_reward)
     repaired = await lifecycle.repair_outbox(grace_s=settings.outbox_grace_s)
-    trimmed = await lifecycle.trim_episodes()
-    if trimmed:
-        log.info("episodes_trimmed", entries=trimmed, retention_s=lifecycle.store.retention_s)
     for rollout_id, outcome in expired.items():
         log.info("rollout_expired", rollout_id=rollout_id, outcome=outcome)
     for rollout_id in repaired:
         log.warning("episode_republished", rollout_id=rollout_id)
+    await _trim(lifecycle)
     return expired, repaired
+
+
+_held_back_warned = 0.0  # when the sweeper last said which group keeps the stream from being trimmed
+
+
+async def _trim(lifecycle: EpisodeLifecycle) -> None:
+    """Trim the closed-episode stream (`EpisodeLifecycle.trim_episodes`); say, at most every 10 minutes,
+    which consumer group holds back entries older than the retention."""
+    global _held_back_warned
+    trimmed, holder = await lifecycle.trim_episodes()
+    retention_s = lifecycle.store.retention_s
+    if trimmed:
+        log.info("episodes_trimmed", entries=trimmed, retention_s=retention_s)
+    if holder is not None and time.monotonic() - _held_back_warned > 600:
+        _held_back_warned = time.monotonic()
+        log.warning(
+            "episodes_trim_held_back",
+            group=holder,
+            retention_s=retention_s,
+            hint="this consumer group has entries older than the retention unacknowledged or undelivered; "
+            "if nobody reads it any more (an old experiment's), remove it with XGROUP DESTROY",
+        )
 
 
 async def sweep_forever(store: EpisodeStore, settings: RewardSettings) -> None:

@@ -538,9 +538,10 @@ def main() -> None:
                     f"{'' if name == 'direct' else f'{cpu:.3f}'} |"
                 )
         print(
-            "\nRedis per recorded call (deltas of the dedicated redis-server's INFO over each cell, "
-            "divided by its calls; each call is a rollout of its own here, so its rollout hash, calls list "
-            "and index entries are all counted; nothing is consumed or expired during the run)\n"
+            "\nRedis per recorded call (deltas of the dedicated redis-server's INFO over each cell, divided by "
+            "its calls; each load worker records into one rollout of its own, bench-<i>, for the whole run, "
+            "so this is a call added to an open rollout: the rollout's own hash and index entries, once per "
+            "episode, are not in it; nothing is consumed or expired during the run)\n"
         )
         print(
             "| target | stream | commands/call | bytes in/call | bytes out/call | memory/call | keys/call |"

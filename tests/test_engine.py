@@ -341,6 +341,7 @@ def test_a_closed_scheduler_fails_its_running_batch_and_a_drained_one_finishes_i
     """aclose() while a batch is in the engine: its requests fail at once instead of hanging; drain()
     lets queued and running requests finish on the same weights, then stops."""
     import asyncio
+    import time
 
     from inference.scheduler import Scheduler
 
@@ -348,8 +349,10 @@ def test_a_closed_scheduler_fails_its_running_batch_and_a_drained_one_finishes_i
 
     async def in_the_engine(scheduler: Scheduler) -> asyncio.Task:
         request = asyncio.create_task(scheduler.generate(PROMPTS[0], params))
-        while not scheduler.running:
-            await asyncio.sleep(0.001)
+        deadline = time.monotonic() + 30
+        while not scheduler.running:  # polled every event-loop turn: the batch takes many of them
+            assert time.monotonic() < deadline and not request.done(), "the batch never ran"
+            await asyncio.sleep(0)
         return request
 
     async def go():
@@ -359,6 +362,8 @@ def test_a_closed_scheduler_fails_its_running_batch_and_a_drained_one_finishes_i
         await closed.aclose()
         with pytest.raises(RuntimeError, match="shutting down"):
             await asyncio.wait_for(request, timeout=30)
+        with pytest.raises(RuntimeError, match="shutting down"):  # and one that comes later
+            await asyncio.wait_for(closed.generate(PROMPTS[1], params), timeout=30)
         drained = Scheduler(engine, window_s=0.001)
         drained.start()
         request = await in_the_engine(drained)

@@ -151,31 +151,29 @@ def test_dynamic_filtering_drops_groups_whose_rewards_are_all_equal(redis_client
     tallied for the step's success rate; the step waits for groups whose rewards differ, and an overdue
     incomplete group of equal rewards is dropped too. Without it the oldest ready groups train, equal or
     not."""
+    from episodes import EpisodeLifecycle
+
     rewards = {"a": [1, 1, 1], "b": [1, 0, 1], "c": [0, 0, 0], "d": [0, 1, 1], "e": [1, 1]}
-    for task, values in rewards.items():
-        for i, reward in enumerate(values):
-            redis_client.xadd(
-                "t:episodes", {"rollout_id": f"{task}-{i}", "task_id": task, "reward": str(reward)}
-            )
 
     async def body(store, filtering):
+        lifecycle = EpisodeLifecycle(store)
+        for task, values in rewards.items():
+            for i, reward in enumerate(values):
+                await store.create_rollout(f"{task}-{i}-{filtering}", task)
+                await lifecycle.close(f"{task}-{i}-{filtering}", float(reward))
         c = collector(store, dynamic_filtering=filtering)
         await c.start()
         first = await c.next_step(deadline_s=2)
         tally = (c.uniform.episodes, c.uniform.successes)
         pending = await c.stream.pending()
         second = await c.next_step(deadline_s=1.5)  # e waits out max_group_wait_s, then is dropped
-        return first, tally, pending, second, c.uniform.episodes, await c.stream.pending()
+        status = (await store.get_rollout(f"a-0-{filtering}")).status
+        return first, tally, pending, second, c.uniform.episodes, await c.stream.pending(), status
 
-    first, tally, pending, second, dropped, pending_after = with_store(lambda s: body(s, True))
+    first, tally, pending, second, dropped, pending_after, status = with_store(lambda s: body(s, True))
     assert [g.task_id for g in first] == ["b", "d"]
     assert tally == (6, 3) and pending == 8  # a and c acknowledged; b, d (the step's) and e pending
-    assert second == [] and dropped == 8 and pending_after == 6
+    assert second == [] and dropped == 8 and pending_after == 6 and status == "consumed"
     redis_client.delete("t:episodes")
-    for task, values in rewards.items():
-        for i, reward in enumerate(values):
-            redis_client.xadd(
-                "t:episodes", {"rollout_id": f"{task}-{i}", "task_id": task, "reward": str(reward)}
-            )
     first, tally, *_ = with_store(lambda s: body(s, False))
     assert [g.task_id for g in first] == ["a", "b"] and tally == (0, 0)

@@ -452,6 +452,7 @@ def test_dynamic_filtering_skips_uniform_groups_and_consumed_episodes_get_the_re
     for task, ids in rids.items():
         for rid in ids:
             assert redis_client.hget(f"rlgate:rollout:{{{rid}}}", "status") == b"consumed", task
-            assert 880 <= redis_client.ttl(f"rlgate:rollout:{{{rid}}}") <= 900
-            assert 880 <= redis_client.ttl(f"rlgate:rollout:{{{rid}}}:calls") <= 900
+            # the TTL runs from the ack (uniform groups before the step trains): a loaded machine may take long
+            assert 600 < redis_client.ttl(f"rlgate:rollout:{{{rid}}}") <= 900
+            assert 600 < redis_client.ttl(f"rlgate:rollout:{{{rid}}}:calls") <= 900
     assert redis_client.xpending("rlgate:episodes", "learners")["pending"] == 0
