@@ -385,7 +385,7 @@ def cleanup(where: dict[str, Any]) -> int:
 
 
 def watch(cfg: DemoConfig, where: dict[str, Any], started: float) -> list[dict[str, Any]]:
-    """Print progress until the target holds over the last 3 steps (after at least 5), or time is up: a
+    """Print progress until the target holds (`DemoConfig.reached`), or time is up: a
     line per training step, and between steps (every 5 s) what the learner is waiting for."""
     tty = sys.stdout.isatty()
     shown = 0

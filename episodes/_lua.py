@@ -271,29 +271,31 @@ return {0, redis.call('RPUSH', KEYS[2], ARGV[1]) - 1}
 """
 
 # Trims the closed-episode stream: removes the entries every consumer group has acknowledged (older than
-# each group's oldest pending entry and not after its last delivered one) that are older than a cutoff.
-# Nothing while no group exists (the episodes wait for their first learner). New entries always get
-# higher ids than any delivered one, so a trim never removes an entry a group has yet to read.
+# each group's oldest pending entry, and up to its last delivered one when none is pending) that are older
+# than a cutoff. Nothing while no group exists (the episodes wait for their first learner). New entries
+# always get higher ids than any delivered one, so a trim never removes an entry a group has yet to read.
 # KEYS[1] the stream; ARGV[1] cutoff: a stream id (ms-0), entries below it may go
-# Returns {entries removed, the group that holds back entries older than the cutoff ('' for none)}.
+# Returns {entries removed, a group that holds back entries older than the cutoff ('' for none): one with
+# such an entry pending, or not yet delivered to it}.
 TRIM_EPISODES = """
 if redis.call('EXISTS', KEYS[1]) == 0 then
   return {0, ''}
 end
 local function parse(id)
   local ms, seq = string.match(id, '^(%d+)-(%d+)$')
-  return tonumber(ms), tonumber(seq)
+  return ms, seq
 end
 local function less(a, b)
   local am, as = parse(a)
   local bm, bs = parse(b)
-  return am < bm or (am == bm and as < bs)
+  return tonumber(am) < tonumber(bm) or (am == bm and tonumber(as) < tonumber(bs))
 end
 local groups = redis.call('XINFO', 'GROUPS', KEYS[1])
 if #groups == 0 then
   return {0, ''}
 end
-local bound = ARGV[1]
+local cutoff = ARGV[1]
+local bound = cutoff
 local holder = ''
 for _, group in ipairs(groups) do
   local name, last
@@ -302,12 +304,22 @@ for _, group in ipairs(groups) do
     if group[i] == 'last-delivered-id' then last = group[i + 1] end
   end
   local pending = redis.call('XPENDING', KEYS[1], name)
-  local keep = last
-  if tonumber(pending[1]) > 0 and less(pending[2], keep) then
-    keep = pending[2]
+  local keep
+  local holds = false
+  if tonumber(pending[1]) > 0 then
+    keep = pending[2]  -- its oldest pending entry (never after its last delivered one)
+    holds = less(keep, cutoff)
+  else
+    local ms, seq = parse(last)  -- everything up to its last delivered entry is acknowledged
+    keep = ms .. '-' .. string.format('%d', tonumber(seq) + 1)
+  end
+  if not holds and #redis.call('XRANGE', KEYS[1], '(' .. last, '(' .. cutoff, 'COUNT', 1) > 0 then
+    holds = true  -- entries older than the cutoff it has not been given yet
   end
   if less(keep, bound) then
     bound = keep
+  end
+  if holds and holder == '' then
     holder = name
   end
 end

@@ -180,11 +180,12 @@ class Model:
         self, prompt: list[int], params: SamplingParams, stops: list[str], model: str | None = None
     ) -> Output:
         """Generate with the base model, or with the LoRA adapter named `model`."""
-        adapter = self.adapters.loaded.get(model) if model else None
-        scheduler = adapter.scheduler if adapter is not None else self.scheduler
         if stops:
             params = replace(params, stop=self._stop_check(stops))
         async with self.weights.admit():
+            # looked up once admitted: a request held by a pause runs on the adapter loaded by then
+            adapter = self.adapters.loaded.get(model) if model else None
+            scheduler = adapter.scheduler if adapter is not None else self.scheduler
             return self.finish(await scheduler.generate(prompt, params), params, stops)
 
     def _stop_check(self, stops: list[str]) -> Callable[[list[int]], bool] | None:

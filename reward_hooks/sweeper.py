@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import socket
 import time
@@ -84,7 +85,7 @@ async def sweep_once(
     return expired, repaired
 
 
-_held_back_warned = 0.0  # when the sweeper last said which group keeps the stream from being trimmed
+_held_back_warned = -math.inf  # when (monotonic) the sweeper last named a group holding trimming back
 
 
 async def _trim(lifecycle: EpisodeLifecycle) -> None:

@@ -521,7 +521,11 @@ class DemoCommand(SharedSettings):
     minutes: float = Field(
         10.0, description="Stop after this long at the latest (calc-chat: the loop, after its warm start)."
     )
-    target: float = Field(0.9, description="Stop once the success rate of the last 3 steps reaches this.")
+    target: float = Field(
+        0.9,
+        description="Stop once the success rate of the last 3 steps (calc-chat: of the last steps holding "
+        "512 episodes or more) reaches this.",
+    )
     quick: bool = Field(
         False,
         description="CI mode: stop after at most 3 minutes (calc-chat: the loop after 5, after its warm start).",
