@@ -22,8 +22,9 @@ Order, first wins: a command-line flag, the service-prefixed variable (so deploy
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
+from pydantic import Field
 from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
@@ -32,6 +33,21 @@ from pydantic_settings import (
 )
 
 SHARED_PREFIX = "RLGATE_"
+
+# `retention_s` of the gateway, the reward worker and the learner: one definition, one shared variable
+RetentionSeconds = Annotated[
+    float,
+    Field(
+        ge=0,
+        le=10 * 365 * 86400,
+        allow_inf_nan=False,
+        description="How long a finished rollout is kept: once it is consumed by a learner, expired or "
+        "failed, its keys expire after this many seconds, and closed-episode stream entries every learner "
+        "group has acknowledged are trimmed once this old (by the gateway's sweeper). 0: kept forever. Export "
+        "what you want to keep (rlgate export) within this time. Give every service the same value "
+        "(RLGATE_RETENTION_S reaches them all).",
+    ),
+]
 
 # field name -> the shared variable it is also read from
 SHARED_ENV: dict[str, str] = {

@@ -7,7 +7,7 @@ from typing import ClassVar, Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import SettingsConfigDict
 
-from episodes.settings import SHARED_ENV, SharedSettings
+from episodes.settings import SHARED_ENV, RetentionSeconds, SharedSettings
 from episodes.store import RETENTION_S
 
 
@@ -72,17 +72,7 @@ class GatewaySettings(SharedSettings):
     rollout_ttl_s: float = Field(
         3600.0, description="Open rollouts expire this long after they were created."
     )
-    retention_s: float = Field(
-        RETENTION_S,
-        ge=0,
-        le=10 * 365 * 86400,
-        allow_inf_nan=False,
-        description="How long a finished rollout is kept: once it is consumed by a learner, expired or "
-        "failed, its keys expire after this many seconds, and closed-episode stream entries every learner "
-        "group has acknowledged are trimmed once this old (by the gateway's sweeper). 0: kept forever. Export "
-        "what you want to keep (rlgate export) within this time. Give every service the same value "
-        "(RLGATE_RETENTION_S reaches them all).",
-    )
+    retention_s: RetentionSeconds = RETENTION_S
     api_keys: str | None = Field(
         None,
         description="Comma-separated API keys agents must send (Authorization: Bearer KEY) on the completion "

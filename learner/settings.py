@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 from pydantic import BeforeValidator, Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from episodes.settings import SharedSettings
+from episodes.settings import RetentionSeconds, SharedSettings
 from episodes.store import RETENTION_S
 
 # A model as given (a folder, or a Hub id): text, so that `./tiny` stays a path (a Path would drop the `./`).
@@ -100,17 +100,7 @@ class LearnerSettings(SharedSettings):
     success_threshold: float = Field(
         1.0, description="An episode counts as a success in the logs when its return is at least this."
     )
-    retention_s: float = Field(
-        RETENTION_S,
-        ge=0,
-        le=10 * 365 * 86400,
-        allow_inf_nan=False,
-        description="How long a finished rollout is kept: once it is consumed by a learner, expired or "
-        "failed, its keys expire after this many seconds, and closed-episode stream entries every learner "
-        "group has acknowledged are trimmed once this old (by the gateway's sweeper). 0: kept forever. Export "
-        "what you want to keep (rlgate export) within this time. Give every service the same value "
-        "(RLGATE_RETENTION_S reaches them all).",
-    )
+    retention_s: RetentionSeconds = RETENTION_S
     max_steps: int = Field(0, ge=0, description="Stop after this many steps (0: run until stopped).")
 
     # Credit and advantages

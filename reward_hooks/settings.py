@@ -7,7 +7,7 @@ from pathlib import Path
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from episodes.settings import SharedSettings
+from episodes.settings import RetentionSeconds, SharedSettings
 from episodes.store import RETENTION_S
 
 MIN_SECRET_CHARS = 16  # as the gateway's operator token
@@ -99,17 +99,7 @@ class RewardSettings(SharedSettings):
         "environment variable, e.g. OPENAI_API_KEY).",
     )
     sweep_interval_s: float = Field(2.0, description="How often open rollouts are checked for expiry.")
-    retention_s: float = Field(
-        RETENTION_S,
-        ge=0,
-        le=10 * 365 * 86400,
-        allow_inf_nan=False,
-        description="How long a finished rollout is kept: once it is consumed by a learner, expired or "
-        "failed, its keys expire after this many seconds, and closed-episode stream entries every learner "
-        "group has acknowledged are trimmed once this old (by the gateway's sweeper). 0: kept forever. Export "
-        "what you want to keep (rlgate export) within this time. Give every service the same value "
-        "(RLGATE_RETENTION_S reaches them all).",
-    )
+    retention_s: RetentionSeconds = RETENTION_S
     outbox_grace_s: float = Field(
         30.0, description="Age after which an unpublished closed episode is republished."
     )
