@@ -17,9 +17,10 @@ id (the GRPO group key), until a step can be formed:
   it such groups join steps with zero advantages: once nearly every group is right, a step's only
   signal is its rare failures, a tiny gradient that AdamW scales to a full-size step.
 
-Nothing is acknowledged here except dropped singletons and, with `dynamic_filtering`, uniform groups: the loop acknowledges a step's episodes after
-its checkpoint and push. A restarted learner first takes back its own unacknowledged entries, and
-entries other consumers left pending longer than `reclaim_idle_s` (dead learners) are claimed too.
+Nothing is acknowledged here except dropped singletons and, with `dynamic_filtering`, uniform groups:
+the loop acknowledges a step's episodes after its checkpoint and push. A restarted learner first takes
+back its own unacknowledged entries, and entries other consumers left pending longer than
+`reclaim_idle_s` (dead learners) are claimed too.
 """
 
 from __future__ import annotations
@@ -135,11 +136,13 @@ class Collector:
 
     async def _take(self) -> list[Group]:
         now = time.monotonic()
-        if self.dynamic_filtering:
+        if self.dynamic_filtering:  # uniform groups that would join a step now (ready, or overdue)
             for key in [
                 k
                 for k, g in self.waiting.items()
-                if g.task_id is not None and len(g.episodes) >= self.rollouts_per_task and _uniform(g)
+                if g.task_id is not None
+                and (len(g.episodes) >= self.rollouts_per_task or now - g.first_seen >= self.max_group_wait_s)
+                and _uniform(g)
             ]:
                 await self._drop_uniform(self.waiting.pop(key))
         ordered = sorted(self.waiting.items(), key=lambda item: item[1].first_seen)
@@ -160,10 +163,6 @@ class Collector:
                 for key in [k for k, g in overdue if len(g.episodes) == 1]:
                     await self._drop(self.waiting.pop(key))
                 overdue = [(k, g) for k, g in overdue if len(g.episodes) > 1]
-            if self.dynamic_filtering:
-                for key in [k for k, g in overdue if len(g.episodes) > 1 and _uniform(g)]:
-                    await self._drop_uniform(self.waiting.pop(key))
-                overdue = [(k, g) for k, g in overdue if k in self.waiting]
             chosen = (ready + overdue)[: self.tasks_per_step]
         else:
             return []
