@@ -18,6 +18,20 @@ Failure rules, the same as before:
     sent again.
 The connection parameters (host and port or unix path, database, user, password, TLS) are read from the
 redis-py client the store was built with, so every URL the store accepts works here too.
+
+On a Redis Cluster (`redis.asyncio.RedisCluster`) there is one such connection per master: a script goes
+to the master that owns the hash slot of its first key (every key of a script shares one slot), taken
+from redis-py's slot map. A `MOVED` reply (a failover or a resharding moved the slot) refreshes that map
+and sends the script to the node it names, an `ASK` reply (a slot being migrated) sends `ASKING` and the
+script to the node it names; `CLUSTERDOWN`/`TRYAGAIN` replies and a master that cannot be connected to
+are retried until `timeout_s` has passed (the script did not run), with the slot map refreshed. A
+connection that breaks with commands in flight fails them (they may or may not have run) and refreshes
+the map, so the next call finds the replica that took over.
+
+With `wait_replicas` > 0 every batch is followed by `WAIT wait_replicas ms` on its connection: a caller
+returns only once that many replicas hold its write, so a replica that takes over (Redis Cluster or
+Sentinel failover) has every call a caller was told was recorded. When fewer replicas confirm in time the
+caller gets `redis.exceptions.TimeoutError` (the write is on the master, not known to be replicated).
 """
 
 from __future__ import annotations
@@ -32,6 +46,17 @@ from typing import Any
 import hiredis
 import redis.asyncio as aioredis
 from redis import exceptions as redis_exc
+from redis.asyncio.cluster import RedisCluster
+from redis.crc import key_slot
+
+
+class NotConnected(redis_exc.ConnectionError):
+    """No connection could be opened: the command was not sent (safe to send again elsewhere)."""
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()  # a reply nobody waits for any more is not "never retrieved"
 
 
 def pack(args: tuple[Any, ...]) -> bytes:
@@ -49,8 +74,12 @@ def pack(args: tuple[Any, ...]) -> bytes:
 
 
 class _Connection(asyncio.Protocol):
-    def __init__(self, loop: asyncio.AbstractEventLoop, timeout_s: float, counts: Pipeline) -> None:
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, timeout_s: float, counts: Pipeline, wait: bytes | None = None
+    ) -> None:
         self.loop = loop
+        self.wait = wait  # the packed WAIT that follows each batch of durable calls (None: no WAIT)
+        self.batch_wait: asyncio.Future[Any] | None = None  # the WAIT reply of the batch being filled
         self.counts = counts  # commands and writes, counted for the pipeline across its connections
         self.timeout_s = timeout_s
         self.transport: asyncio.Transport | None = None
@@ -91,24 +120,43 @@ class _Connection(asyncio.Protocol):
         )
 
     def call(self, packed: bytes) -> asyncio.Future[Any]:
+        return self._call(packed, False)[0]
+
+    def call_durable(self, packed: bytes) -> tuple[asyncio.Future[Any], asyncio.Future[Any] | None]:
+        """The command's reply, and the reply of the WAIT that follows its batch (None without WAIT)."""
+        return self._call(packed, self.wait is not None)
+
+    def _call(self, packed: bytes, durable: bool) -> tuple[asyncio.Future[Any], asyncio.Future[Any] | None]:
         future = self.loop.create_future()
         if self.lost:
             future.set_exception(redis_exc.ConnectionError("the connection to redis was closed"))
-            return future
+            return future, None
         idle = not self.pending
         self.pending.append(future)
         self.counts.commands += 1
+        waited: asyncio.Future[Any] | None = None
         if idle and not self.flush_scheduled and self.transport is not None:
-            self.transport.write(packed)  # nothing in flight: no batch to wait for, out at once
+            # nothing in flight: no batch to wait for, out at once
+            if durable and self.wait is not None:
+                waited = self.loop.create_future()
+                self.pending.append(waited)
+                self.counts.commands += 1
+                self.transport.write(packed + self.wait)
+            else:
+                self.transport.write(packed)
             self.counts.writes += 1
         else:
             self.out.append(packed)
+            if durable:
+                if self.batch_wait is None:
+                    self.batch_wait = self.loop.create_future()
+                waited = self.batch_wait
             if not self.flush_scheduled:
                 self.flush_scheduled = True
                 self.loop.call_soon(self._flush)
         if self.watchdog is None:
             self.watchdog = self.loop.call_later(self.timeout_s, self._check, self.replies)
-        return future
+        return future, waited
 
     def fail(self, exc: Exception) -> None:
         """Close the connection; every waiting caller gets `exc`."""
@@ -121,6 +169,12 @@ class _Connection(asyncio.Protocol):
         self.flush_scheduled = False
         if self.lost or self.transport is None:
             return
+        if self.batch_wait is not None and self.wait is not None:
+            # one WAIT after the batch's commands: its reply comes after all of theirs
+            self.out.append(self.wait)
+            self.pending.append(self.batch_wait)
+            self.counts.commands += 1
+            self.batch_wait = None
         data = b"".join(self.out) if len(self.out) != 1 else self.out[0]
         self.out.clear()
         self.transport.write(data)
@@ -140,6 +194,9 @@ class _Connection(asyncio.Protocol):
             self.watchdog.cancel()
             self.watchdog = None
         self.out.clear()
+        if self.batch_wait is not None:
+            self.pending.append(self.batch_wait)
+            self.batch_wait = None
         while self.pending:
             future = self.pending.popleft()
             if not future.done():
@@ -147,13 +204,16 @@ class _Connection(asyncio.Protocol):
 
 
 class Pipeline:
-    """One lazily opened, pipelined connection to the Redis that `client` talks to."""
+    """One lazily opened, pipelined connection to one Redis server (`connection_kwargs` as redis-py's)."""
 
-    def __init__(self, client: aioredis.Redis, timeout_s: float) -> None:
-        pool = client.connection_pool
-        self._kwargs = dict(pool.connection_kwargs)
-        self._ssl = issubclass(pool.connection_class, aioredis.SSLConnection)
+    def __init__(
+        self, connection_kwargs: dict[str, Any], ssl: bool, timeout_s: float, wait_replicas: int = 0
+    ) -> None:
+        self._kwargs = dict(connection_kwargs)
+        self._ssl = ssl
         self._timeout_s = timeout_s
+        # WAIT's own time limit stays under the watchdog's, which would otherwise close the connection first
+        self._wait = pack(("WAIT", wait_replicas, max(1, int(timeout_s * 500)))) if wait_replicas else None
         self._conn: _Connection | None = None
         self._connecting: asyncio.Future[_Connection] | None = None
         self._closed = False
@@ -161,12 +221,53 @@ class Pipeline:
         self.commands = 0  # commands sent, and the writes that carried them (for the batch size)
         self.writes = 0
 
+    @classmethod
+    def of(cls, client: aioredis.Redis, timeout_s: float, wait_replicas: int = 0) -> Pipeline:
+        """A pipeline to the Redis a (non-cluster) redis-py client talks to."""
+        pool = client.connection_pool
+        ssl = issubclass(pool.connection_class, aioredis.SSLConnection)
+        return cls(pool.connection_kwargs, ssl, timeout_s, wait_replicas)
+
     async def call(self, *args: Any) -> Any:
         """The reply to one command; a Redis error reply is returned as a `hiredis.ReplyError`."""
         conn = self._conn
         if conn is None or conn.lost:
             conn = await self._connection()
         return await conn.call(pack(args))
+
+    async def call_durable(self, wait_replicas: int, *args: Any) -> Any:
+        """`call`, and with WAIT configured, only once `wait_replicas` replicas hold the write (else
+        `redis.exceptions.TimeoutError`)."""
+        conn = self._conn
+        if conn is None or conn.lost:
+            conn = await self._connection()
+        future, waited = conn.call_durable(pack(args))
+        try:
+            reply = await future
+        finally:
+            if waited is not None and not waited.done():
+                waited.add_done_callback(_retrieve)
+        if waited is not None:
+            acked = await waited
+            if isinstance(acked, hiredis.ReplyError) or int(acked) < wait_replicas:
+                raise redis_exc.TimeoutError(
+                    f"the write reached the redis master but {acked} of {wait_replicas} replicas confirmed it "
+                    f"within {self._timeout_s / 2} s"
+                )
+        return reply
+
+    async def call_many(self, *commands: tuple[Any, ...]) -> list[Any]:
+        """Commands sent back to back on one connection (`ASKING` and the command it applies to)."""
+        conn = self._conn
+        if conn is None or conn.lost:
+            conn = await self._connection()
+        futures = [conn.call(pack(c)) for c in commands]
+        try:
+            return [await f for f in futures]
+        finally:
+            for f in futures:
+                if not f.done():
+                    f.add_done_callback(_retrieve)
 
     def stats(self) -> dict[str, int]:
         """Counters for metrics: connections opened, commands sent, the writes that carried them, and
@@ -209,12 +310,12 @@ class Pipeline:
             async with asyncio.timeout(self._timeout_s):
                 if kw.get("path"):
                     _, conn = await loop.create_unix_connection(
-                        lambda: _Connection(loop, self._timeout_s, self), kw["path"]
+                        lambda: _Connection(loop, self._timeout_s, self, self._wait), kw["path"]
                     )
                 else:
                     ssl = self._ssl_context() if self._ssl else None
                     _, conn = await loop.create_connection(
-                        lambda: _Connection(loop, self._timeout_s, self),
+                        lambda: _Connection(loop, self._timeout_s, self, self._wait),
                         kw.get("host", "localhost"),
                         int(kw.get("port", 6379)),
                         ssl=ssl,
@@ -233,7 +334,7 @@ class Pipeline:
             if conn is not None and not conn.lost:  # e.g. timed out logging in: close what was opened
                 conn.fail(redis_exc.ConnectionError("the connection attempt failed"))
             if isinstance(exc, OSError):
-                raise redis_exc.ConnectionError(f"cannot connect to redis: {exc}") from exc
+                raise NotConnected(f"cannot connect to redis: {exc}") from exc
             raise
         sock = conn.transport.get_extra_info("socket") if conn.transport is not None else None
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
@@ -264,27 +365,164 @@ class Pipeline:
         return context
 
 
-class ScriptBatcher:
-    """Runs one Lua script for many concurrent callers over a `Pipeline`."""
+_REDIRECTS = 5  # MOVED/ASK replies followed for one call before giving up
+_RETRY_S = 0.1  # pause before sending again after CLUSTERDOWN, TRYAGAIN or a master that cannot be reached
 
-    def __init__(self, client: aioredis.Redis, source: str, timeout_s: float) -> None:
+
+class _Nodes:
+    """The pipelined connections to a Redis Cluster's masters, one per node, routed by hash slot."""
+
+    def __init__(self, client: RedisCluster, timeout_s: float, wait_replicas: int) -> None:
+        self.client = client
+        self.timeout_s = timeout_s
+        self.wait_replicas = wait_replicas
+        self.pipes: dict[str, Pipeline] = {}
+        self.refreshes = 0  # slot map refreshes asked for (after MOVED or a lost node)
+        self._refreshing: asyncio.Task[None] | None = None
+
+    def pipe(self, host: str, port: int) -> Pipeline:
+        name = f"{host}:{port}"
+        pipe = self.pipes.get(name)
+        if pipe is None:
+            nm = self.client.nodes_manager
+            kwargs = {**nm.connection_kwargs, "host": host, "port": port}
+            kwargs.pop("connection_class", None)
+            ssl = issubclass(
+                nm.connection_kwargs.get("connection_class", aioredis.Connection), aioredis.SSLConnection
+            )
+            pipe = self.pipes[name] = Pipeline(kwargs, ssl, self.timeout_s, self.wait_replicas)
+        return pipe
+
+    async def owner(self, slot: int) -> Pipeline:
+        if self.client._initialize:
+            await self.client.initialize()
+        node = self.client.nodes_manager.get_node_from_slot(slot)
+        return self.pipe(node.host, int(node.port))
+
+    def refresh(self, failed: str | None = None) -> asyncio.Task[None]:
+        """Reload the slot map from the cluster, once for all callers asking at the same time."""
+        if self._refreshing is None or self._refreshing.done():
+            self.refreshes += 1
+            self._refreshing = asyncio.ensure_future(
+                self.client.nodes_manager.initialize(last_failed_node_name=failed)
+            )
+            self._refreshing.add_done_callback(_retrieve)
+        return self._refreshing
+
+    async def aclose(self) -> None:
+        for pipe in self.pipes.values():
+            await pipe.aclose()
+        if self._refreshing is not None:
+            self._refreshing.cancel()
+
+
+class ScriptBatcher:
+    """Runs one Lua script for many concurrent callers over a `Pipeline`, or on a Redis Cluster over one
+    `Pipeline` per master (module docstring). `wait_replicas`: WAIT for that many replicas after each batch."""
+
+    def __init__(
+        self, client: aioredis.Redis | RedisCluster, source: str, timeout_s: float, wait_replicas: int = 0
+    ) -> None:
         self._source = source
         self._sha = hashlib.sha1(source.encode()).hexdigest()
-        self._pipe = Pipeline(client, timeout_s)
+        self._wait_replicas = wait_replicas
+        self._timeout_s = timeout_s
+        if isinstance(client, RedisCluster):
+            self._nodes: _Nodes | None = _Nodes(client, timeout_s, wait_replicas)
+            self._pipe: Pipeline | None = None
+        else:
+            self._nodes = None
+            self._pipe = Pipeline.of(client, timeout_s, wait_replicas)
 
     async def __call__(self, keys: list[str], args: list[Any]) -> Any:
-        reply = await self._pipe.call("EVALSHA", self._sha, len(keys), *keys, *args)
-        if isinstance(reply, hiredis.ReplyError) and str(reply).startswith("NOSCRIPT"):
-            loaded = await self._pipe.call("SCRIPT", "LOAD", self._source)
-            if isinstance(loaded, hiredis.ReplyError):
-                raise redis_exc.ResponseError(str(loaded))
-            reply = await self._pipe.call("EVALSHA", self._sha, len(keys), *keys, *args)
+        command = ("EVALSHA", self._sha, len(keys), *keys, *args)
+        if self._nodes is None:
+            assert self._pipe is not None
+            reply = await self._run(self._pipe, command)
+        else:
+            reply = await self._routed(key_slot(keys[0].encode()), command)
         if isinstance(reply, hiredis.ReplyError):
             raise redis_exc.ResponseError(str(reply))
         return reply
 
+    async def _run(self, pipe: Pipeline, command: tuple[Any, ...], asking: bool = False) -> Any:
+        """The script's reply from one node, loading the script there first if it lacks it."""
+        for _ in range(2):
+            if asking:
+                reply = (await pipe.call_many(("ASKING",), command))[1]
+            else:
+                reply = await pipe.call_durable(self._wait_replicas, *command)
+            if not (isinstance(reply, hiredis.ReplyError) and str(reply).startswith("NOSCRIPT")):
+                return reply
+            loaded = await pipe.call("SCRIPT", "LOAD", self._source)
+            if isinstance(loaded, hiredis.ReplyError):
+                raise redis_exc.ResponseError(str(loaded))
+        return reply
+
+    async def _routed(self, slot: int, command: tuple[Any, ...]) -> Any:
+        nodes = self._nodes
+        assert nodes is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._timeout_s
+        pipe = await nodes.owner(slot)
+        asking = False
+        redirects = 0
+        while True:
+            try:
+                reply = await self._run(pipe, command, asking)
+            except NotConnected:
+                # the master is gone and the script never left: once a replica has taken over, the slot
+                # map names it
+                if loop.time() + _RETRY_S > deadline:
+                    raise
+                await asyncio.sleep(_RETRY_S)
+                await _bounded(nodes.refresh(), deadline - loop.time())
+                pipe, asking = await nodes.owner(slot), False
+                continue
+            except redis_exc.ConnectionError:
+                nodes.refresh()  # sent, outcome unknown: the caller hears so; the next call asks the new map
+                raise
+            if not isinstance(reply, hiredis.ReplyError):
+                return reply
+            kind, _, rest = str(reply).partition(" ")
+            if kind in ("MOVED", "ASK") and redirects < _REDIRECTS:
+                redirects += 1
+                host, _, port = rest.split(" ")[-1].rpartition(":")
+                if kind == "MOVED":
+                    nodes.refresh()
+                pipe, asking = nodes.pipe(host or "127.0.0.1", int(port)), kind == "ASK"
+                continue
+            if kind in ("CLUSTERDOWN", "TRYAGAIN") and loop.time() + _RETRY_S <= deadline:
+                await asyncio.sleep(
+                    _RETRY_S
+                )  # a failover in progress, a migrating slot: the script did not run
+                if kind == "CLUSTERDOWN":
+                    await _bounded(nodes.refresh(), deadline - loop.time())
+                    pipe, asking = await nodes.owner(slot), False
+                continue
+            return reply
+
     def stats(self) -> dict[str, int]:
-        return self._pipe.stats()
+        if self._pipe is not None:
+            return self._pipe.stats()
+        assert self._nodes is not None
+        totals = {"connects": 0, "commands": 0, "writes": 0, "in_flight": 0}
+        for pipe in self._nodes.pipes.values():
+            for name, value in pipe.stats().items():
+                totals[name] += value
+        return totals
 
     async def aclose(self) -> None:
-        await self._pipe.aclose()
+        if self._pipe is not None:
+            await self._pipe.aclose()
+        if self._nodes is not None:
+            await self._nodes.aclose()
+
+
+async def _bounded(task: asyncio.Future[None], seconds: float) -> None:
+    """Wait for a slot map refresh at most `seconds`; its failure is the next attempt's problem."""
+    try:
+        async with asyncio.timeout(max(0.0, seconds)):
+            await asyncio.shield(task)
+    except (TimeoutError, redis_exc.RedisError, OSError):
+        pass

@@ -12,10 +12,12 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import orjson
 import redis.asyncio as aioredis
 from redis import exceptions as redis_exc
+from redis.asyncio.cluster import RedisCluster
 
 from episodes import _lua
 from episodes._batch import ScriptBatcher
@@ -52,6 +54,39 @@ RETENTION_S = 7 * 86400.0  # a finished rollout's keys and its stream entry are 
 INDEX_MAX = 1_000_000  # rollouts the listing index keeps (the newest; `EpisodeStore.index_max`)
 LIST_MAX = 1000  # most index entries one `list_rollouts` call reads
 _SUMMARY_FIELDS = ("rollout_id", "task_id", "status", "mode", "created_at", "closed_at", "reward", "error")
+
+
+# A Redis Cluster is named by the URL of any of its nodes with one of these schemes (the rest as redis://)
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+WAIT_REPLICAS_MAX = 16
+
+
+def is_cluster_url(url: str) -> bool:
+    return urlsplit(url).scheme in CLUSTER_SCHEMES
+
+
+def parse_url(url: str) -> tuple[str, bool, int]:
+    """A store URL as redis-py's URL, whether it names a Redis Cluster, and its `wait_replicas`.
+
+    `redis+cluster://host:port` (or `rediss+cluster://`) names a cluster by any of its nodes; the query
+    parameter `wait_replicas=N` (on either kind) makes every recorded call wait until N replicas hold it
+    (`_batch`). Raises `ValueError` for a bad value or a database other than 0 on a cluster."""
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    wait = 0
+    for name, value in query:
+        if name == "wait_replicas":
+            if not value.isdigit() or int(value) > WAIT_REPLICAS_MAX:
+                raise ValueError(
+                    f"wait_replicas in the redis URL must be 0 .. {WAIT_REPLICAS_MAX}, not {value!r}"
+                )
+            wait = int(value)
+    cluster = parts.scheme in CLUSTER_SCHEMES
+    if cluster and parts.path.strip("/") not in ("", "0"):
+        raise ValueError("a Redis Cluster has database 0 only: drop the /N from the redis+cluster:// URL")
+    rest = urlencode([(name, value) for name, value in query if name != "wait_replicas"])
+    plain = urlunsplit(parts._replace(scheme=CLUSTER_SCHEMES.get(parts.scheme, parts.scheme), query=rest))
+    return plain, cluster, wait
 
 
 def _text(value: bytes | str) -> str:
@@ -101,8 +136,10 @@ class EpisodeStore:
         timeout_s: float = 5.0,
         rollout_ttl_s: float = 3600.0,
         retention_s: float = RETENTION_S,
+        wait_replicas: int = 0,
     ) -> None:
         self.redis = redis
+        self.cluster = isinstance(redis, RedisCluster)  # a Redis Cluster (`redis+cluster://`)
         self.keys = keys or Keys()
         self.timeout_s = timeout_s
         self.rollout_ttl_s = rollout_ttl_s
@@ -111,7 +148,8 @@ class EpisodeStore:
         self.retention_s = retention_s
         self.index_max = INDEX_MAX  # the listing index is trimmed to this many (the newest) rollouts
         self._create = redis.register_script(_lua.CREATE_ROLLOUT)
-        self._record = ScriptBatcher(redis, _lua.RECORD_CALLS, timeout_s)
+        # recorded calls wait for this many replicas (`_batch`; `?wait_replicas=N` in the URL)
+        self._record = ScriptBatcher(redis, _lua.RECORD_CALLS, timeout_s, wait_replicas)
         self._append_event = redis.register_script(_lua.APPEND_EVENT)
 
     @classmethod
@@ -127,14 +165,22 @@ class EpisodeStore:
     ) -> EpisodeStore:
         """A store on its own connection pool. `timeout_s` bounds every operation, so a hung Redis
         turns into `StoreUnavailable` instead of a hung call; open rollouts expire `rollout_ttl_s` after
-        they were created; finished ones are kept `retention_s` (`EpisodeStore.retention_s`)."""
-        client = aioredis.Redis.from_url(
-            url,
-            socket_connect_timeout=timeout_s,
-            max_connections=max_connections,
-            health_check_interval=30,
-        )
-        return cls(client, Keys(prefix), timeout_s, rollout_ttl_s, retention_s)
+        they were created; finished ones are kept `retention_s` (`EpisodeStore.retention_s`). A
+        `redis+cluster://` URL names a Redis Cluster by one of its nodes (`parse_url`)."""
+        plain, cluster, wait_replicas = parse_url(url)
+        client: Any
+        if cluster:
+            client = RedisCluster.from_url(
+                plain, socket_connect_timeout=timeout_s, max_connections=max_connections
+            )
+        else:
+            client = aioredis.Redis.from_url(
+                plain,
+                socket_connect_timeout=timeout_s,
+                max_connections=max_connections,
+                health_check_interval=30,
+            )
+        return cls(client, Keys(prefix), timeout_s, rollout_ttl_s, retention_s, wait_replicas)
 
     def guard(self, extra_s: float = 0.0) -> Any:
         """`async with store.guard():` bounds a Redis operation (by the store's timeout plus `extra_s`, for
@@ -493,6 +539,8 @@ class EpisodeStore:
         async with _guard(self.timeout_s):
             pipe = self.redis.pipeline(transaction=False)
             pipe.exists(self.keys.episodes)
+            if self.cluster:  # rq's queue is not in a cluster (`RLGATE_QUEUE_REDIS_URL`): not counted here
+                reward_queue_key = None
             if reward_queue_key:
                 pipe.llen(reward_queue_key)
             replies = await pipe.execute()

@@ -41,7 +41,11 @@ class GatewaySettings(SharedSettings):
         description="How long an idle upstream connection is kept; below the server's own keep-alive "
         "(uvicorn's default, and vLLM's, is 5 s) so that the server rarely closes one under a request.",
     )
-    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis holding rollouts and calls.")
+    redis_url: str = Field(
+        "redis://127.0.0.1:6379/0",
+        description="Redis holding rollouts and calls. redis+cluster://host:port names a Redis Cluster by any of its nodes; "
+        "?wait_replicas=N makes every recorded call wait until N replicas hold it (docs/deployment.md).",
+    )
     key_prefix: str = Field(
         "rlgate", description="Prefix of every Redis key (lets deployments share a Redis)."
     )

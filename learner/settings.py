@@ -20,7 +20,10 @@ class LearnerSettings(SharedSettings):
     model_config = SettingsConfigDict(env_prefix="RLGATE_LEARNER_", extra="ignore")
 
     # Where episodes come from and where weights go
-    redis_url: str = Field("redis://127.0.0.1:6379/0", description="The episode store.")
+    redis_url: str = Field(
+        "redis://127.0.0.1:6379/0",
+        description="The episode store (redis+cluster:// for a cluster).",
+    )
     key_prefix: str = Field("rlgate", description="The store's key prefix (as the gateway's).")
     consumer: str = Field(
         "learner-0",

@@ -6,15 +6,34 @@ import redis
 from rq import Queue, Retry
 from rq.serializers import JSONSerializer
 
+from episodes.store import is_cluster_url, parse_url
 from reward_hooks.settings import RewardSettings
 
 JOB = "reward_hooks.jobs.compute_reward"  # referenced by name: the worker imports it, the web side need not
 
 
+def queue_url(settings: RewardSettings) -> str | None:
+    """Where the queue lives: `queue_redis_url`, else the episodes' Redis unless that is a cluster (rq
+    needs a standalone Redis): then None, no queue."""
+    if settings.queue_redis_url:
+        return settings.queue_redis_url
+    return None if is_cluster_url(settings.redis_url) else settings.redis_url
+
+
 def connect(settings: RewardSettings) -> redis.Redis:
-    """A synchronous Redis client for rq (the queue lives in the same Redis as the episodes)."""
+    """A synchronous Redis client for rq (by default the queue lives in the same Redis as the episodes).
+    Raises `ValueError` (one line for the user) when there is no standalone Redis for it."""
+    url = queue_url(settings)
+    if url is None:
+        raise ValueError(
+            "rq does not run on a Redis Cluster: set RLGATE_QUEUE_REDIS_URL to a standalone Redis for the "
+            "reward-job queue"
+        )
+    plain, cluster, _ = parse_url(url)
+    if cluster:
+        raise ValueError("RLGATE_QUEUE_REDIS_URL must name a standalone Redis: rq does not run on a cluster")
     return redis.Redis.from_url(
-        settings.redis_url,
+        plain,
         socket_timeout=settings.redis_timeout_s,
         socket_connect_timeout=settings.redis_timeout_s,
     )

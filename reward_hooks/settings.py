@@ -22,7 +22,9 @@ class RewardSettings(SharedSettings):
     )
 
     redis_url: str = Field(
-        "redis://127.0.0.1:6379/0", description="Redis holding rollouts, calls and the queue."
+        "redis://127.0.0.1:6379/0",
+        description="Redis holding rollouts, calls and (unless queue_redis_url is set) the queue; a "
+        "redis+cluster:// URL names a Redis Cluster by one of its nodes.",
     )
     key_prefix: str = Field(
         "rlgate", description="Prefix of every Redis key (lets deployments share a Redis)."
@@ -64,6 +66,12 @@ class RewardSettings(SharedSettings):
         "refused, so a reward request cannot make the worker call arbitrary code.",
     )
     reward_queue: str = Field("rlgate-rewards", description="The rq queue reward jobs go through.")
+    queue_redis_url: str | None = Field(
+        None,
+        description="Redis holding the reward-job queue (rq). Default: redis_url. rq does not run on a Redis "
+        "Cluster: with a redis+cluster:// redis_url, reward jobs need a standalone Redis here (without one, "
+        "POST /rollouts/{id}/finish answers 503 no_reward_queue and rlgate worker refuses to start).",
+    )
     reward_job_retries: int = Field(
         3,
         ge=0,

@@ -91,7 +91,7 @@ class GatewayCommand(GatewaySettings, RewardSettings):
         from gateway import Gateway, serve
         from reward_hooks.agl import build_agl_router
         from reward_hooks.auth import WebhookAuth
-        from reward_hooks.queue import RewardQueue
+        from reward_hooks.queue import RewardQueue, queue_url
         from reward_hooks.routes import build_router
         from reward_hooks.sweeper import sweep_forever
 
@@ -105,8 +105,9 @@ class GatewayCommand(GatewaySettings, RewardSettings):
             # (without a token configured: a signature when a webhook secret is set, as before).
             operator = app.is_operator if gateway_settings.operator_token is not None else None
             auth = WebhookAuth(reward_settings, is_operator=operator)
+            queue = RewardQueue(reward_settings) if queue_url(reward_settings) else None  # none on a cluster
             app.add_routes(
-                build_router(app.store, reward_settings, RewardQueue(reward_settings), auth),
+                build_router(app.store, reward_settings, queue, auth),
                 signed=reward_settings.webhook_secret is not None,
             )
             app.add_agent_routes(build_agl_router(app.store, reward_settings))
@@ -146,6 +147,7 @@ class WorkerCommand(SharedSettings):
     key_prefix: str = _like(RewardSettings, "key_prefix")
     redis_timeout_s: float = _like(RewardSettings, "redis_timeout_s")
     reward_queue: str = _like(RewardSettings, "reward_queue")
+    queue_redis_url: str | None = _like(RewardSettings, "queue_redis_url")
     reward_fn_modules: list[str] = _like(RewardSettings, "reward_fn_modules")
     max_abs_reward: float = _like(RewardSettings, "max_abs_reward")
     reward_data_dir: Path | None = _like(RewardSettings, "reward_data_dir")
@@ -178,7 +180,10 @@ class WorkerCommand(SharedSettings):
                 os.environ[f"RLGATE_{name.upper()}"] = (
                     json.dumps(value) if isinstance(value, list) else str(value)
                 )
-        connection = connect(settings)
+        try:
+            connection = connect(settings)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from exc
         connection.ping()  # Redis down: one line now rather than rq's retries
         worker = (Worker if self.fork else SimpleWorker)(
             [self.reward_queue], connection=connection, serializer=JSONSerializer

@@ -80,7 +80,7 @@ def test_help_shows_placeholders_not_python_types(command: str):
 
 def test_help_names_each_options_variables():
     learner = rlgate("learner", "--help").stdout
-    assert "[env: RLGATE_LEARNER_REDIS_URL | RLGATE_REDIS_URL]" in learner
+    assert "[env: RLGATE_LEARNER_REDIS_URL | RLGATE_REDIS_URL]" in " ".join(learner.split())
     assert "RLGATE_LEARNER_INFERENCE_API_KEY | RLGATE_INFERENCE_API_KEY" in " ".join(learner.split())
     assert "--resume, --no-resume" in learner and "--inference-api-key SECRET" in learner
     gateway = " ".join(rlgate("gateway", "--help").stdout.split())

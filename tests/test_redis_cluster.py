@@ -1,0 +1,465 @@
+"""The store on a real Redis Cluster: 3 masters and 3 replicas started from `redis-server` processes in
+cluster mode. Every store operation runs on it; the record connection follows MOVED (a failover moved the
+slot) and ASK (a slot being migrated); a master killed under load loses no call the gateway answered."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import random
+import shutil
+import socket
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+from conftest import Proc, start_gateway
+from redis.cluster import RedisCluster as SyncCluster
+from redis.crc import key_slot
+from test_gateway_proxy import MESSAGES, MODEL
+
+from episodes import CallRecord, EpisodeStore, Keys, RolloutNotOpen
+from episodes.export import rollout_ids
+from episodes.lifecycle import EpisodeLifecycle
+from episodes.stream import ClosedEpisodes
+
+pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
+
+NODE_TIMEOUT_MS = 1000  # how long a master must be silent before its replica takes over
+
+
+class Cluster:
+    """Six `redis-server` processes in cluster mode: 3 masters, each with one replica."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.ports = _cluster_ports(6)
+        self.procs: dict[int, subprocess.Popen] = {}
+        for port in self.ports:
+            self.start(port)
+        for port in self.ports:
+            self._wait_pong(port)
+        subprocess.run(
+            ["redis-cli", "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports)]
+            + ["--cluster-replicas", "1", "--cluster-yes"],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+        self.wait_healthy()
+
+    def start(self, port: int) -> None:
+        work = self.root / str(port)
+        work.mkdir(exist_ok=True)
+        self.procs[port] = subprocess.Popen(
+            ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes"]
+            + ["--cluster-config-file", "nodes.conf", "--cluster-node-timeout", str(NODE_TIMEOUT_MS)]
+            + ["--save", "", "--appendonly", "no", "--logfile", "log"],
+            cwd=work,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
+    def _wait_pong(self, port: int) -> None:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                if redis.Redis(port=port, socket_timeout=1).ping():
+                    return
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        raise AssertionError(f"redis-server on {port} did not start")
+
+    @property
+    def url(self) -> str:
+        return f"redis+cluster://127.0.0.1:{self.ports[0]}"
+
+    def client(self) -> SyncCluster:
+        alive = next(p for p in self.ports if self.procs[p].poll() is None)
+        return SyncCluster(host="127.0.0.1", port=alive, socket_timeout=5)
+
+    def nodes(self) -> list[dict[str, str]]:
+        """CLUSTER NODES as seen by a live node: id, port, role, link state and slots of each."""
+        alive = next(p for p in self.ports if self.procs[p].poll() is None)
+        text = subprocess.run(
+            ["redis-cli", "-p", str(alive), "CLUSTER", "NODES"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout
+        nodes = []
+        for line in text.splitlines():
+            fields = line.split()
+            nodes.append(
+                {
+                    "id": fields[0],
+                    "port": fields[1].split("@")[0].rsplit(":", 1)[1],
+                    "flags": fields[2],
+                    "master_id": fields[3],
+                    "link": fields[7],
+                    "slots": " ".join(fields[8:]),
+                }
+            )
+        return nodes
+
+    def master_of(self, slot: int) -> int:
+        for node in self.nodes():
+            if "master" in node["flags"] and "fail" not in node["flags"]:
+                for part in node["slots"].split():
+                    lo, _, hi = part.partition("-")
+                    if not part.startswith("[") and int(lo) <= slot <= int(hi or lo):
+                        return int(node["port"])
+        raise AssertionError(f"no master serves slot {slot}")
+
+    def wait_healthy(self, timeout_s: float = 30) -> None:
+        """Every live node says the cluster is ok, and every live replica is in sync with its master."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                ok = True
+                for port in self.ports:
+                    if self.procs[port].poll() is not None:
+                        continue
+                    node = redis.Redis(port=port, socket_timeout=1)
+                    if node.execute_command("CLUSTER INFO")["cluster_state"] != "ok":
+                        ok = False
+                    info = node.info("replication")
+                    if info["role"] == "slave" and info.get("master_link_status") != "up":
+                        ok = False
+                if ok:
+                    return
+            except redis.ConnectionError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError("the cluster did not become healthy")
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    c = Cluster(tmp_path_factory.mktemp("cluster"))
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def _record(rollout_id: str, text: str = "hi") -> CallRecord:
+    return CallRecord(
+        rollout_id=rollout_id,
+        endpoint="chat.completions",
+        policy_version=0,
+        request={"messages": [{"role": "user", "content": text}]},
+        started_at=1.0,
+        latency_ms=2.0,
+        prompt_token_ids=[1, 2, 3],
+        completion_token_ids=[4, 5],
+        completion_logprobs=[-0.1, -0.2],
+    )
+
+
+def _ids_on_every_master(cluster: Cluster, n: int) -> list[str]:
+    """`n` rollout ids, at least one on each master."""
+    ids = [f"r{i}-{uuid.uuid4().hex[:6]}" for i in range(n)]
+    masters = {cluster.master_of(key_slot(Keys("c").rollout(rid).encode())) for rid in ids}
+    assert len(masters) == 3, masters
+    return ids
+
+
+def test_every_store_operation_runs_on_a_cluster(cluster: Cluster):
+    prefix = f"c{uuid.uuid4().hex[:6]}"
+    ids = _ids_on_every_master(cluster, 12)
+
+    async def main() -> None:
+        store = EpisodeStore.from_url(cluster.url, prefix=prefix, retention_s=60)
+        lifecycle = EpisodeLifecycle(store)
+        stream = ClosedEpisodes(store, group="learners")
+        try:
+            await stream.ensure_group()
+            for i, rid in enumerate(ids):
+                await store.create_rollout(rid, task_id=f"t{i % 3}")
+                indexes = await asyncio.gather(
+                    *(store.record_calls(rid, None, [_record(rid)]) for _ in range(3))
+                )
+                assert sorted(indexes) == [0, 1, 2]
+            stats = store.record_stats()
+            assert stats["connects"] == 3 and stats["commands"] >= 36  # one connection per master
+            view = await store.get_rollout_view(ids[0])
+            assert view is not None and len(view.calls) == 3 and view.task_id == "t0"
+            listing = await store.list_rollouts(limit=100)
+            assert {r.rollout_id for r in listing.rollouts} == set(ids)
+            await lifecycle.set_call_reward(ids[0], 1, 0.5)
+            for rid in ids[:6]:
+                assert (await lifecycle.close(rid, 1.0)).outcome == "closed"
+            assert await lifecycle.fail(ids[6], "crashed")
+            with pytest.raises(RolloutNotOpen):
+                await store.record_calls(ids[0], None, [_record(ids[0])])
+            episodes = await stream.read("learner-0", count=100, block_ms=100)
+            assert sorted(e.rollout_id for e in episodes) == sorted(ids[:6])
+            for episode in episodes:
+                assert await stream.claim(episode, "learner-0", 30) == "claimed"
+                assert await stream.ack(episode)
+            assert await store.backlog(None, "learners") == 0
+            consumed = await store.get_rollout(ids[0])
+            assert consumed is not None and consumed.status == "consumed"
+            assert await store.redis.pttl(store.keys.calls(ids[0])) > 0  # retention set on a cluster too
+            await store.set_policy_version(3)
+            assert await store.policy_version() == 3
+            assert await store.epoch(create=True)
+            await store.check_writable()
+            assert sorted([rid async for rid in rollout_ids(store)]) == sorted(ids)  # SCAN on every master
+        finally:
+            await store.aclose()
+
+    asyncio.run(main())
+
+
+def test_the_record_connection_follows_moved_and_ask(cluster: Cluster):
+    prefix = f"c{uuid.uuid4().hex[:6]}"
+    client = cluster.client()
+
+    async def record(store: EpisodeStore, rid: str) -> int:
+        return await store.record_calls(rid, None, [_record(rid)])
+
+    # MOVED: a manual failover turns the slot's master into a replica, which answers MOVED
+    moved = f"m-{uuid.uuid4().hex[:6]}"
+    slot = key_slot(Keys(prefix).rollout(moved).encode())
+    store = EpisodeStore.from_url(cluster.url, prefix=prefix)
+    loop = asyncio.new_event_loop()
+    try:
+        assert loop.run_until_complete(record(store, moved)) == 0
+        old = cluster.master_of(slot)
+        replica = next(
+            int(n["port"])
+            for n in cluster.nodes()
+            if n["master_id"] == next(m["id"] for m in cluster.nodes() if int(m["port"]) == old)
+        )
+        redis.Redis(port=replica).execute_command("CLUSTER FAILOVER")
+        deadline = time.monotonic() + 20
+        while cluster.master_of(slot) != replica and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert cluster.master_of(slot) == replica
+        cluster.wait_healthy()
+        refreshes = store._record._nodes.refreshes
+        assert loop.run_until_complete(record(store, moved)) == 1  # sent to the old master, MOVED, resent
+        assert store._record._nodes.refreshes == refreshes + 1
+        assert loop.run_until_complete(record(store, moved)) == 2
+        assert client.llen(store.keys.calls(moved)) == 3
+    finally:
+        loop.run_until_complete(store.aclose())
+
+    # ASK: the slot of a new rollout is being migrated. Its old owner answers ASK (the keys are not there);
+    # the importing node, asked with ASKING, answers TRYAGAIN (a multi-key script on keys it does not hold
+    # yet) until the migration ends: the call waits for that and lands on the new owner.
+    asked = f"a-{uuid.uuid4().hex[:6]}"
+    slot = key_slot(Keys(prefix).rollout(asked).encode())
+    source = cluster.master_of(slot)
+    target = next(
+        int(n["port"]) for n in cluster.nodes() if "master" in n["flags"] and int(n["port"]) != source
+    )
+    ids = {int(n["port"]): n["id"] for n in cluster.nodes()}
+    redis.Redis(port=target).execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[source])
+    redis.Redis(port=source).execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[target])
+
+    def finish_migration() -> None:
+        time.sleep(0.5)
+        for port in (target, source):  # the slot belongs to the target now
+            redis.Redis(port=port).execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[target])
+
+    async def record_during_migration(store: EpisodeStore) -> tuple[int, float]:
+        started = time.monotonic()
+        index, _ = await asyncio.gather(record(store, asked), asyncio.to_thread(finish_migration))
+        return index, time.monotonic() - started
+
+    store = EpisodeStore.from_url(cluster.url, prefix=prefix)
+    try:
+        index, took = loop.run_until_complete(record_during_migration(store))
+        assert index == 0 and took >= 0.5
+        assert redis.Redis(port=source).execute_command("CLUSTER", "COUNTKEYSINSLOT", slot) == 0
+        assert redis.Redis(port=target).execute_command("CLUSTER", "COUNTKEYSINSLOT", slot) == 2
+    finally:
+        loop.run_until_complete(store.aclose())
+        loop.close()
+    cluster.wait_healthy()
+    assert cluster.master_of(slot) == target
+    assert client.llen(Keys(prefix).calls(asked)) == 1
+    client.close()
+
+
+def test_a_killed_master_loses_no_answered_call(cluster: Cluster, fake_vllm: Proc, tmp_path: Path):
+    """Agents call the gateway (wait_replicas=1) while the master of a third of the slots is killed:
+    every call answered 200 is in the store after its replica took over; calls fail only for the moments
+    of the failover (503, never a silent success), and succeed again after it."""
+    prefix = f"c{uuid.uuid4().hex[:6]}"
+    cluster.wait_healthy()
+    gateway = start_gateway(
+        tmp_path,
+        fake_vllm.url,
+        redis_url=f"{cluster.url}/?wait_replicas=1",
+        key_prefix=prefix,
+        redis_timeout_s="3",
+    )
+    ids = _ids_on_every_master(cluster, 24)
+    slot = key_slot(Keys(prefix).rollout(ids[0]).encode())
+    victim = cluster.master_of(slot)
+    on_victim = {
+        rid for rid in ids if cluster.master_of(key_slot(Keys(prefix).rollout(rid).encode())) == victim
+    }
+    answered: dict[str, list[str]] = {rid: [] for rid in ids}
+    failed: list[int] = []
+    stop = threading.Event()
+
+    def agent(rid: str) -> None:
+        with httpx.Client(timeout=30) as http:
+            n = 0
+            while not stop.is_set():
+                text = f"{rid} call {n}"
+                n += 1
+                response = http.post(
+                    f"{gateway.url}/rollouts/{rid}/v1/chat/completions",
+                    json={
+                        "model": MODEL,
+                        "messages": [*MESSAGES[:1], {"role": "user", "content": text}],
+                        "max_tokens": 2,
+                    },
+                )
+                if response.status_code == 200:
+                    answered[rid].append(text)
+                else:
+                    assert response.status_code == 503, response.text
+                    failed.append(response.status_code)
+                    time.sleep(0.05)
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(len(ids)) as pool:
+            agents = [pool.submit(agent, rid) for rid in ids]
+            time.sleep(2)
+            before = sum(map(len, answered.values()))
+            cluster.procs[victim].kill()  # SIGKILL: no goodbye to its replica or the gateway
+            killed_at = time.monotonic()
+            while time.monotonic() - killed_at < 20 and _master_or_none(cluster, slot) in (victim, None):
+                time.sleep(0.1)
+            took_over = time.monotonic() - killed_at
+            at_takeover = {rid: len(v) for rid, v in answered.items()}
+            time.sleep(2)
+            # the new master has no replica: wait_replicas=1 refuses its writes (503) until one is back;
+            # the other masters' rollouts go on
+            degraded = {rid: len(v) - at_takeover[rid] for rid, v in answered.items()}
+            cluster.start(victim)  # back, as a replica of the node that took over
+            cluster.wait_healthy()
+            at_rejoin = {rid: len(v) for rid, v in answered.items()}
+            time.sleep(3)
+            stop.set()
+            for future in agents:
+                future.result()
+        after = {rid: len(v) - at_rejoin[rid] for rid, v in answered.items()}
+        assert before > 100, before
+        assert took_over < 15 and cluster.master_of(slot) != victim
+        assert all(degraded[rid] > 0 for rid in ids if rid not in on_victim), degraded
+        assert all(degraded[rid] == 0 for rid in on_victim), degraded
+        # with a replica again, every agent on every master (the new one too) is answered again
+        assert all(n > 0 for n in after.values()), after
+        client = cluster.client()
+        try:
+            for rid, texts in answered.items():
+                stored = [
+                    CallRecord.model_validate_json(raw).request["messages"][-1]["content"]
+                    for raw in client.lrange(Keys(prefix).calls(rid), 0, -1)
+                ]
+                missing = set(texts) - set(stored)
+                assert not missing, f"{rid}: answered but lost {sorted(missing)[:3]}"
+        finally:
+            client.close()
+        print(
+            f"answered {sum(map(len, answered.values()))}, refused {len(failed)} (503), takeover {took_over:.1f} s"
+        )
+    finally:
+        stop.set()
+        gateway.kill()
+        if cluster.procs[victim].poll() is not None:
+            cluster.start(victim)
+        cluster.wait_healthy()
+
+
+def _master_or_none(cluster: Cluster, slot: int) -> int | None:
+    try:
+        return cluster.master_of(slot)
+    except (AssertionError, subprocess.SubprocessError):
+        return None
+
+
+def _cluster_ports(n: int) -> list[int]:
+    """Free ports whose cluster bus ports (port + 10000) are free too."""
+    ports: list[int] = []
+    while len(ports) < n:
+        port = random.randrange(20000, 50000)
+        try:
+            for p in (port, port + 10000):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
+def _slots(text: str) -> set[int]:
+    out: set[int] = set()
+    for part in text.split():
+        if part.startswith("["):
+            continue
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def test_cluster_urls_and_what_needs_a_standalone_redis(cluster: Cluster, fake_vllm: Proc, tmp_path: Path):
+    from test_cli import rlgate
+
+    from episodes.store import parse_url
+
+    assert parse_url("redis+cluster://h:7000/?wait_replicas=2") == ("redis://h:7000/", True, 2)
+    assert parse_url("rediss://u:p@h:6380/3?ssl_cert_reqs=none") == (
+        "rediss://u:p@h:6380/3?ssl_cert_reqs=none",
+        False,
+        0,
+    )
+    for bad, says in [
+        ("redis+cluster://h:7000/2", "database 0 only"),
+        ("redis://h/0?wait_replicas=x", "wait_replicas"),
+        ("redis://h/0?wait_replicas=99", "wait_replicas"),
+    ]:
+        with pytest.raises(ValueError, match=says):
+            parse_url(bad)
+        result = rlgate("gateway", env={"RLGATE_REDIS_URL": bad})  # one line, no traceback
+        assert result.returncode != 0 and says in result.stderr and "Traceback" not in result.stderr
+    # rq does not run on a cluster: the worker says what to set; the gateway answers finish with 503
+    result = rlgate("worker", "--burst", env={"RLGATE_REDIS_URL": cluster.url})
+    assert result.returncode != 0 and "RLGATE_QUEUE_REDIS_URL" in result.stderr
+    assert "Traceback" not in result.stderr
+    prefix = f"c{uuid.uuid4().hex[:6]}"
+    gateway = start_gateway(tmp_path, fake_vllm.url, redis_url=cluster.url, key_prefix=prefix)
+    try:
+        url = f"{gateway.url}/rollouts/f1/v1/chat/completions"
+        assert (
+            httpx.post(url, json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2}).status_code == 200
+        )
+        finish = httpx.post(f"{gateway.url}/rollouts/f1/finish", json={"reward_fn": "exact_match"})
+        assert finish.status_code == 503 and finish.json()["error"]["code"] == "no_reward_queue"
+        reward = httpx.post(f"{gateway.url}/rollouts/f1/reward", json={"reward": 1})
+        assert reward.status_code == 200 and reward.json()["outcome"] == "closed"
+    finally:
+        gateway.kill()
