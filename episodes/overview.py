@@ -19,6 +19,7 @@ it runs unchanged on a cluster): the agent name and the policy version sit at th
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 from collections.abc import Sequence
@@ -156,10 +157,15 @@ class StoreOverview:
         if not rollout_ids:
             return {}
         async with self.store.guard():
-            pipe = self.store.redis.pipeline(transaction=False)
-            for rid in rollout_ids:
-                await self._call_heads(keys=[self.keys.calls(rid)], args=[HEAD_BYTES], client=pipe)
-            replies = await pipe.execute()
+            if self.store.cluster:  # redis-py's cluster pipeline runs no scripts: concurrent calls instead
+                replies = await asyncio.gather(
+                    *(self._call_heads(keys=[self.keys.calls(rid)], args=[HEAD_BYTES]) for rid in rollout_ids)
+                )
+            else:
+                pipe = self.store.redis.pipeline(transaction=False)
+                for rid in rollout_ids:
+                    await self._call_heads(keys=[self.keys.calls(rid)], args=[HEAD_BYTES], client=pipe)
+                replies = await pipe.execute()
         heads = {}
         for rid, (n, first, last) in zip(rollout_ids, replies, strict=True):
             agent, first_version = _head(first)

@@ -27,6 +27,7 @@ from test_gateway_proxy import MESSAGES, MODEL
 from episodes import CallRecord, EpisodeStore, Keys, RolloutNotOpen
 from episodes.export import rollout_ids
 from episodes.lifecycle import EpisodeLifecycle
+from episodes.overview import StoreOverview
 from episodes.stream import ClosedEpisodes
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
@@ -220,6 +221,11 @@ def test_every_store_operation_runs_on_a_cluster(cluster: Cluster):
             assert await store.epoch(create=True)
             await store.check_writable()
             assert sorted([rid async for rid in rollout_ids(store)]) == sorted(ids)  # SCAN on every master
+            overview = StoreOverview(store)  # the dashboard's reads
+            counts = await overview.counts()
+            assert counts.indexed == 12 and counts.stream_length == 6 and counts.has_group
+            heads = await overview.call_heads(ids)
+            assert {rid: head.calls for rid, head in heads.items()} == {rid: 3 for rid in ids}
         finally:
             await store.aclose()
 
