@@ -53,7 +53,9 @@
   Lightning's retries: the episode `<rid>~<attempt>`) keeps its rollout's tag, `{prefix}:rollout:{<rid>}~<attempt>`
   and so on, so the record script that creates it can read its rollout (task, mode, status) and count its
   attempts (`attempts` in the rollout hash) atomically. The global keys (`policy`,
-  `expiry`, `rollouts`, `outbox`, `episodes`) are only touched by single-key commands.
+  `expiry`, `rollouts`, `outbox`, `episodes`) are only touched by single-key commands. On a cluster
+  (`redis+cluster://`, `store.parse_url`) rq's reward-job queue is not among these keys: it lives in a
+  standalone Redis of its own (`RLGATE_QUEUE_REDIS_URL`), rq does not run on a cluster.
 
 Episode lifecycle (every transition is one script on the rollout hash, so it happens exactly once however
 many gateways, webhooks or workers race on it):
