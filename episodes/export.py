@@ -8,6 +8,7 @@ policy version). Calls that failed are not transitions and are left out.
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ import orjson
 
 from episodes.records import RolloutStatus, RolloutView
 from episodes.store import EpisodeStore
+from episodes.stream import ClosedEpisodes
 
 Format = Literal["jsonl", "parquet", "sft"]
 
@@ -137,3 +139,70 @@ async def export(
 
 
 _JSON_COLUMNS = ("messages", "tools", "response_message")
+
+
+@dataclass(slots=True)
+class FollowCounts:
+    episodes: int = 0  # stream entries handled (acknowledged)
+    rows: int = 0  # rows written
+    skipped: int = 0  # episodes the filter left out
+    gone: int = 0  # episodes whose keys had expired before they could be exported
+
+
+async def follow(
+    store: EpisodeStore,
+    path: Path,
+    fmt: Format = "jsonl",
+    flt: ExportFilter | None = None,
+    *,
+    group: str = "exporters",
+    consumer: str = "export",
+    stop: Any = None,
+    batch: int = 256,
+    block_ms: int = 1000,
+    counts: FollowCounts | None = None,
+) -> FollowCounts:
+    """Append every closed episode to `path` as it is closed, until `stop` (an `asyncio.Event`) is set.
+
+    Reads the closed-episode stream through a consumer group of its own (`group`), so the learners' group
+    is untouched, and the sweeper trims no entry this group has not acknowledged (`keys`: retention). Each
+    batch's rows are written and fsynced before its entries are acknowledged: a crash exports them again
+    when restarted (at least once: a row's `rollout_id` and `index` tell a copy). Episodes whose keys have
+    expired already (the exporter was down longer than the retention) are counted in `gone`. Counts go to
+    `counts` when given (kept across a retry after `StoreUnavailable`).
+    """
+    if fmt == "parquet":
+        raise ValueError("--follow appends JSONL (jsonl or sft), not parquet")
+    flt = flt or ExportFilter()
+    make_rows = sft_rows if fmt == "sft" else transition_rows
+    stream = ClosedEpisodes(store, group=group)
+    await stream.ensure_group()
+    counts = counts if counts is not None else FollowCounts()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pending = await stream.read_own_pending(consumer, count=batch)  # a restarted exporter's own first
+    with path.open("ab") as out:
+        while True:
+            episodes = pending or (
+                [] if stop is not None and stop.is_set() else await stream.read(consumer, batch, block_ms)
+            )
+            pending = []
+            if not episodes:
+                if stop is not None and stop.is_set():
+                    return counts
+                continue
+            lines: list[bytes] = []
+            for episode in episodes:
+                view = await store.get_rollout_view(episode.rollout_id)
+                if view is None:
+                    counts.gone += 1
+                elif flt.keeps(view):
+                    lines.extend(orjson.dumps(row) + b"\n" for row in make_rows(view, flt.agent_name))
+                else:
+                    counts.skipped += 1
+            out.write(b"".join(lines))
+            out.flush()
+            os.fsync(out.fileno())
+            for episode in episodes:
+                await stream.drop(episode)  # XACK, the rollout is not marked consumed: that is the learner's
+            counts.episodes += len(episodes)
+            counts.rows += len(lines)

@@ -22,6 +22,8 @@ sweeper, but neither package imports the other.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -267,6 +269,16 @@ class ExportCommand(SharedSettings):
     task: str | None = Field(None, description="Only this task.")
     agent: str | None = Field(None, description="Only the calls of this agent (X-Agent-Name).")
     min_reward: float | None = Field(None, description="Only episodes whose final return is at least this.")
+    follow: bool = Field(
+        False,
+        description="Keep running and append every episode to OUT as it is closed (jsonl or sft), read "
+        "through a consumer group of its own (--group), until SIGINT or SIGTERM. The gateway's sweeper trims no "
+        "closed-episode entry this group has not exported; a rollout's keys still expire RLGATE_RETENTION_S "
+        "after a learner consumed it, so keep the exporter running (docs/deployment.md#retention).",
+    )
+    group: str = Field(
+        "exporters", description="With --follow: the stream consumer group the exporter reads."
+    )
 
     def cli_cmd(self) -> None:
         import asyncio
@@ -275,6 +287,11 @@ class ExportCommand(SharedSettings):
         from episodes.export import ExportFilter, export
 
         flt = ExportFilter(tuple(self.status), self.since, self.until, self.task, self.agent, self.min_reward)
+        if self.follow:
+            if self.format == "parquet":
+                raise UsageError("--follow appends JSONL: --format jsonl or sft, not parquet")
+            self._follow(flt)
+            return
 
         async def run() -> tuple[int, str | None]:
             store = EpisodeStore.from_url(
@@ -291,6 +308,45 @@ class ExportCommand(SharedSettings):
         print(json.dumps({"rows": rows, "path": str(self.out), "format": self.format}))
         if hint is not None:
             print(f"rlgate export: {hint}", file=sys.stderr)
+
+    def _follow(self, flt: Any) -> None:
+        import asyncio
+        import signal
+
+        from episodes import EpisodeStore
+        from episodes.export import FollowCounts, follow
+
+        async def run() -> Any:
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, stop.set)
+            store = EpisodeStore.from_url(
+                self.redis_url, prefix=self.key_prefix, timeout_s=self.redis_timeout_s
+            )
+            try:
+                await store.ping()
+                print(
+                    json.dumps({"following": str(self.out), "format": self.format, "group": self.group}),
+                    flush=True,
+                )
+                counts = FollowCounts()
+                while True:
+                    try:
+                        return await follow(
+                            store, self.out, self.format, flt, group=self.group, stop=stop, counts=counts
+                        )
+                    except StoreUnavailable as exc:  # Redis restarting: wait for it, as the learner does
+                        if stop.is_set():
+                            raise
+                        print(f"rlgate export: {exc}; trying again in 1 s", file=sys.stderr, flush=True)
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(stop.wait(), 1.0)
+            finally:
+                await store.aclose()
+
+        counts = asyncio.run(run())
+        print(json.dumps({"path": str(self.out), "format": self.format, **dataclasses.asdict(counts)}))
 
     async def _why_empty(self, store: Any, most: int = 100_000) -> str:
         """One line on why nothing was exported: what is in the store (the statuses of its first `most`

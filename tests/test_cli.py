@@ -445,3 +445,74 @@ def test_a_missing_model_folder_is_one_line_not_a_hub_lookup(tmp_path):
         result = rlgate("learner", "--model", model)
         assert result.returncode == 2, (model, result.stderr)
         assert result.stderr.strip().count("\n") == 0 and "no model folder" in result.stderr, result.stderr
+
+
+def _start_follower(out, *args: str) -> subprocess.Popen:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("RLGATE_")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlgate", "export", str(out), "--follow", *args],
+        env={**environ, "RLGATE_REDIS_URL": REDIS_URL},
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    first = proc.stdout.readline()
+    assert json.loads(first)["group"] == "exporters", first + proc.stderr.read()
+    return proc
+
+
+def _exported(out) -> list[tuple[str, int]]:
+    if not out.exists():
+        return []
+    return [(row["rollout_id"], row["index"]) for row in map(json.loads, out.read_text().splitlines())]
+
+
+def test_export_follow_appends_each_closed_episode_once(tmp_path, gateway: Proc, redis_client: redis.Redis):
+    from test_reward_hooks import agent_call
+
+    out = tmp_path / "live.jsonl"
+    follower = _start_follower(out)
+    try:
+        first = [f"f{i}-{uuid.uuid4().hex[:6]}" for i in range(3)]
+        for rid in first:
+            agent_call(gateway, rid)
+            agent_call(gateway, rid)
+            httpx.post(f"{gateway.url}/rollouts/{rid}/reward", json={"reward": 1}).raise_for_status()
+        agent_call(gateway, "still-open")  # not closed: not exported
+        deadline = time.monotonic() + 30
+        while len(_exported(out)) < 6 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert sorted(_exported(out)) == sorted((rid, i) for rid in first for i in (0, 1))
+        (group,) = [g for g in redis_client.xinfo_groups("rlgate:episodes") if g["name"] == b"exporters"]
+        assert group["pending"] == 0 and group["lag"] == 0
+        follower.terminate()  # SIGTERM: finishes, says what it did
+        stdout, stderr = follower.communicate(timeout=20)
+        assert follower.returncode == 0, stderr
+        summary = json.loads(stdout.strip().splitlines()[-1])
+        assert (summary["episodes"], summary["rows"], summary["gone"]) == (3, 6, 0)
+        # closed while no exporter ran: the group remembers where it was, the next run exports only those
+        later = f"later-{uuid.uuid4().hex[:6]}"
+        agent_call(gateway, later)
+        httpx.post(f"{gateway.url}/rollouts/{later}/reward", json={"reward": 0}).raise_for_status()
+        follower = _start_follower(out)
+        deadline = time.monotonic() + 30
+        while len(_exported(out)) < 7 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        follower.terminate()
+        stdout, _ = follower.communicate(timeout=20)
+        assert json.loads(stdout.strip().splitlines()[-1])["episodes"] == 1
+        assert sorted(_exported(out)) == sorted([(rid, i) for rid in first for i in (0, 1)] + [(later, 0)])
+        # the rows are those of the one-shot export
+        batch = tmp_path / "batch.jsonl"
+        assert rlgate("export", str(batch), env={"RLGATE_REDIS_URL": REDIS_URL}).returncode == 0
+        assert sorted(out.read_text().splitlines()) == sorted(batch.read_text().splitlines())
+        one_line_mistake(
+            rlgate(
+                "export", str(batch), "--follow", "--format", "parquet", env={"RLGATE_REDIS_URL": REDIS_URL}
+            ),
+            "--follow appends JSONL",
+        )
+    finally:
+        if follower.poll() is None:
+            follower.kill()
