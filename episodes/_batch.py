@@ -28,10 +28,14 @@ are retried until `timeout_s` has passed (the script did not run), with the slot
 connection that breaks with commands in flight fails them (they may or may not have run) and refreshes
 the map, so the next call finds the replica that took over.
 
-With `wait_replicas` > 0 every batch is followed by `WAIT wait_replicas ms` on its connection: a caller
-returns only once that many replicas hold its write, so a replica that takes over (Redis Cluster or
-Sentinel failover) has every call a caller was told was recorded. When fewer replicas confirm in time the
-caller gets `redis.exceptions.TimeoutError` (the write is on the master, not known to be replicated).
+With `wait_replicas` > 0 a `WAIT wait_replicas ms` (ms: half of `timeout_s`) follows the writes on their
+connection: a caller returns only once that many replicas hold its write, so a replica that takes over
+(Redis Cluster or Sentinel failover) has every call a caller was told was recorded. One WAIT is in flight
+at a time (Redis runs nothing else of the connection while it blocks); the next covers every write sent
+meanwhile, so a batch waits for at most two WAITs however many batches queue behind a slow replica. When
+fewer replicas confirm in time the caller gets `redis.exceptions.TimeoutError` (the write is on the
+master, not known to be replicated). A script that wrote nothing (an error reply, or a refusal the caller
+recognises) does not wait.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ import collections
 import hashlib
 import socket
 import ssl as ssl_module
+from collections.abc import Callable
 from typing import Any
 
 import hiredis
@@ -78,8 +83,12 @@ class _Connection(asyncio.Protocol):
         self, loop: asyncio.AbstractEventLoop, timeout_s: float, counts: Pipeline, wait: bytes | None = None
     ) -> None:
         self.loop = loop
-        self.wait = wait  # the packed WAIT that follows each batch of durable calls (None: no WAIT)
-        self.batch_wait: asyncio.Future[Any] | None = None  # the WAIT reply of the batch being filled
+        self.wait = wait  # the packed WAIT that follows durable calls (None: no WAIT)
+        # At most one WAIT is in flight (Redis runs nothing else of this connection while it blocks): the
+        # reply of the one sent, and the reply of the next one, which covers every durable command written
+        # or buffered since and goes out when the first returns (or with the next flush).
+        self.wait_sent: asyncio.Future[Any] | None = None
+        self.wait_next: asyncio.Future[Any] | None = None
         self.counts = counts  # commands and writes, counted for the pipeline across its connections
         self.timeout_s = timeout_s
         self.transport: asyncio.Transport | None = None
@@ -112,6 +121,11 @@ class _Connection(asyncio.Protocol):
             future = pending.popleft()
             if not future.done():
                 future.set_result(reply)
+            if future is self.wait_sent:
+                self.wait_sent = None
+                if self.wait_next is not None and not self.flush_scheduled and self.transport is not None:
+                    self.transport.write(self._send_wait())  # everything it covers is out already
+                    self.counts.writes += 1
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
@@ -123,8 +137,16 @@ class _Connection(asyncio.Protocol):
         return self._call(packed, False)[0]
 
     def call_durable(self, packed: bytes) -> tuple[asyncio.Future[Any], asyncio.Future[Any] | None]:
-        """The command's reply, and the reply of the WAIT that follows its batch (None without WAIT)."""
+        """The command's reply, and the reply of the first WAIT sent after it (None without WAIT)."""
         return self._call(packed, self.wait is not None)
+
+    def _send_wait(self) -> bytes:
+        """Put the next WAIT in flight: its reply comes after every command written before it."""
+        assert self.wait is not None and self.wait_next is not None
+        self.pending.append(self.wait_next)
+        self.wait_sent, self.wait_next = self.wait_next, None
+        self.counts.commands += 1
+        return self.wait
 
     def _call(self, packed: bytes, durable: bool) -> tuple[asyncio.Future[Any], asyncio.Future[Any] | None]:
         future = self.loop.create_future()
@@ -135,22 +157,16 @@ class _Connection(asyncio.Protocol):
         self.pending.append(future)
         self.counts.commands += 1
         waited: asyncio.Future[Any] | None = None
+        if durable:
+            if self.wait_next is None:
+                self.wait_next = self.loop.create_future()
+            waited = self.wait_next
         if idle and not self.flush_scheduled and self.transport is not None:
-            # nothing in flight: no batch to wait for, out at once
-            if durable and self.wait is not None:
-                waited = self.loop.create_future()
-                self.pending.append(waited)
-                self.counts.commands += 1
-                self.transport.write(packed + self.wait)
-            else:
-                self.transport.write(packed)
+            # nothing in flight: no batch to wait for, out at once (with its WAIT: none is in flight)
+            self.transport.write(packed + self._send_wait() if durable else packed)
             self.counts.writes += 1
         else:
             self.out.append(packed)
-            if durable:
-                if self.batch_wait is None:
-                    self.batch_wait = self.loop.create_future()
-                waited = self.batch_wait
             if not self.flush_scheduled:
                 self.flush_scheduled = True
                 self.loop.call_soon(self._flush)
@@ -169,12 +185,8 @@ class _Connection(asyncio.Protocol):
         self.flush_scheduled = False
         if self.lost or self.transport is None:
             return
-        if self.batch_wait is not None and self.wait is not None:
-            # one WAIT after the batch's commands: its reply comes after all of theirs
-            self.out.append(self.wait)
-            self.pending.append(self.batch_wait)
-            self.counts.commands += 1
-            self.batch_wait = None
+        if self.wait_next is not None and self.wait_sent is None:
+            self.out.append(self._send_wait())  # after the batch's commands: its reply after theirs
         data = b"".join(self.out) if len(self.out) != 1 else self.out[0]
         self.out.clear()
         self.transport.write(data)
@@ -194,9 +206,9 @@ class _Connection(asyncio.Protocol):
             self.watchdog.cancel()
             self.watchdog = None
         self.out.clear()
-        if self.batch_wait is not None:
-            self.pending.append(self.batch_wait)
-            self.batch_wait = None
+        if self.wait_next is not None:  # not sent: not in `pending`
+            self.pending.append(self.wait_next)
+        self.wait_next = self.wait_sent = None
         while self.pending:
             future = self.pending.popleft()
             if not future.done():
@@ -221,6 +233,15 @@ class Pipeline:
         self.commands = 0  # commands sent, and the writes that carried them (for the batch size)
         self.writes = 0
 
+    @property
+    def host(self) -> str:
+        return str(self._kwargs.get("host", "localhost"))
+
+    @property
+    def name(self) -> str:
+        """`host:port`, as redis-py names cluster nodes."""
+        return f"{self.host}:{self._kwargs.get('port', 6379)}"
+
     @classmethod
     def of(cls, client: aioredis.Redis, timeout_s: float, wait_replicas: int = 0) -> Pipeline:
         """A pipeline to the Redis a (non-cluster) redis-py client talks to."""
@@ -235,39 +256,43 @@ class Pipeline:
             conn = await self._connection()
         return await conn.call(pack(args))
 
-    async def call_durable(self, wait_replicas: int, *args: Any) -> Any:
-        """`call`, and with WAIT configured, only once `wait_replicas` replicas hold the write (else
-        `redis.exceptions.TimeoutError`)."""
+    async def call_durable(
+        self,
+        wait_replicas: int,
+        *args: Any,
+        asking: bool = False,
+        wrote: Callable[[Any], bool] | None = None,
+    ) -> Any:
+        """`call` (after `ASKING`, on the same connection, with `asking`), and with WAIT configured, only
+        once `wait_replicas` replicas hold the write: else `redis.exceptions.TimeoutError`. An error reply,
+        or a reply for which `wrote` says nothing was written, does not wait."""
         conn = self._conn
         if conn is None or conn.lost:
             conn = await self._connection()
+        if asking:
+            conn.call(pack(("ASKING",))).add_done_callback(_retrieve)
         future, waited = conn.call_durable(pack(args))
-        try:
-            reply = await future
-        finally:
-            if waited is not None and not waited.done():
-                waited.add_done_callback(_retrieve)
         if waited is not None:
-            acked = await waited
-            if isinstance(acked, hiredis.ReplyError) or int(acked) < wait_replicas:
-                raise redis_exc.TimeoutError(
-                    f"the write reached the redis master but {acked} of {wait_replicas} replicas confirmed it "
-                    f"within {self._timeout_s / 2} s"
-                )
+            waited.add_done_callback(_retrieve)  # nobody may await it (an error reply, a cancelled caller)
+        reply = await future
+        if (
+            waited is None
+            or isinstance(reply, hiredis.ReplyError)
+            or (wrote is not None and not wrote(reply))
+        ):
+            return reply
+        # shielded: the WAIT is shared by every command before it; one caller's cancellation is its own
+        acked = await asyncio.shield(waited)
+        if isinstance(
+            acked, hiredis.ReplyError
+        ):  # e.g. the node became a replica: the write's fate is unknown
+            raise redis_exc.ConnectionError(f"redis refused WAIT after a write: {acked}")
+        if int(acked) < wait_replicas:
+            raise redis_exc.TimeoutError(
+                f"the write reached the redis master but {acked} of {wait_replicas} replicas confirmed it "
+                f"within {self._timeout_s / 2} s"
+            )
         return reply
-
-    async def call_many(self, *commands: tuple[Any, ...]) -> list[Any]:
-        """Commands sent back to back on one connection (`ASKING` and the command it applies to)."""
-        conn = self._conn
-        if conn is None or conn.lost:
-            conn = await self._connection()
-        futures = [conn.call(pack(c)) for c in commands]
-        try:
-            return [await f for f in futures]
-        finally:
-            for f in futures:
-                if not f.done():
-                    f.add_done_callback(_retrieve)
 
     def stats(self) -> dict[str, int]:
         """Counters for metrics: connections opened, commands sent, the writes that carried them, and
@@ -358,7 +383,8 @@ class Pipeline:
                 "optional": ssl_module.CERT_OPTIONAL,
                 "required": ssl_module.CERT_REQUIRED,
             }[reqs.lower()]
-        context.check_hostname = bool(kw.get("ssl_check_hostname", reqs != ssl_module.CERT_NONE))
+        # no hostname check without certificate verification (as redis-py: ssl refuses the combination)
+        context.check_hostname = bool(kw.get("ssl_check_hostname", True)) and reqs != ssl_module.CERT_NONE
         context.verify_mode = reqs
         if kw.get("ssl_certfile"):
             context.load_cert_chain(kw["ssl_certfile"], kw.get("ssl_keyfile"), kw.get("ssl_password"))
@@ -378,7 +404,7 @@ class _Nodes:
         self.wait_replicas = wait_replicas
         self.pipes: dict[str, Pipeline] = {}
         self.refreshes = 0  # slot map refreshes asked for (after MOVED or a lost node)
-        self._refreshing: asyncio.Task[None] | None = None
+        self._refreshing: asyncio.Future[None] | None = None
 
     def pipe(self, host: str, port: int) -> Pipeline:
         name = f"{host}:{port}"
@@ -399,7 +425,7 @@ class _Nodes:
         node = self.client.nodes_manager.get_node_from_slot(slot)
         return self.pipe(node.host, int(node.port))
 
-    def refresh(self, failed: str | None = None) -> asyncio.Task[None]:
+    def refresh(self, failed: str | None = None) -> asyncio.Future[None]:
         """Reload the slot map from the cluster, once for all callers asking at the same time."""
         if self._refreshing is None or self._refreshing.done():
             self.refreshes += 1
@@ -434,24 +460,31 @@ class ScriptBatcher:
             self._nodes = None
             self._pipe = Pipeline.of(client, timeout_s, wait_replicas)
 
-    async def __call__(self, keys: list[str], args: list[Any]) -> Any:
+    async def __call__(
+        self, keys: list[str], args: list[Any], wrote: Callable[[Any], bool] | None = None
+    ) -> Any:
+        """The script's reply. With `wait_replicas`, a reply for which `wrote` is true (always, without
+        `wrote`) comes back only once the replicas hold the write."""
         command = ("EVALSHA", self._sha, len(keys), *keys, *args)
         if self._nodes is None:
             assert self._pipe is not None
-            reply = await self._run(self._pipe, command)
+            reply = await self._run(self._pipe, command, wrote=wrote)
         else:
-            reply = await self._routed(key_slot(keys[0].encode()), command)
+            reply = await self._routed(key_slot(keys[0].encode()), command, wrote)
         if isinstance(reply, hiredis.ReplyError):
             raise redis_exc.ResponseError(str(reply))
         return reply
 
-    async def _run(self, pipe: Pipeline, command: tuple[Any, ...], asking: bool = False) -> Any:
+    async def _run(
+        self,
+        pipe: Pipeline,
+        command: tuple[Any, ...],
+        asking: bool = False,
+        wrote: Callable[[Any], bool] | None = None,
+    ) -> Any:
         """The script's reply from one node, loading the script there first if it lacks it."""
         for _ in range(2):
-            if asking:
-                reply = (await pipe.call_many(("ASKING",), command))[1]
-            else:
-                reply = await pipe.call_durable(self._wait_replicas, *command)
+            reply = await pipe.call_durable(self._wait_replicas, *command, asking=asking, wrote=wrote)
             if not (isinstance(reply, hiredis.ReplyError) and str(reply).startswith("NOSCRIPT")):
                 return reply
             loaded = await pipe.call("SCRIPT", "LOAD", self._source)
@@ -459,7 +492,7 @@ class ScriptBatcher:
                 raise redis_exc.ResponseError(str(loaded))
         return reply
 
-    async def _routed(self, slot: int, command: tuple[Any, ...]) -> Any:
+    async def _routed(self, slot: int, command: tuple[Any, ...], wrote: Callable[[Any], bool] | None) -> Any:
         nodes = self._nodes
         assert nodes is not None
         loop = asyncio.get_running_loop()
@@ -469,18 +502,20 @@ class ScriptBatcher:
         redirects = 0
         while True:
             try:
-                reply = await self._run(pipe, command, asking)
+                reply = await self._run(pipe, command, asking, wrote)
             except NotConnected:
                 # the master is gone and the script never left: once a replica has taken over, the slot
                 # map names it
                 if loop.time() + _RETRY_S > deadline:
                     raise
                 await asyncio.sleep(_RETRY_S)
-                await _bounded(nodes.refresh(), deadline - loop.time())
+                await _bounded(nodes.refresh(pipe.name), deadline - loop.time())
                 pipe, asking = await nodes.owner(slot), False
                 continue
             except redis_exc.ConnectionError:
-                nodes.refresh()  # sent, outcome unknown: the caller hears so; the next call asks the new map
+                nodes.refresh(
+                    pipe.name
+                )  # sent, outcome unknown: the caller hears so; the next call asks anew
                 raise
             if not isinstance(reply, hiredis.ReplyError):
                 return reply
@@ -490,7 +525,8 @@ class ScriptBatcher:
                 host, _, port = rest.split(" ")[-1].rpartition(":")
                 if kind == "MOVED":
                     nodes.refresh()
-                pipe, asking = nodes.pipe(host or "127.0.0.1", int(port)), kind == "ASK"
+                # an empty host (cluster-preferred-endpoint-type unknown-endpoint): the node that answered
+                pipe, asking = nodes.pipe(host or pipe.host, int(port)), kind == "ASK"
                 continue
             if kind in ("CLUSTERDOWN", "TRYAGAIN") and loop.time() + _RETRY_S <= deadline:
                 await asyncio.sleep(
@@ -524,5 +560,5 @@ async def _bounded(task: asyncio.Future[None], seconds: float) -> None:
     try:
         async with asyncio.timeout(max(0.0, seconds)):
             await asyncio.shield(task)
-    except (TimeoutError, redis_exc.RedisError, OSError):
+    except (TimeoutError, redis_exc.RedisError, redis_exc.RedisClusterException, OSError):
         pass

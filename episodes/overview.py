@@ -31,6 +31,7 @@ import orjson
 from episodes.records import Policy
 from episodes.store import EpisodeStore
 
+CLUSTER_CONCURRENCY = 16  # call-head scripts in flight at once on a Redis Cluster
 HEAD_BYTES = 2048  # bytes read of a call record to find its agent name and policy version
 STEPS_MAX = 2000  # most learner steps one read returns
 
@@ -121,9 +122,7 @@ class StoreOverview:
             pipe.exists(keys.episodes)
             pipe.hgetall(keys.policy)
             pipe.xrevrange(keys.learner_steps, count=1)
-            if self.queue_key:
-                pipe.llen(self.queue_key)
-            open_, indexed, recent, has_stream, policy, step, *jobs = await pipe.execute()
+            open_, indexed, recent, has_stream, policy, step = await pipe.execute()
             info: dict[Any, Any] = {}
             groups: list[dict[Any, Any]] = []
             if has_stream:
@@ -131,6 +130,7 @@ class StoreOverview:
                 pipe.xinfo_stream(keys.episodes)
                 pipe.xinfo_groups(keys.episodes)
                 info, groups = await pipe.execute()
+        jobs = await self.store.queue_length(self.queue_key) if self.queue_key else 0  # rq's Redis
         group = next((g for g in groups if _text(g.get("name")) == self.group), None)
         length = int(info.get("length") or 0)
         return StoreCounts(
@@ -144,7 +144,7 @@ class StoreOverview:
             has_group=group is not None,
             group_lag=int((group or {}).get("lag") or 0),
             group_pending=int((group or {}).get("pending") or 0),
-            reward_jobs=int(jobs[0]) if jobs else 0,
+            reward_jobs=jobs,
             policy=Policy.model_validate({_text(k): _text(v) for k, v in policy.items() if v != b""})
             if policy
             else Policy(),
@@ -157,10 +157,16 @@ class StoreOverview:
         if not rollout_ids:
             return {}
         async with self.store.guard():
-            if self.store.cluster:  # redis-py's cluster pipeline runs no scripts: concurrent calls instead
-                replies = await asyncio.gather(
-                    *(self._call_heads(keys=[self.keys.calls(rid)], args=[HEAD_BYTES]) for rid in rollout_ids)
-                )
+            if self.store.cluster:  # redis-py's cluster pipeline runs no scripts: concurrent calls instead,
+                # a few at a time (its pool raises at max_connections rather than waiting)
+                replies = []
+                for i in range(0, len(rollout_ids), CLUSTER_CONCURRENCY):
+                    replies += await asyncio.gather(
+                        *(
+                            self._call_heads(keys=[self.keys.calls(rid)], args=[HEAD_BYTES])
+                            for rid in rollout_ids[i : i + CLUSTER_CONCURRENCY]
+                        )
+                    )
             else:
                 pipe = self.store.redis.pipeline(transaction=False)
                 for rid in rollout_ids:

@@ -49,6 +49,16 @@ RetentionSeconds = Annotated[
     ),
 ]
 
+# `queue_redis_url` of the gateway and the reward worker: where rq's reward-job queue lives
+QueueRedisUrl = Annotated[
+    str | None,
+    Field(
+        description="Redis holding the reward-job queue (rq). Default: redis_url. rq does not run on a Redis "
+        "Cluster: with a redis+cluster:// redis_url, reward jobs need a standalone Redis here (without one, "
+        "POST /rollouts/{id}/finish answers 503 no_reward_queue and rlgate worker refuses to start).",
+    ),
+]
+
 # field name -> the shared variable it is also read from
 SHARED_ENV: dict[str, str] = {
     name: f"{SHARED_PREFIX}{name.upper()}"

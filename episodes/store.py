@@ -76,7 +76,7 @@ def parse_url(url: str) -> tuple[str, bool, int]:
     wait = 0
     for name, value in query:
         if name == "wait_replicas":
-            if not value.isdigit() or int(value) > WAIT_REPLICAS_MAX:
+            if not (value.isascii() and value.isdigit()) or int(value) > WAIT_REPLICAS_MAX:
                 raise ValueError(
                     f"wait_replicas in the redis URL must be 0 .. {WAIT_REPLICAS_MAX}, not {value!r}"
                 )
@@ -84,9 +84,15 @@ def parse_url(url: str) -> tuple[str, bool, int]:
     cluster = parts.scheme in CLUSTER_SCHEMES
     if cluster and parts.path.strip("/") not in ("", "0"):
         raise ValueError("a Redis Cluster has database 0 only: drop the /N from the redis+cluster:// URL")
-    rest = urlencode([(name, value) for name, value in query if name != "wait_replicas"])
+    rest = parts.query
+    if any(name == "wait_replicas" for name, _ in query):  # the rest as it was written otherwise
+        rest = urlencode([(name, value) for name, value in query if name != "wait_replicas"])
     plain = urlunsplit(parts._replace(scheme=CLUSTER_SCHEMES.get(parts.scheme, parts.scheme), query=rest))
     return plain, cluster, wait
+
+
+def _recorded(reply: Any) -> bool:
+    return isinstance(reply, list) and bool(reply) and reply[0] == 0
 
 
 def _text(value: bytes | str) -> str:
@@ -97,6 +103,10 @@ def _unavailable(exc: Exception) -> StoreUnavailable:
     """The `StoreUnavailable` for a Redis failure."""
     if isinstance(exc, (redis_exc.ConnectionError, redis_exc.TimeoutError, OSError)):
         return StoreUnavailable(f"redis unavailable: {exc}")
+    if isinstance(
+        exc, redis_exc.RedisClusterException
+    ):  # not a RedisError: no node answers, a slot uncovered
+        return StoreUnavailable(f"redis cluster unavailable: {exc}")
     return StoreUnavailable(f"redis error: {exc}")
 
 
@@ -112,7 +122,7 @@ async def _guard(timeout_s: float) -> AsyncIterator[None]:
             yield
     except TimeoutError as exc:
         raise StoreUnavailable(f"redis did not answer within {timeout_s} s") from exc
-    except (redis_exc.RedisError, OSError) as exc:
+    except (redis_exc.RedisError, redis_exc.RedisClusterException, OSError) as exc:
         # redis-py answers a cancellation in the middle of a command by dropping the connection and
         # raising ConnectionError: the cancellation must stay one, or a cancelled loop never stops.
         task = asyncio.current_task()
@@ -147,6 +157,8 @@ class EpisodeStore:
         # closed-episode entries every consumer group acknowledged stay on the stream this long (0: forever)
         self.retention_s = retention_s
         self.index_max = INDEX_MAX  # the listing index is trimmed to this many (the newest) rollouts
+        # rq's reward-job queue, when it is not in this Redis (`use_queue_redis`); on a cluster it never is
+        self.queue_redis: aioredis.Redis | None = None
         self._create = redis.register_script(_lua.CREATE_ROLLOUT)
         # recorded calls wait for this many replicas (`_batch`; `?wait_replicas=N` in the URL)
         self._record = ScriptBatcher(redis, _lua.RECORD_CALLS, timeout_s, wait_replicas)
@@ -170,8 +182,10 @@ class EpisodeStore:
         plain, cluster, wait_replicas = parse_url(url)
         client: Any
         if cluster:
+            # no socket timeout, as on a single Redis (`_guard` bounds each operation): redis-py's cluster
+            # client retries a command that timed out, which would run an XADD or a script twice
             client = RedisCluster.from_url(
-                plain, socket_connect_timeout=timeout_s, max_connections=max_connections
+                plain, socket_connect_timeout=timeout_s, socket_timeout=None, max_connections=max_connections
             )
         else:
             client = aioredis.Redis.from_url(
@@ -191,9 +205,28 @@ class EpisodeStore:
         """The record connection's counters (`_batch.Pipeline.stats`), for the gateway's metrics."""
         return self._record.stats()
 
+    def use_queue_redis(self, url: str | None) -> None:
+        """Read the reward-job queue's length (`backlog`, the dashboard) from the Redis at `url` (rq's
+        `RLGATE_QUEUE_REDIS_URL`) instead of this one; None: this one (none on a cluster)."""
+        if url:
+            self.queue_redis = aioredis.Redis.from_url(
+                parse_url(url)[0], socket_connect_timeout=self.timeout_s, max_connections=4
+            )
+
+    async def queue_length(self, queue_key: str) -> int:
+        """Reward jobs waiting in the rq queue at `queue_key` (0 where no queue is reachable: a cluster
+        without `use_queue_redis`)."""
+        client = self.queue_redis if self.queue_redis is not None else None if self.cluster else self.redis
+        if client is None:
+            return 0
+        async with _guard(self.timeout_s):
+            return int(await client.llen(queue_key))
+
     async def aclose(self) -> None:
         await self._record.aclose()
         await self.redis.aclose()
+        if self.queue_redis is not None:
+            await self.queue_redis.aclose()
 
     async def ping(self) -> None:
         async with _guard(self.timeout_s):
@@ -291,8 +324,9 @@ class EpisodeStore:
             keys.append(self.keys.rollout(parent))
         # Bounded in time by the record connection's own watchdog (`_batch`), not by a timer per call.
         try:
-            code, *rest = await self._record(keys, args)
-        except (redis_exc.RedisError, OSError) as exc:
+            # with wait_replicas, only a call that was recorded (code 0) waits for the replicas
+            code, *rest = await self._record(keys, args, wrote=_recorded)
+        except (redis_exc.RedisError, redis_exc.RedisClusterException, OSError) as exc:
             raise _unavailable(exc) from exc
         if code == 3:
             raise RolloutMissing(parent or rollout_id)
@@ -536,16 +570,10 @@ class EpisodeStore:
         entries; nothing while that group does not exist: a deployment that only records, or a learner
         not started yet), plus the reward jobs waiting in the rq queue at `reward_queue_key` (episodes
         asked to be graded and not yet closed). Other consumer groups (an old experiment's) do not count."""
+        waiting = await self.queue_length(reward_queue_key) if reward_queue_key else 0
         async with _guard(self.timeout_s):
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.exists(self.keys.episodes)
-            if self.cluster:  # rq's queue is not in a cluster (`RLGATE_QUEUE_REDIS_URL`): not counted here
-                reward_queue_key = None
-            if reward_queue_key:
-                pipe.llen(reward_queue_key)
-            replies = await pipe.execute()
-            groups = await self.redis.xinfo_groups(self.keys.episodes) if replies[0] else []
-        waiting = int(replies[1]) if reward_queue_key else 0
+            exists = await self.redis.exists(self.keys.episodes)
+            groups = await self.redis.xinfo_groups(self.keys.episodes) if exists else []
         for info in groups:
             name = info.get("name")
             if (name.decode() if isinstance(name, bytes) else name) == group:

@@ -7,7 +7,7 @@ from typing import ClassVar, Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import SettingsConfigDict
 
-from episodes.settings import SHARED_ENV, RetentionSeconds, SharedSettings
+from episodes.settings import SHARED_ENV, QueueRedisUrl, RetentionSeconds, SharedSettings
 from episodes.store import RETENTION_S
 
 
@@ -186,6 +186,7 @@ class GatewaySettings(SharedSettings):
         description="The rq queue reward jobs go through (its waiting "
         "jobs count toward max_backlog; the reward worker's RLGATE_REWARD_QUEUE).",
     )
+    queue_redis_url: QueueRedisUrl = None
     learner_group: str = Field(
         "learners",
         description="The learners' consumer group of the closed-episode "

@@ -7,7 +7,7 @@ from pathlib import Path
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from episodes.settings import RetentionSeconds, SharedSettings
+from episodes.settings import QueueRedisUrl, RetentionSeconds, SharedSettings
 from episodes.store import RETENTION_S
 
 MIN_SECRET_CHARS = 16  # as the gateway's operator token
@@ -66,12 +66,7 @@ class RewardSettings(SharedSettings):
         "refused, so a reward request cannot make the worker call arbitrary code.",
     )
     reward_queue: str = Field("rlgate-rewards", description="The rq queue reward jobs go through.")
-    queue_redis_url: str | None = Field(
-        None,
-        description="Redis holding the reward-job queue (rq). Default: redis_url. rq does not run on a Redis "
-        "Cluster: with a redis+cluster:// redis_url, reward jobs need a standalone Redis here (without one, "
-        "POST /rollouts/{id}/finish answers 503 no_reward_queue and rlgate worker refuses to start).",
-    )
+    queue_redis_url: QueueRedisUrl = None
     reward_job_retries: int = Field(
         3,
         ge=0,

@@ -479,7 +479,7 @@ def test_export_follow_appends_each_closed_episode_once(tmp_path, gateway: Proc,
             agent_call(gateway, rid)
             agent_call(gateway, rid)
             httpx.post(f"{gateway.url}/rollouts/{rid}/reward", json={"reward": 1}).raise_for_status()
-        agent_call(gateway, "still-open")  # not closed: not exported
+        agent_call(gateway, f"open-{uuid.uuid4().hex[:6]}")  # not closed: not exported
         deadline = time.monotonic() + 30
         while len(_exported(out)) < 6 and time.monotonic() < deadline:
             time.sleep(0.1)

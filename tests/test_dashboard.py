@@ -471,6 +471,15 @@ def test_who_may_see_the_dashboard(loop: Loop):
         assert answer.status_code == 303 and answer.headers["location"] == "/ui/rollouts?status=open"
         set_cookie = answer.headers["set-cookie"]
         assert "HttpOnly" in set_cookie and "SameSite=Strict" in set_cookie and OPERATOR not in set_cookie
+        assert "Secure" not in set_cookie  # plain http here: a Secure cookie would never come back
+        behind_tls = client.get(
+            f"{ui}/rollouts", params={"token": OPERATOR}, headers={"x-forwarded-proto": "https"}
+        )  # a TLS-terminating proxy in front: the browser speaks https
+        assert "; Secure" in behind_tls.headers["set-cookie"]
+        forwarded = client.get(
+            f"{ui}/rollouts", params={"token": OPERATOR}, headers={"forwarded": "for=1.2.3.4;proto=https"}
+        )
+        assert "; Secure" in forwarded.headers["set-cookie"]
         cookie = answer.headers["set-cookie"].split(";")[0]
         page = client.get(f"{ui}/rollouts?status=open", headers={"cookie": cookie})
         assert page.status_code == 200 and "default-src 'none'" in page.headers["content-security-policy"]

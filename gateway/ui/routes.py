@@ -124,7 +124,15 @@ def _number(request: Request, name: str, kind: type, lo: float | None = None, hi
 
 
 def _secure(request: Request) -> bool:
-    return request.url.scheme == "https"
+    """The session cookie is `Secure` when the browser reached the dashboard over https: directly, or
+    through a TLS-terminating proxy that says so (`X-Forwarded-Proto: https` or `Forwarded: proto=https`).
+    The headers are taken from anyone: a false one only makes the cookie Secure on a plain connection,
+    where the browser then does not send it back (a failed login, never a leaked cookie)."""
+    if request.url.scheme == "https":
+        return True
+    forwarded_proto = request.headers.get("x-forwarded-proto", "").split(",")[0].strip().lower()
+    forwarded = request.headers.get("forwarded", "").split(",")[0].lower().replace(" ", "")
+    return forwarded_proto == "https" or "proto=https" in forwarded.split(";")
 
 
 def _safe_next(target: str | None) -> str:

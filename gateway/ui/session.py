@@ -5,7 +5,7 @@ The cookie is not the token: `<expires>.<hex HMAC-SHA256(operator token, "rlgate
 expires)>`, checked in constant time, valid until `expires` (unix seconds, `LIFETIME_S` after login), on
 every gateway that holds the same token, and on none once the token changes. It is sent for `/ui` only,
 `HttpOnly` (no script reads it), `SameSite=Strict` (no other site's page makes the browser send it), and
-`Secure` when the request came over HTTPS.
+`Secure` when the browser came over HTTPS (directly or through a TLS proxy that says so: `routes._secure`).
 """
 
 from __future__ import annotations
