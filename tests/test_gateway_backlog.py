@@ -13,7 +13,7 @@ import uuid
 import httpx
 import pytest
 import redis
-from conftest import Proc, free_port, start_gateway
+from conftest import REDIS_BASE, Proc, free_port, start_gateway
 from test_gateway_errors import assert_openai_error
 from test_gateway_proxy import MESSAGES, MODEL
 
@@ -132,7 +132,35 @@ def test_reward_jobs_waiting_in_the_queue_count_toward_the_backlog(
     backlog_gateway: Proc, redis_client: redis.Redis
 ):
     """No reward worker runs: the /finish jobs pile up in the rq queue and hold new rollouts back."""
-    gateway = backlog_gateway
+    _reward_jobs_hold_new_rollouts(backlog_gateway, redis_client)
+
+
+def test_reward_jobs_in_a_queue_redis_of_their_own_count_too(
+    fake_vllm: Proc, tmp_path, redis_client: redis.Redis
+):
+    """RLGATE_QUEUE_REDIS_URL (a cluster's deployments need it): the jobs wait there, and count from there."""
+    queue_db = redis.Redis.from_url(f"{REDIS_BASE}/12")
+    queue_db.delete(f"rq:queue:{QUEUE}")
+    gateway = start_gateway(
+        tmp_path,
+        fake_vllm.url,
+        max_backlog="3",
+        backlog_wait_s="2",
+        policy_poll_s="0.05",
+        reward_queue=QUEUE,
+        queue_redis_url=f"{REDIS_BASE}/12",
+    )
+    try:
+        _reward_jobs_hold_new_rollouts(gateway, queue_db)
+        assert redis_client.llen(f"rq:queue:{QUEUE}") == 0  # none in the episodes' Redis
+    finally:
+        gateway.kill()
+        for key in queue_db.scan_iter(match="rq:*"):
+            queue_db.delete(key)
+        queue_db.close()
+
+
+def _reward_jobs_hold_new_rollouts(gateway: Proc, queue: redis.Redis) -> None:
     for _ in range(4):
         rid = uuid.uuid4().hex
         assert chat(gateway, rid).status_code == 200
@@ -140,10 +168,10 @@ def test_reward_jobs_waiting_in_the_queue_count_toward_the_backlog(
             f"{gateway.url}/rollouts/{rid}/finish", json={"reward_fn": "exact_match", "ground_truth": "x"}
         )
         assert finish.status_code == 202, finish.text
-    assert redis_client.llen(f"rq:queue:{QUEUE}") == 4
+    assert queue.llen(f"rq:queue:{QUEUE}") == 4
     wait_for(lambda: health(gateway)["holding_new_rollouts"])
     assert assert_openai_error(chat(gateway, uuid.uuid4().hex), 429)["code"] == "backlog_full"
-    redis_client.delete(f"rq:queue:{QUEUE}")  # the worker took them
+    queue.delete(f"rq:queue:{QUEUE}")  # the worker took them
     wait_for(lambda: not health(gateway)["holding_new_rollouts"])
     assert chat(gateway, uuid.uuid4().hex).status_code == 200
 
