@@ -533,3 +533,60 @@ def test_waiting_for_a_stalled_replica_is_bounded_and_cancellation_is_per_caller
         await store.aclose()
 
     asyncio.run(main())
+
+
+@pytest.mark.slow
+def test_a_learner_step_on_a_cluster(cluster: Cluster, tmp_path: Path):
+    """The whole loop with every service on the cluster: the gateway records, rewards close, the learner
+    reads the stream, trains one step, pushes an adapter to `rlgate serve`, moves the policy pointer, and
+    the gateway serves the next call with it."""
+    from conftest import start_rlgate_serve
+    from test_learner_e2e import BIAS, SERVE_KEY, episode, learner, steps
+    from test_learner_e2e import MODEL as SERVED
+
+    from inference.tiny_model import build_tiny_model
+
+    prefix = f"c{uuid.uuid4().hex[:6]}"
+    model = build_tiny_model(tmp_path / "tiny", seed=3)
+    serve = start_rlgate_serve(model, tmp_path, SERVED, lora=True, weights_root=tmp_path, api_key=SERVE_KEY)
+    url = f"{cluster.url}/?wait_replicas=1"
+    gateway = start_gateway(
+        tmp_path,
+        serve.url + "/v1",
+        redis_url=url,
+        key_prefix=prefix,
+        policy_poll_s="0.05",
+        upstream_api_key=SERVE_KEY,
+    )
+    try:
+        rids = [episode(gateway, task, r) for task in ("add-1", "add-2") for r in (1.0, 0.0, 0.0, 1.0)]
+        out = tmp_path / "learner"
+        proc = learner(model, serve, out, redis_url=url, key_prefix=prefix)
+        assert proc.wait(timeout=300) == 0, (out.parent / "learner.log").read_text()[-4000:]
+        [step] = steps(out)
+        assert step["policy_version"] == 1 and step["episodes"] == 8 and step["samples"] == 16
+        client = cluster.client()
+        try:
+            keys = Keys(prefix)
+            assert all(client.hget(keys.rollout(rid), "status") == b"consumed" for rid in rids)
+            assert client.xpending(keys.episodes, "learners")["pending"] == 0
+            assert client.hget(keys.policy, "adapter") == b"policy-v1"
+        finally:
+            client.close()
+        deadline = time.monotonic() + 10
+        while True:  # the gateway polls the pointer
+            rid = uuid.uuid4().hex
+            answer = httpx.post(
+                f"{gateway.url}/rollouts/{rid}/v1/chat/completions",
+                json={"model": SERVED, "messages": MESSAGES, "max_tokens": 2, "logit_bias": BIAS},
+                timeout=30,
+            )
+            assert answer.status_code == 200, answer.text
+            [call] = httpx.get(f"{gateway.url}/rollouts/{rid}", timeout=10).json()["calls"]
+            if call["policy_version"] == 1 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert call["policy_version"] == 1 and call["model"] == "policy-v1"
+    finally:
+        gateway.kill()
+        serve.kill()
