@@ -10,7 +10,8 @@ fsynced, renamed) only after the state is complete; older state folders are dele
 With several ranks (`learner.ranks`) every rank writes its part of the state (DeepSpeed's per-rank ZeRO
 files) into the same folder, so `output_dir` must be one every rank sees (one machine, or a shared
 volume); rank 0 alone clears the folder first and writes `latest.pt` once every rank's part is written.
-A resumed learner must run as many ranks as the one that saved (ZeRO partitions the optimizer by rank).
+A resumed learner must run as many ranks as the one that saved (ZeRO partitions the optimizer by rank):
+`latest.pt` records how many (`ranks`), and the learner refuses another number with one line.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class Checkpoint:
     version: int
     policy_dir: Path
     trained: list[ClosedEpisode]
+    ranks: int | None = None  # the ranks that saved it (None: saved before this was recorded)
 
 
 def _file(output_dir: Path) -> Path:
@@ -65,6 +67,7 @@ def save(
         "version": version,
         "policy_dir": state_dir.name,
         "trained": [(e.entry_id, e.rollout_id, e.task_id, e.reward) for e in trained],
+        "ranks": ranks.size if ranks is not None else 1,
     }
     with tmp.open("wb") as f:
         torch.save(payload, f)
@@ -86,4 +89,6 @@ def load(output_dir: Path) -> Checkpoint | None:
         ClosedEpisode(entry_id, rollout_id, task_id, reward)
         for entry_id, rollout_id, task_id, reward in payload["trained"]
     ]
-    return Checkpoint(payload["step"], payload["version"], target.parent / payload["policy_dir"], trained)
+    return Checkpoint(
+        payload["step"], payload["version"], target.parent / payload["policy_dir"], trained, payload.get("ranks")
+    )

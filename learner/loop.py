@@ -44,7 +44,7 @@ from learner import checkpoint
 from learner.collect import Collector, Group
 from learner.policy import Policy
 from learner.push import FullPusher, LoraPusher
-from learner.ranks import Order, Ranks
+from learner.ranks import Order, Ranks, RanksMisconfigured
 from learner.samples import Sample, Transition, build_samples, micro_batches, shard
 from learner.settings import LearnerSettings
 from learner.transitions import credited_transitions
@@ -147,6 +147,12 @@ class Learner:
         if saved is None:
             log.info("no_checkpoint", output_dir=str(self.output_dir))
             return
+        if saved.ranks is not None and saved.ranks != self.ranks.size:
+            raise RanksMisconfigured(
+                f"the checkpoint in {self.output_dir} was saved by {saved.ranks} rank(s), this learner runs "
+                f"{self.ranks.size}: resume it with {saved.ranks} (ZeRO partitions the optimizer state by "
+                "rank), or start afresh with another --output-dir or --no-resume"
+            )
         self.ranks.send(Order("resume", policy_dir=str(saved.policy_dir)))
         self.ranks.guard("loading the checkpoint", self.policy.load, saved.policy_dir)
         self.step, self.version = saved.step, saved.version

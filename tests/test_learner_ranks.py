@@ -308,3 +308,8 @@ def test_two_ranks_checkpoint_and_resume(stack, redis_client: redis.Redis, tmp_p
     log = (tmp_path / "learner.log").read_text()
     assert '"event":"resumed"' in log.replace(" ", "")
     assert [p.name for p in (out / "checkpoint").iterdir() if p.is_dir()] == ["v2"]
+    # another number of ranks cannot take the optimizer state over: one line, nothing trained
+    other = learner(model, serve, out, ranks=1, zero_stage="2", max_steps="3")
+    assert other.wait(timeout=300) == 2
+    log = (tmp_path / "learner.log").read_text()
+    assert "was saved by 2 rank(s), this learner runs 1" in log and len(steps(out)) == 2
