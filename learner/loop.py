@@ -157,7 +157,7 @@ class Learner:
         self.ranks.guard("loading the checkpoint", self.policy.load, saved.policy_dir)
         self.step, self.version = saved.step, saved.version
         if self.version > 0:
-            await self.pusher.push(self.version, self.policy)  # harmless if it had already been pushed
+            await self._keeping_ranks(self.pusher.push(self.version, self.policy))  # harmless if pushed already
         for entry in saved.trained:  # trained in the checkpoint, perhaps never acknowledged
             await self.stream.ack(entry)
         log.info("resumed", step=self.step, policy_version=self.version, acknowledged=len(saved.trained))
@@ -209,7 +209,7 @@ class Learner:
             self.ranks,
         )
         self.ranks.agree()  # every rank trained and saved its part: only now push and acknowledge
-        push_s = await self.pusher.push(self.version, self.policy)
+        push_s = await self._keeping_ranks(self.pusher.push(self.version, self.policy))
         await self._ack(entries)
         self.episodes_trained += len(entries)
 
@@ -278,6 +278,23 @@ class Learner:
         for _ in range(s.epochs_per_step):
             stats = await asyncio.to_thread(self.ranks.guard, "the update", self.policy.update, batches, old)
         return stats
+
+    async def _keeping_ranks(self, work: Any) -> Any:
+        """Await rank 0's own `work` (a push: a large model's weights can take longer than the ranks'
+        collective timeout) while the other ranks wait for their next order: a "wait" order every
+        `keepalive_s` keeps their receive from timing out."""
+        keepalive_s = self.ranks.keepalive_s
+        if keepalive_s is None:
+            return await work
+        task = asyncio.ensure_future(work)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=keepalive_s)
+                if done:
+                    return task.result()
+                self.ranks.send(Order("wait"))
+        finally:
+            task.cancel()  # a no-op once done; the push stops with the learner otherwise
 
     async def _follow(self) -> None:
         """A rank other than 0: train each step's share of the samples as rank 0 orders, save this rank's

@@ -313,3 +313,45 @@ def test_two_ranks_checkpoint_and_resume(stack, redis_client: redis.Redis, tmp_p
     assert other.wait(timeout=300) == 2
     log = (tmp_path / "learner.log").read_text()
     assert "was saved by 2 rank(s), this learner runs 1" in log and len(steps(out)) == 2
+
+
+_SLOW_SERVER = """
+import asyncio, sys
+from aiohttp import web
+
+async def slow(request):
+    await request.read()
+    await asyncio.sleep(float(sys.argv[2]))
+    return web.json_response({})
+
+app = web.Application()
+app.router.add_post("/v1/load_lora_adapter", slow)
+app.router.add_post("/v1/unload_lora_adapter", slow)
+web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=lambda *_: print("READY", flush=True))
+"""
+
+
+def test_a_push_longer_than_the_ranks_timeout_does_not_fail_the_step(
+    stack, redis_client: redis.Redis, tmp_path: Path
+):
+    """Rank 0 pushes to a server that takes 2.5x the ranks' collective timeout to load an adapter (a large
+    model's weights): the other rank, waiting for its next order, hears "wait" orders meanwhile, and the
+    step completes."""
+    serve, gateway, model = stack
+    port = free_port()
+    slow = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_SERVER, str(port), "25"], stdout=subprocess.PIPE, text=True, cwd=ROOT
+    )
+    try:
+        assert slow.stdout.readline().strip() == "READY"
+        episodes(gateway, ("s1", "s2"))
+        out = tmp_path / "learner"
+        env_urls = json.dumps([serve.url, f"http://127.0.0.1:{port}"])
+        proc = learner(model, serve, out, ranks=2, dist_timeout_s="10", inference_urls=env_urls)
+        assert proc.wait(timeout=300) == 0, (tmp_path / "learner.log").read_text()[-4000:]
+        [step] = steps(out)
+        assert step["policy_version"] == 1 and step["push_seconds"] >= 25
+        assert pending(redis_client) == 0
+    finally:
+        slow.kill()
+        slow.wait(timeout=10)
