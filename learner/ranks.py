@@ -21,7 +21,7 @@ Who does what, per step (`learner.loop`):
   the closed connection) or after `dist_timeout_s` (a rank that hangs): they exit non-zero and nothing
   of the step is acknowledged; restarted with the same consumer name, rank 0 takes the episodes back.
 
-While rank 0 waits for episodes it sends a "wait" order every `dist_timeout_s / 4` seconds, so that an
+While rank 0 waits for episodes or pushes weights it sends a "wait" order every `dist_timeout_s / 4` seconds, so that an
 idle learner's other ranks do not time out. Control messages go over a gloo group of their own, on GPUs
 too; the gradients over DeepSpeed's (NCCL on GPUs). The launcher's variables (RANK, WORLD_SIZE,
 LOCAL_RANK, MASTER_ADDR, MASTER_PORT) are its contract with the processes it starts, read here only.
