@@ -90,5 +90,9 @@ def load(output_dir: Path) -> Checkpoint | None:
         for entry_id, rollout_id, task_id, reward in payload["trained"]
     ]
     return Checkpoint(
-        payload["step"], payload["version"], target.parent / payload["policy_dir"], trained, payload.get("ranks")
+        payload["step"],
+        payload["version"],
+        target.parent / payload["policy_dir"],
+        trained,
+        payload.get("ranks"),
     )

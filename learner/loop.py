@@ -157,7 +157,8 @@ class Learner:
         self.ranks.guard("loading the checkpoint", self.policy.load, saved.policy_dir)
         self.step, self.version = saved.step, saved.version
         if self.version > 0:
-            await self._keeping_ranks(self.pusher.push(self.version, self.policy))  # harmless if pushed already
+            # harmless if it had already been pushed
+            await self._keeping_ranks(self.pusher.push(self.version, self.policy))
         for entry in saved.trained:  # trained in the checkpoint, perhaps never acknowledged
             await self.stream.ack(entry)
         log.info("resumed", step=self.step, policy_version=self.version, acknowledged=len(saved.trained))
