@@ -32,7 +32,10 @@ from episodes.lifecycle import EpisodeLifecycle
 from episodes.overview import StoreOverview
 from episodes.stream import ClosedEpisodes
 
-pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
+pytestmark = pytest.mark.skipif(
+    shutil.which("redis-server") is None or shutil.which("redis-cli") is None,
+    reason="needs redis-server and redis-cli",
+)
 
 NODE_TIMEOUT_MS = 1000  # how long a master must be silent before its replica takes over
 
