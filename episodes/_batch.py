@@ -512,10 +512,10 @@ class ScriptBatcher:
                 await _bounded(nodes.refresh(pipe.name), deadline - loop.time())
                 pipe, asking = await nodes.owner(slot), False
                 continue
-            except redis_exc.ConnectionError:
-                nodes.refresh(
-                    pipe.name
-                )  # sent, outcome unknown: the caller hears so; the next call asks anew
+            except (redis_exc.ConnectionError, redis_exc.TimeoutError):
+                # sent, outcome unknown (a lost or a hung master: its replica may be taking over): the caller
+                # hears so; the next call asks the refreshed map
+                nodes.refresh(pipe.name)
                 raise
             if not isinstance(reply, hiredis.ReplyError):
                 return reply

@@ -294,6 +294,17 @@ local groups = redis.call('XINFO', 'GROUPS', KEYS[1])
 if #groups == 0 then
   return {0, ''}
 end
+if ARGV[2] ~= '' then  -- the learners' group must exist: an exporter's group alone does not train them
+  local found = false
+  for _, group in ipairs(groups) do
+    for i = 1, #group, 2 do
+      if group[i] == 'name' and group[i + 1] == ARGV[2] then found = true end
+    end
+  end
+  if not found then
+    return {0, ''}
+  end
+end
 local cutoff = ARGV[1]
 local bound = cutoff
 local holder = ''

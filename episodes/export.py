@@ -147,6 +147,7 @@ class FollowCounts:
     rows: int = 0  # rows written
     skipped: int = 0  # episodes the filter left out
     gone: int = 0  # episodes whose keys had expired before they could be exported
+    unreadable: int = 0  # episodes whose records could not be read (acknowledged, so they do not block)
 
 
 async def follow(
@@ -164,11 +165,14 @@ async def follow(
 ) -> FollowCounts:
     """Append every closed episode to `path` as it is closed, until `stop` (an `asyncio.Event`) is set.
 
-    Reads the closed-episode stream through a consumer group of its own (`group`), so the learners' group
-    is untouched, and the sweeper trims no entry this group has not acknowledged (`keys`: retention). Each
-    batch's rows are written and fsynced before its entries are acknowledged: a crash exports them again
-    when restarted (at least once: a row's `rollout_id` and `index` tell a copy). Episodes whose keys have
-    expired already (the exporter was down longer than the retention) are counted in `gone`. Counts go to
+    Reads the closed-episode stream through a consumer group of its own (`group`, created at the stream's
+    start: a first run exports what the stream still holds), so the learners' group is untouched, and the
+    sweeper trims no entry this group has not acknowledged (`keys`: retention). One exporter per group
+    (`consumer` is its name). Each batch's rows are written and fsynced before its entries are
+    acknowledged: a crash exports them again when restarted (at least once: a row's `rollout_id` and
+    `index` tell a copy), and a line a crash left half-written is cut off first. Episodes whose keys have
+    expired already (the exporter was down longer than the retention) are counted in `gone`, those whose
+    records cannot be read in `unreadable`. Counts go to
     `counts` when given (kept across a retry after `StoreUnavailable`).
     """
     if fmt == "parquet":
@@ -179,20 +183,26 @@ async def follow(
     await stream.ensure_group()
     counts = counts if counts is not None else FollowCounts()
     path.parent.mkdir(parents=True, exist_ok=True)
-    pending = await stream.read_own_pending(consumer, count=batch)  # a restarted exporter's own first
+    _cut_torn_line(path)
+    own = True  # a restarted exporter's own pending entries first, until none is left
     with path.open("ab") as out:
         while True:
-            episodes = pending or (
-                [] if stop is not None and stop.is_set() else await stream.read(consumer, batch, block_ms)
-            )
-            pending = []
+            if own:
+                episodes = await stream.read_own_pending(consumer, count=batch)
+                own = len(episodes) == batch
+            elif stop is not None and stop.is_set():
+                return counts
+            else:
+                episodes = await stream.read(consumer, batch, block_ms)
             if not episodes:
-                if stop is not None and stop.is_set():
-                    return counts
                 continue
             lines: list[bytes] = []
             for episode in episodes:
-                view = await store.get_rollout_view(episode.rollout_id)
+                try:
+                    view = await store.get_rollout_view(episode.rollout_id)
+                except ValueError:  # a record this version cannot read: counted, never a crash loop
+                    counts.unreadable += 1
+                    continue
                 if view is None:
                     counts.gone += 1
                 elif flt.keeps(view):
@@ -206,3 +216,26 @@ async def follow(
                 await stream.drop(episode)  # XACK, the rollout is not marked consumed: that is the learner's
             counts.episodes += len(episodes)
             counts.rows += len(lines)
+
+
+def _cut_torn_line(path: Path) -> None:
+    """Cut a last line that has no newline (a crash or a full disk in the middle of a write) off `path`."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    with path.open("rb+") as f:
+        f.seek(-1, os.SEEK_END)
+        if f.read(1) == b"\n":
+            return
+        size = f.seek(0, os.SEEK_END)
+        step = 1 << 16
+        end = size
+        while end > 0:
+            start = max(0, end - step)
+            f.seek(start)
+            chunk = f.read(end - start)
+            cut = chunk.rfind(b"\n")
+            if cut >= 0:
+                f.truncate(start + cut + 1)
+                return
+            end = start
+        f.truncate(0)

@@ -248,16 +248,20 @@ class EpisodeLifecycle:
             done[rollout_id] = outcome
         return done
 
-    async def trim_episodes(self) -> tuple[int, str | None]:
+    async def trim_episodes(self, learner_group: str | None = None) -> tuple[int, str | None]:
         """Remove closed-episode stream entries that every consumer group has acknowledged and that are
-        older than the store's `retention_s` (none while it is 0). Returns how many went and the group
+        older than the store's `retention_s` (none while it is 0; none while the group `learner_group`,
+        when given, does not exist: another group, an exporter's, acknowledging entries does not mean a
+        learner has them). Returns how many went and the group
         that holds back entries older than the retention, if one does (a learner stuck on an old entry,
         or the group of an old experiment nobody reads: `XGROUP DESTROY` it)."""
         if self.store.retention_s <= 0:
             return 0, None
         cutoff = f"{max(0, int((time.time() - self.store.retention_s) * 1000))}-0"
         async with self.store.guard():
-            removed, holder = await self._trim_episodes(keys=[self.keys.episodes], args=[cutoff])
+            removed, holder = await self._trim_episodes(
+                keys=[self.keys.episodes], args=[cutoff, learner_group or ""]
+            )
         return int(removed), _text(holder) or None
 
     async def repair_outbox(self, grace_s: float = 30.0, limit: int = 200) -> list[str]:

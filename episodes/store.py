@@ -209,8 +209,13 @@ class EpisodeStore:
         """Read the reward-job queue's length (`backlog`, the dashboard) from the Redis at `url` (rq's
         `RLGATE_QUEUE_REDIS_URL`) instead of this one; None: this one (none on a cluster)."""
         if url:
+            plain, cluster, _ = parse_url(url)
+            if cluster:
+                raise ValueError(
+                    "RLGATE_QUEUE_REDIS_URL must name a standalone Redis: rq does not run on a cluster"
+                )
             self.queue_redis = aioredis.Redis.from_url(
-                parse_url(url)[0], socket_connect_timeout=self.timeout_s, max_connections=4
+                plain, socket_connect_timeout=self.timeout_s, max_connections=4
             )
 
     async def queue_length(self, queue_key: str) -> int:

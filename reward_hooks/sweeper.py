@@ -73,7 +73,7 @@ def lease_s(settings: RewardSettings) -> float:
 
 
 async def sweep_once(
-    lifecycle: EpisodeLifecycle, settings: RewardSettings
+    lifecycle: EpisodeLifecycle, settings: RewardSettings, learner_group: str = "learners"
 ) -> tuple[dict[str, str], list[str]]:
     expired = await lifecycle.expire_due(fill_reward=settings.expired_fill_reward)
     repaired = await lifecycle.repair_outbox(grace_s=settings.outbox_grace_s)
@@ -81,18 +81,18 @@ async def sweep_once(
         log.info("rollout_expired", rollout_id=rollout_id, outcome=outcome)
     for rollout_id in repaired:
         log.warning("episode_republished", rollout_id=rollout_id)
-    await _trim(lifecycle)
+    await _trim(lifecycle, learner_group)
     return expired, repaired
 
 
 _held_back_warned = -math.inf  # when (monotonic) the sweeper last named a group holding trimming back
 
 
-async def _trim(lifecycle: EpisodeLifecycle) -> None:
+async def _trim(lifecycle: EpisodeLifecycle, learner_group: str) -> None:
     """Trim the closed-episode stream (`EpisodeLifecycle.trim_episodes`); say, at most every 10 minutes,
     which consumer group holds back entries older than the retention."""
     global _held_back_warned
-    trimmed, holder = await lifecycle.trim_episodes()
+    trimmed, holder = await lifecycle.trim_episodes(learner_group)
     retention_s = lifecycle.store.retention_s
     if trimmed:
         log.info("episodes_trimmed", entries=trimmed, retention_s=retention_s)
@@ -107,7 +107,11 @@ async def _trim(lifecycle: EpisodeLifecycle) -> None:
         )
 
 
-async def sweep_forever(store: EpisodeStore, settings: RewardSettings) -> None:
+async def sweep_forever(
+    store: EpisodeStore, settings: RewardSettings, learner_group: str = "learners"
+) -> None:
+    """Expire, repair and trim while this process holds the sweeper's lease; the stream is trimmed only
+    once the learners' consumer group `learner_group` exists (`EpisodeLifecycle.trim_episodes`)."""
     lifecycle = EpisodeLifecycle(store)
     lease = SweeperLease(store, lease_s(settings))
     holding = False
@@ -119,7 +123,7 @@ async def sweep_forever(store: EpisodeStore, settings: RewardSettings) -> None:
                     log.info("sweeper_lease_taken" if held else "sweeper_lease_lost", holder=lease.token)
                 holding = held
                 if held:
-                    await sweep_once(lifecycle, settings)
+                    await sweep_once(lifecycle, settings, learner_group)
             except StoreUnavailable as exc:
                 log.warning("sweep_failed", error=str(exc))
             except Exception:  # a sweeper that dies silently would stop expiry and repair for good

@@ -113,7 +113,9 @@ class GatewayCommand(GatewaySettings, RewardSettings):
                 signed=reward_settings.webhook_secret is not None,
             )
             app.add_agent_routes(build_agl_router(app.store, reward_settings))
-            app.add_background(lambda store: sweep_forever(store, reward_settings))
+            app.add_background(
+                lambda store: sweep_forever(store, reward_settings, gateway_settings.learner_group)
+            )
             return app
 
         try:  # both check their settings (layout, secrets) when built: a mistake is one line
@@ -319,26 +321,32 @@ class ExportCommand(SharedSettings):
         async def run() -> Any:
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()
+
+            def stopping(sig: signal.Signals) -> None:
+                stop.set()  # finish the batch in hand; a second signal stops at once (its default action)
+                loop.remove_signal_handler(sig)
+
             for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, stop.set)
+                loop.add_signal_handler(sig, stopping, sig)
             store = EpisodeStore.from_url(
                 self.redis_url, prefix=self.key_prefix, timeout_s=self.redis_timeout_s
             )
+            print(
+                json.dumps({"following": str(self.out), "format": self.format, "group": self.group}),
+                flush=True,
+            )
+            counts = FollowCounts()
             try:
-                await store.ping()
-                print(
-                    json.dumps({"following": str(self.out), "format": self.format, "group": self.group}),
-                    flush=True,
-                )
-                counts = FollowCounts()
                 while True:
                     try:
                         return await follow(
                             store, self.out, self.format, flt, group=self.group, stop=stop, counts=counts
                         )
-                    except StoreUnavailable as exc:  # Redis restarting: wait for it, as the learner does
+                    except (
+                        StoreUnavailable
+                    ) as exc:  # Redis down or restarting: wait for it, as the learner does
                         if stop.is_set():
-                            raise
+                            return counts  # what was written is acknowledged; the rest waits on the stream
                         print(f"rlgate export: {exc}; trying again in 1 s", file=sys.stderr, flush=True)
                         with contextlib.suppress(TimeoutError):
                             await asyncio.wait_for(stop.wait(), 1.0)

@@ -379,6 +379,35 @@ def test_a_finished_rollout_keeps_its_keys_for_the_retention_time_then_they_go(r
     assert not redis_client.exists("t:rollout:{trained}")
 
 
+def test_an_exporter_alone_does_not_let_the_stream_be_trimmed(redis_client: redis.Redis):
+    """`rlgate export --follow`'s group acknowledges every entry; until the learners' group exists, nothing
+    is trimmed (a learner started later must still find the episodes)."""
+
+    async def scenario(store, lifecycle):
+        for i in range(3):
+            await store.record_calls(f"x{i}", "task", [_record(f"x{i}")])
+            await lifecycle.close(f"x{i}", 1.0)
+        store.retention_s = 0.001
+        exporters = ClosedEpisodes(store, "exporters")
+        await exporters.ensure_group()
+        for entry in await exporters.read("export", count=3, block_ms=100):
+            await exporters.drop(entry)
+        await asyncio.sleep(0.01)
+        before_learners = await lifecycle.trim_episodes("learners")
+        learners = ClosedEpisodes(store, "learners")
+        await learners.ensure_group()
+        seen = [e.rollout_id for e in await learners.read("l", count=3, block_ms=100)]
+        for entry in await learners.read_own_pending("l"):
+            await learners.ack(entry)
+        after = await lifecycle.trim_episodes("learners")
+        return before_learners, seen, after
+
+    before_learners, seen, after = run(scenario)
+    assert before_learners == (0, None)
+    assert seen == ["x0", "x1", "x2"]  # the learner started late still gets every episode
+    assert after == (3, None)  # and once both groups have them, they go
+
+
 def test_the_sweeper_trims_only_entries_every_group_acknowledged_past_the_retention(
     redis_client: redis.Redis,
 ):

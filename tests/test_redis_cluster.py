@@ -518,7 +518,9 @@ def test_waiting_for_a_stalled_replica_is_bounded_and_cancellation_is_per_caller
                 await asyncio.sleep(0)
                 more.append(asyncio.create_task(store.record_calls(rid, None, [_record(rid)])))
             started = loop.time()
-            await asyncio.sleep(0.3)
+            # the first WAIT returns short at 1 s; then the batch of `cancelled` and `sharing` has its replies
+            # and both wait on the second WAIT: cancel one then
+            await asyncio.sleep(1.5)
             cancelled.cancel()
             results = await asyncio.gather(first, sharing, *more, return_exceptions=True)
             took = loop.time() - started
