@@ -23,6 +23,9 @@ Method
 Run
   .venv/bin/python scripts/bench_gateway.py [--rounds 3] [--requests 2000] [--litellm PATH|none]
       [--cells unary:1,unary:32,stream:1,stream:32] [--py-spy PREFIX] [--rollout-keys] [--workers 1,2] [--poll-ui S]
+      [--prompt-chars 0,3000]
+  (--prompt-chars: each cell once per prompt size, the prompt that many characters longer: the gateway's CPU
+  and Redis cost per call for larger calls, side by side with the short ones)
   (--rollout-keys: the gateway requires rollout-scoped keys, and each agent sends its rollout's key)
   (--poll-ui S: while the load runs, a dashboard reader on the load's CPU fetches the /ui pages (overview,
   its live part, the rollouts listing, a rollout of the load, training) one after another every S seconds)
@@ -64,6 +67,21 @@ REQUEST = {
     ],
 }
 CPU_PROXY, CPU_LOAD = 0, 1
+
+
+def request_of(chars: int) -> dict:
+    """The benchmark's request, its user message made `chars` characters longer (byte-level tokens in the
+    fake vLLM's tokenizer: about as many prompt tokens)."""
+    if not chars:
+        return REQUEST
+    filler = ("the quick brown fox jumps over the lazy dog " * (chars // 44 + 1))[:chars]
+    messages = [
+        REQUEST["messages"][0],
+        {"role": "user", "content": f"{REQUEST['messages'][1]['content']} {filler}"},
+    ]
+    return {**REQUEST, "messages": messages}
+
+
 BENCH_KEY = "sk-rlgate-bench-5f0c2a9e7d314b6c8a1e4f2d9b7c3a60"  # LiteLLM's master key; ignored by the others
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -78,8 +96,8 @@ def free_port() -> int:
 # The canned upstream
 
 
-def capture_bodies(path: Path) -> None:
-    """Ask tests/fake_vllm.py once for the four answers the canned upstream replays."""
+def capture_bodies(path: Path, sizes: list[int]) -> None:
+    """Ask tests/fake_vllm.py once for the four answers per prompt size the canned upstream replays."""
     port = free_port()
     fake = subprocess.Popen(
         [sys.executable, str(ROOT / "tests/fake_vllm.py"), "--port", str(port)],
@@ -91,17 +109,20 @@ def capture_bodies(path: Path) -> None:
     async def fetch() -> dict[str, str]:
         out = {}
         async with aiohttp.ClientSession() as session:
-            for stream in (False, True):
-                for full in (False, True):
-                    body = {
-                        **REQUEST,
-                        "stream": stream,
-                        **({"return_token_ids": True, "logprobs": True} if full else {}),
-                    }
-                    async with session.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body) as r:
-                        out[
-                            f"{'stream' if stream else 'unary'}-{'full' if full else 'plain'}"
-                        ] = await r.text()
+            for chars in sizes:
+                for stream in (False, True):
+                    for full in (False, True):
+                        body = {
+                            **request_of(chars),
+                            "stream": stream,
+                            **({"return_token_ids": True, "logprobs": True} if full else {}),
+                        }
+                        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+                        async with session.post(url, json=body) as r:
+                            assert r.status == 200, await r.text()
+                            out[
+                                f"{chars}-{'stream' if stream else 'unary'}-{'full' if full else 'plain'}"
+                            ] = await r.text()
         return out
 
     path.write_text(json.dumps(asyncio.run(fetch())))
@@ -124,6 +145,7 @@ def serve_upstream(port: int, bodies_path: Path) -> None:
             + b"\r\n\r\n"
             + body
         )
+    sizes = sorted({int(key.split("-")[0]) for key in bodies})
     models = json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]}).encode()
     models_answer = (
         b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
@@ -155,7 +177,10 @@ def serve_upstream(port: int, bodies_path: Path) -> None:
                 return
             stream = b'"stream":true' in body or b'"stream": true' in body
             full = b'"return_token_ids":true' in body or b'"return_token_ids": true' in body
-            self.transport.write(answers[f"{'stream' if stream else 'unary'}-{'full' if full else 'plain'}"])
+            chars = max(size for size in sizes if len(body) >= size)  # the prompt size the request has
+            self.transport.write(
+                answers[f"{chars}-{'stream' if stream else 'unary'}-{'full' if full else 'plain'}"]
+            )
 
     async def main():
         server = await asyncio.get_running_loop().create_server(Upstream, "127.0.0.1", port, backlog=1024)
@@ -216,9 +241,9 @@ def tree_cpu_seconds(pid: int) -> float:
 
 
 async def drive(
-    url: str, stream: bool, concurrency: int, n: int, rollout_keys: bytes | None = None
+    url: str, stream: bool, concurrency: int, n: int, rollout_keys: bytes | None = None, chars: int = 0
 ) -> tuple[float, list[float], list[float]]:
-    body = json.dumps({**REQUEST, "stream": stream}).encode()
+    body = json.dumps({**request_of(chars), "stream": stream}).encode()
     latencies: list[float] = []
     ttfbs: list[float] = []
     remaining = n
@@ -330,6 +355,12 @@ def main() -> None:
         help="read the dashboard's /ui pages every S seconds during the load (a browser left open on it)",
     )
     ap.add_argument("--upstream-only", type=int, help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--prompt-chars",
+        default="0",
+        help="comma-separated: make the prompt this many characters (about as many prompt tokens) longer, "
+        "one set of cells per size, side by side (e.g. 0,3000; the fake vLLM's context is 4,096 tokens)",
+    )
     ap.add_argument("--bodies", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.upstream_only:
@@ -347,7 +378,8 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="rlgate-bench-"))
     procs: list[subprocess.Popen] = []
     try:
-        capture_bodies(tmp / "bodies.json")
+        sizes = [int(n) for n in args.prompt_chars.split(",")]
+        capture_bodies(tmp / "bodies.json", sizes)
         up_port = free_port()
         upstream = subprocess.Popen(
             [sys.executable, __file__, "--upstream-only", str(up_port), "--bodies", str(tmp / "bodies.json")],
@@ -433,13 +465,14 @@ def main() -> None:
             targets["litellm"] = (f"http://127.0.0.1:{ll_port}/v1", litellm.pid)
 
         cells = [
-            (mode == "stream", int(conc))
+            (mode == "stream", int(conc), chars)
+            for chars in sizes
             for mode, conc in (cell.split(":") for cell in args.cells.split(","))
         ]
-        results: dict[tuple[str, bool, int], dict[str, list[float]]] = {}
-        redis_cost: dict[tuple[str, bool], dict[str, list[float]]] = {}
+        results: dict[tuple[str, bool, int, int], dict[str, list[float]]] = {}
+        redis_cost: dict[tuple[str, bool, int], dict[str, list[float]]] = {}
         for name, (url, _) in targets.items():  # warm-up
-            for stream, conc in cells:
+            for stream, conc, chars in cells:
                 asyncio.run(
                     drive(
                         f"{url}/chat/completions",
@@ -447,6 +480,7 @@ def main() -> None:
                         conc,
                         200,
                         secret if name.startswith("rlgate") else None,
+                        chars,
                     )
                 )
         stop_polling, polled = threading.Event(), {"ok": 0, "failed": 0}
@@ -464,11 +498,11 @@ def main() -> None:
             )
             poller.start()
         for r in range(args.rounds):
-            for stream, conc in cells:
+            for stream, conc, chars in cells:
                 for name, (url, pid) in targets.items():
                     spy = None
                     if args.py_spy and name.startswith("rlgate") and r == args.rounds - 1:
-                        out = f"{args.py_spy}-{'stream' if stream else 'unary'}-c{conc}.svg"
+                        out = f"{args.py_spy}-{'stream' if stream else 'unary'}-c{conc}-p{chars}.svg"
                         spy = subprocess.Popen(
                             [
                                 shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy"),
@@ -489,19 +523,19 @@ def main() -> None:
                     keys = secret if name.startswith("rlgate") else None
                     before = redis_counters(redis_port) if name.startswith("rlgate") else None
                     wall, lat, ttfb = uvloop.run(
-                        drive(f"{url}/chat/completions", stream, conc, args.requests, keys)
+                        drive(f"{url}/chat/completions", stream, conc, args.requests, keys, chars)
                     )
                     cpu = (tree_cpu_seconds(pid) - cpu0) if pid else float("nan")
                     if before is not None:  # what the recording cost Redis, per call of this cell
                         after = redis_counters(redis_port)
-                        per_call = redis_cost.setdefault((name, stream), {k: [] for k in after})
+                        per_call = redis_cost.setdefault((name, stream, chars), {k: [] for k in after})
                         for key, value in after.items():
                             per_call[key].append((value - before[key]) / len(lat))
                     if spy is not None:
                         spy.send_signal(signal.SIGINT)  # py-spy writes its flame graph and exits
                         spy.wait(timeout=60)
                     cell = results.setdefault(
-                        (name, stream, conc), {"rps": [], "lat": [], "ttfb": [], "cpu": []}
+                        (name, stream, conc, chars), {"rps": [], "lat": [], "ttfb": [], "cpu": []}
                     )
                     cell["rps"].append(len(lat) / wall)
                     cell["lat"].extend(lat)
@@ -521,18 +555,21 @@ def main() -> None:
                 f"dashboard read every {args.poll_ui:g} s during the load: {polled['ok']} pages, "
                 f"{polled['failed']} failed\n"
             )
+        sized = len(sizes) > 1  # a column for the prompt's extra characters
         print(
-            "| target | stream | concurrency | req/s | p50 ms | p99 ms | TTFB p50 ms | added p50 ms | proxy CPU ms/req |"
+            ("| prompt chars " if sized else "")
+            + "| target | stream | concurrency | req/s | p50 ms | p99 ms | TTFB p50 ms | added p50 ms | proxy CPU ms/req |"
         )
-        print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
-        for stream, conc in cells:
-            base = pct(results[("direct", stream, conc)]["lat"], 50)
+        print(("|---:" if sized else "") + "|---|---|---:|---:|---:|---:|---:|---:|---:|")
+        for stream, conc, chars in cells:
+            base = pct(results[("direct", stream, conc, chars)]["lat"], 50)
             for name in targets:
-                c = results[(name, stream, conc)]
+                c = results[(name, stream, conc, chars)]
                 p50 = pct(c["lat"], 50)
                 cpu = statistics.median(c["cpu"])
                 print(
-                    f"| {name} | {'yes' if stream else 'no'} | {conc} | {statistics.median(c['rps']):,.0f} | "
+                    (f"| {chars:,} " if sized else "")
+                    + f"| {name} | {'yes' if stream else 'no'} | {conc} | {statistics.median(c['rps']):,.0f} | "
                     f"{p50:.2f} | {pct(c['lat'], 99):.2f} | {pct(c['ttfb'], 50):.2f} | "
                     f"{'' if name == 'direct' else f'{p50 - base:+.2f}'} | "
                     f"{'' if name == 'direct' else f'{cpu:.3f}'} |"
@@ -544,13 +581,15 @@ def main() -> None:
             "episode, are not in it; nothing is consumed or expired during the run)\n"
         )
         print(
-            "| target | stream | commands/call | bytes in/call | bytes out/call | memory/call | keys/call |"
+            ("| prompt chars " if sized else "")
+            + "| target | stream | commands/call | bytes in/call | bytes out/call | memory/call | keys/call |"
         )
-        print("|---|---|---:|---:|---:|---:|---:|")
-        for (name, stream), cost in redis_cost.items():
+        print(("|---:" if sized else "") + "|---|---|---:|---:|---:|---:|---:|")
+        for (name, stream, chars), cost in redis_cost.items():
             med = {k: statistics.median(v) for k, v in cost.items()}
             print(
-                f"| {name} | {'yes' if stream else 'no'} | {med['commands']:.2f} | {med['in']:,.0f} | "
+                (f"| {chars:,} " if sized else "")
+                + f"| {name} | {'yes' if stream else 'no'} | {med['commands']:.2f} | {med['in']:,.0f} | "
                 f"{med['out']:,.0f} | {med['memory']:,.0f} B | {med['keys']:.2f} |"
             )
     finally:
