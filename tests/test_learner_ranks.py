@@ -202,11 +202,15 @@ def test_two_ranks_make_the_same_update_as_one(stack, redis_client: redis.Redis,
     assert weights_one.keys() == weights_two.keys()
     moved = max(float(w.abs().max()) for n, w in weights_one.items() if "lora_B" in n)
     assert moved > 1e-3  # the step changed the adapter (B starts at zero)
-    # 1e-4: AdamW's first step is about lr x sign(gradient) (0.05 here) per element, so an element whose
-    # gradient is near AdamW's eps turns the reduction order's float noise into ~1e-5 (measured 1.02e-5
-    # once); a wrong reduction moves elements by the order of the step itself
+    # AdamW's first step is lr x g / (|g| + eps) per element (0.05 here, about lr x sign(g)): an element
+    # whose gradient is within a few eps of 0 turns the reduction order's float noise into a visible
+    # difference (measured 1.02e-5 once, 1.0e-4 once), while a wrong reduction moves elements by the order
+    # of the step itself (a flipped sign: 0.1); a wrong scale shows in grad_norm above. So: every element
+    # within 2e-3 (4% of the step), and all but a few in a thousand within 1e-5.
     for name, w in weights_one.items():
-        assert (weights_two[name] - w).abs().max() < 1e-4, name
+        diff = (weights_two[name] - w).abs()
+        assert diff.max() < 2e-3, name
+        assert int((diff > 1e-5).sum()) <= max(2, diff.numel() // 500), (name, int((diff > 1e-5).sum()))
     # rank 0 alone pushed and acknowledged: the step once, every episode consumed once
     assert redis_client.xlen("rlgate:learner:steps") == 1
     assert pending(redis_client) == 0
