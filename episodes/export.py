@@ -188,8 +188,8 @@ async def follow(
     with path.open("ab") as out:
         while True:
             if own:
-                episodes = await stream.read_own_pending(consumer, count=batch)
-                own = len(episodes) == batch
+                episodes, held = await stream.own_pending(consumer, count=batch)
+                own = held == batch  # a full reply (deleted entries count): there may be more
             elif stop is not None and stop.is_set():
                 return counts
             else:

@@ -70,13 +70,18 @@ class ClosedEpisodes:
         """Entries delivered to `consumer` earlier and never acknowledged (a restarted learner's own). An
         entry that is no longer on the stream (deleted: its fields are gone) is acknowledged here, since
         nobody can read it any more and, left pending, it would hold the stream's trimming back."""
+        return (await self.own_pending(consumer, count))[0]
+
+    async def own_pending(self, consumer: str, count: int = 1024) -> tuple[list[ClosedEpisode], int]:
+        """`read_own_pending`, and how many pending entries the reply held, deleted ones included (fewer
+        than `count`: there are no more)."""
         async with self.store.guard():
             reply = await self.store.redis.xreadgroup(self.group, consumer, {self.key: "0"}, count=count)
             entries = [entry for _, entries in reply or () for entry in entries]
             gone = [entry_id for entry_id, fields in entries if not fields]
             if gone:
                 await self.store.redis.xack(self.key, self.group, *gone)
-        return [_episode(entry_id, fields) for entry_id, fields in entries if fields]
+        return [_episode(entry_id, fields) for entry_id, fields in entries if fields], len(entries)
 
     async def ack(self, episode: ClosedEpisode) -> bool:
         """Acknowledge a trained-on episode: marks the rollout consumed (True the first time) and XACKs."""

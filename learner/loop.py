@@ -148,6 +148,7 @@ class Learner:
             log.info("no_checkpoint", output_dir=str(self.output_dir))
             return
         if saved.ranks is not None and saved.ranks != self.ranks.size:
+            self.ranks.send(Order("stop"))  # the other ranks end cleanly rather than on a closed connection
             raise RanksMisconfigured(
                 f"the checkpoint in {self.output_dir} was saved by {saved.ranks} rank(s), this learner runs "
                 f"{self.ranks.size}: resume it with {saved.ranks} (ZeRO partitions the optimizer state by "
@@ -295,7 +296,9 @@ class Learner:
                     return task.result()
                 self.ranks.send(Order("wait"))
         finally:
-            task.cancel()  # a no-op once done; the push stops with the learner otherwise
+            if not task.done():  # a rank failed (or the learner stops): the push stops, its cleanup runs
+                task.cancel()  # (a pusher's own rollback: resume the servers, the previous pointer) now,
+                await asyncio.gather(task, return_exceptions=True)  # while the store is still open
 
     async def _follow(self) -> None:
         """A rank other than 0: train each step's share of the samples as rank 0 orders, save this rank's

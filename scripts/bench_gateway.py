@@ -177,7 +177,8 @@ def serve_upstream(port: int, bodies_path: Path) -> None:
                 return
             stream = b'"stream":true' in body or b'"stream": true' in body
             full = b'"return_token_ids":true' in body or b'"return_token_ids": true' in body
-            chars = max(size for size in sizes if len(body) >= size)  # the prompt size the request has
+            # the prompt size the request has (sizes should lie 500+ characters apart)
+            chars = max((size for size in sizes if len(body) >= size), default=sizes[0])
             self.transport.write(
                 answers[f"{chars}-{'stream' if stream else 'unary'}-{'full' if full else 'plain'}"]
             )
