@@ -177,10 +177,23 @@ def _record(rollout_id: str, text: str = "hi") -> CallRecord:
 
 
 def _ids_on_every_master(cluster: Cluster, n: int) -> list[str]:
-    """`n` rollout ids, at least one on each master."""
-    ids = [f"r{i}-{uuid.uuid4().hex[:6]}" for i in range(n)]
-    masters = {cluster.master_of(key_slot(Keys("c").rollout(rid).encode())) for rid in ids}
-    assert len(masters) == 3, masters
+    """`n` rollout ids spread evenly over the 3 masters (random ids are drawn until each has its share: 12
+    ids drawn at random leave a master without one 2% of the time)."""
+    owner: dict[int, int] = {}
+    for node in cluster.nodes():
+        if "master" in node["flags"] and "fail" not in node["flags"]:
+            for slot in _slots(node["slots"]):
+                owner[slot] = int(node["port"])
+    share = -(-n // 3)
+    taken: dict[int, int] = {}
+    ids: list[str] = []
+    while len(ids) < n:
+        rid = f"r{len(ids)}-{uuid.uuid4().hex[:6]}"
+        master = owner[key_slot(Keys("c").rollout(rid).encode())]
+        if taken.get(master, 0) < share:
+            taken[master] = taken.get(master, 0) + 1
+            ids.append(rid)
+    assert len(taken) == 3, taken
     return ids
 
 
