@@ -224,6 +224,7 @@ class Pipeline:
         self._kwargs = dict(connection_kwargs)
         self._ssl = ssl
         self._timeout_s = timeout_s
+        self._wait_replicas = wait_replicas
         # WAIT's own time limit stays under the watchdog's, which would otherwise close the connection first
         self._wait = pack(("WAIT", wait_replicas, max(1, int(timeout_s * 500)))) if wait_replicas else None
         self._conn: _Connection | None = None
@@ -257,15 +258,11 @@ class Pipeline:
         return await conn.call(pack(args))
 
     async def call_durable(
-        self,
-        wait_replicas: int,
-        *args: Any,
-        asking: bool = False,
-        wrote: Callable[[Any], bool] | None = None,
+        self, *args: Any, asking: bool = False, wrote: Callable[[Any], bool] | None = None
     ) -> Any:
         """`call` (after `ASKING`, on the same connection, with `asking`), and with WAIT configured, only
-        once `wait_replicas` replicas hold the write: else `redis.exceptions.TimeoutError`. An error reply,
-        or a reply for which `wrote` says nothing was written, does not wait."""
+        once the pipeline's `wait_replicas` replicas hold the write: else `redis.exceptions.TimeoutError`.
+        An error reply, or a reply for which `wrote` says nothing was written, does not wait."""
         conn = self._conn
         if conn is None or conn.lost:
             conn = await self._connection()
@@ -283,13 +280,12 @@ class Pipeline:
             return reply
         # shielded: the WAIT is shared by every command before it; one caller's cancellation is its own
         acked = await asyncio.shield(waited)
-        if isinstance(
-            acked, hiredis.ReplyError
-        ):  # e.g. the node became a replica: the write's fate is unknown
+        if isinstance(acked, hiredis.ReplyError):  # the node became a replica, say: the write's fate unknown
             raise redis_exc.ConnectionError(f"redis refused WAIT after a write: {acked}")
-        if int(acked) < wait_replicas:
+        if int(acked) < self._wait_replicas:
             raise redis_exc.TimeoutError(
-                f"the write reached the redis master but {acked} of {wait_replicas} replicas confirmed it "
+                f"the write reached the redis master but {acked} of {self._wait_replicas} replicas "
+                f"confirmed it "
                 f"within {self._timeout_s / 2} s"
             )
         return reply
@@ -451,7 +447,6 @@ class ScriptBatcher:
     ) -> None:
         self._source = source
         self._sha = hashlib.sha1(source.encode()).hexdigest()
-        self._wait_replicas = wait_replicas
         self._timeout_s = timeout_s
         if isinstance(client, RedisCluster):
             self._nodes: _Nodes | None = _Nodes(client, timeout_s, wait_replicas)
@@ -484,7 +479,7 @@ class ScriptBatcher:
     ) -> Any:
         """The script's reply from one node, loading the script there first if it lacks it."""
         for _ in range(2):
-            reply = await pipe.call_durable(self._wait_replicas, *command, asking=asking, wrote=wrote)
+            reply = await pipe.call_durable(*command, asking=asking, wrote=wrote)
             if not (isinstance(reply, hiredis.ReplyError) and str(reply).startswith("NOSCRIPT")):
                 return reply
             loaded = await pipe.call("SCRIPT", "LOAD", self._source)

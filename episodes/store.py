@@ -91,6 +91,15 @@ def parse_url(url: str) -> tuple[str, bool, int]:
     return plain, cluster, wait
 
 
+def standalone_url(url: str) -> str:
+    """redis-py's URL for a Redis that must not be a cluster (rq's queue: rq does not run on one); raises
+    `ValueError` (one line for the user) for a `redis+cluster://` URL."""
+    plain, cluster, _ = parse_url(url)
+    if cluster:
+        raise ValueError("RLGATE_QUEUE_REDIS_URL must name a standalone Redis: rq does not run on a cluster")
+    return plain
+
+
 def _recorded(reply: Any) -> bool:
     return isinstance(reply, list) and bool(reply) and reply[0] == 0
 
@@ -103,9 +112,7 @@ def _unavailable(exc: Exception) -> StoreUnavailable:
     """The `StoreUnavailable` for a Redis failure."""
     if isinstance(exc, (redis_exc.ConnectionError, redis_exc.TimeoutError, OSError)):
         return StoreUnavailable(f"redis unavailable: {exc}")
-    if isinstance(
-        exc, redis_exc.RedisClusterException
-    ):  # not a RedisError: no node answers, a slot uncovered
+    if isinstance(exc, redis_exc.RedisClusterException):  # not a RedisError: no node answers, say
         return StoreUnavailable(f"redis cluster unavailable: {exc}")
     return StoreUnavailable(f"redis error: {exc}")
 
@@ -209,13 +216,8 @@ class EpisodeStore:
         """Read the reward-job queue's length (`backlog`, the dashboard) from the Redis at `url` (rq's
         `RLGATE_QUEUE_REDIS_URL`) instead of this one; None: this one (none on a cluster)."""
         if url:
-            plain, cluster, _ = parse_url(url)
-            if cluster:
-                raise ValueError(
-                    "RLGATE_QUEUE_REDIS_URL must name a standalone Redis: rq does not run on a cluster"
-                )
             self.queue_redis = aioredis.Redis.from_url(
-                plain, socket_connect_timeout=self.timeout_s, max_connections=4
+                standalone_url(url), socket_connect_timeout=self.timeout_s, max_connections=4
             )
 
     async def queue_length(self, queue_key: str) -> int:

@@ -6,7 +6,7 @@ import redis
 from rq import Queue, Retry
 from rq.serializers import JSONSerializer
 
-from episodes.store import is_cluster_url, parse_url
+from episodes.store import is_cluster_url, standalone_url
 from reward_hooks.settings import RewardSettings
 
 JOB = "reward_hooks.jobs.compute_reward"  # referenced by name: the worker imports it, the web side need not
@@ -29,11 +29,8 @@ def connect(settings: RewardSettings) -> redis.Redis:
             "rq does not run on a Redis Cluster: set RLGATE_QUEUE_REDIS_URL to a standalone Redis for the "
             "reward-job queue"
         )
-    plain, cluster, _ = parse_url(url)
-    if cluster:
-        raise ValueError("RLGATE_QUEUE_REDIS_URL must name a standalone Redis: rq does not run on a cluster")
     return redis.Redis.from_url(
-        plain,
+        standalone_url(url),
         socket_timeout=settings.redis_timeout_s,
         socket_connect_timeout=settings.redis_timeout_s,
     )

@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import random
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,23 +33,11 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from redis_servers import cluster_ports  # noqa: E402
+
 from episodes import CallRecord, EpisodeStore  # noqa: E402
-
-
-def free_ports(n: int) -> list[int]:
-    """Free ports whose cluster bus ports (port + 10000) are free too."""
-    ports: list[int] = []
-    while len(ports) < n:
-        port = random.randrange(20000, 50000)
-        try:
-            for p in (port, port + 10000):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-        except OSError:
-            continue
-        if port not in ports:
-            ports.append(port)
-    return ports
 
 
 class Servers:
@@ -59,7 +46,7 @@ class Servers:
     def __init__(self, kind: str, root: Path) -> None:
         self.kind = kind
         n = {"standalone": 1, "cluster": 3, "cluster+replicas": 6}[kind]
-        self.ports = free_ports(n)
+        self.ports = cluster_ports(n)
         self.procs = []
         for port in self.ports:
             work = root / f"{kind}-{port}"

@@ -7,10 +7,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -24,6 +22,7 @@ import redis
 from conftest import Proc, start_gateway
 from redis.cluster import RedisCluster as SyncCluster
 from redis.crc import key_slot
+from redis_servers import cluster_ports
 from test_gateway_proxy import MESSAGES, MODEL
 
 from episodes import CallRecord, EpisodeStore, Keys, RolloutNotOpen, StoreUnavailable
@@ -45,7 +44,7 @@ class Cluster:
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.ports = _cluster_ports(6)
+        self.ports = cluster_ports(6)
         self.procs: dict[int, subprocess.Popen] = {}
         for port in self.ports:
             self.start(port)
@@ -441,22 +440,6 @@ def _master_or_none(cluster: Cluster, slot: int) -> int | None:
         return None
 
 
-def _cluster_ports(n: int) -> list[int]:
-    """Free ports whose cluster bus ports (port + 10000) are free too."""
-    ports: list[int] = []
-    while len(ports) < n:
-        port = random.randrange(20000, 50000)
-        try:
-            for p in (port, port + 10000):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-        except OSError:
-            continue
-        if port not in ports:
-            ports.append(port)
-    return ports
-
-
 def _slots(text: str) -> set[int]:
     out: set[int] = set()
     for part in text.split():
@@ -541,7 +524,8 @@ def test_waiting_for_a_stalled_replica_is_bounded_and_cancellation_is_per_caller
             assert all(isinstance(r, StoreUnavailable) and "replicas confirmed" in str(r) for r in results), (
                 results
             )
-            assert took < 2 * (2 / 2) + 1.0, took  # two WAITs of 1 s, not one per batch
+            # two WAITs of 1 s (~2 s), not one per batch (~10 s); loose enough for a loaded machine
+            assert took < 6.0, took
         finally:
             os.kill(cluster.procs[replica].pid, signal.SIGCONT)
         await asyncio.to_thread(cluster.wait_healthy)
