@@ -21,7 +21,10 @@ return 1
 # ARGV[5] expires_at (for a rollout created here), ARGV[6] '1' when the rollout must already exist (a call
 # with a rollout key: POST /rollouts made it, so a missing hash means Redis lost it), ARGV[7] the most
 # records a rollout may hold ('0': no limit), ARGV[8] the mode the call asks for ('' any; a rollout created
-# here gets 'train' then), ARGV[9] the most attempts a rollout may have, ARGV[10..] call records (JSON)
+# here gets 'train' then), ARGV[9] the most attempts a rollout may have, ARGV[10] the calling agent's name
+# ('' for none), ARGV[11] the policy version that served the records, ARGV[12..] call records (JSON)
+# The rollout hash keeps what a listing shows without reading records: `agent_name` (the first named
+# agent's), `first_version` and `last_version` (the lowest and highest policy version that served it).
 # An attempt is created only while its rollout exists and is open or failed, with the rollout's task and
 # mode, and counted in the rollout's `attempts`.
 # Returns {0, first_index, created (0/1)} on success, {1, status} when the rollout is not open,
@@ -30,7 +33,7 @@ return 1
 # {5, mode} when the rollout is of another mode than the call asks for, {6, status} when an attempt's
 # rollout is closed, {7, limit} when the rollout has had its most attempts.
 RECORD_CALLS = """
-local n_records = #ARGV - 9
+local n_records = #ARGV - 11
 local status = redis.call('HGET', KEYS[1], 'status')
 local limit = tonumber(ARGV[7])
 if limit > 0 and (status == false or status == 'open') then
@@ -89,7 +92,18 @@ if created == 0 and ARGV[2] ~= '' then
     return {2, task}
   end
 end
-local n = redis.call('RPUSH', KEYS[2], unpack(ARGV, 10))
+local n = redis.call('RPUSH', KEYS[2], unpack(ARGV, 12))
+if ARGV[10] ~= '' then
+  redis.call('HSETNX', KEYS[1], 'agent_name', ARGV[10])
+end
+local version = tonumber(ARGV[11])
+local seen = redis.call('HMGET', KEYS[1], 'first_version', 'last_version')
+if not seen[1] or version < tonumber(seen[1]) then
+  redis.call('HSET', KEYS[1], 'first_version', ARGV[11])
+end
+if not seen[2] or version > tonumber(seen[2]) then
+  redis.call('HSET', KEYS[1], 'last_version', ARGV[11])
+end
 return {0, n - n_records, created}
 """
 
@@ -108,8 +122,8 @@ end
 # Closes an open rollout with its final return, exactly once.
 # KEYS[1] rollout hash
 # ARGV[1] reward (canonical repr), ARGV[2] reward metadata JSON, ARGV[3] now
-# Returns {'closed', task_id, mode} to the one caller that closed it; {'same', published} when it was already
-# closed with this reward; {'conflict', reward} when closed with another; {status} when missing,
+# Returns {'closed', task_id, mode, first_version ('' if none)} to the one caller that closed it;
+# {'same', published} when it was already closed with this reward; {'conflict', reward} when closed with another; {status} when missing,
 # expired or failed.
 CLOSE = """
 local status = redis.call('HGET', KEYS[1], 'status')
@@ -119,7 +133,8 @@ end
 if status == 'open' then
   redis.call('HSET', KEYS[1], 'status', 'closed', 'reward', ARGV[1], 'reward_metadata', ARGV[2],
              'closed_at', ARGV[3], 'published', '0')
-  return {'closed', redis.call('HGET', KEYS[1], 'task_id'), redis.call('HGET', KEYS[1], 'mode') or 'train'}
+  local fields = redis.call('HMGET', KEYS[1], 'task_id', 'mode', 'first_version')
+  return {'closed', fields[1] or '', fields[2] or 'train', fields[3] or ''}
 end
 if status == 'closed' or status == 'consumed' then
   local reward = redis.call('HGET', KEYS[1], 'reward')

@@ -2,7 +2,7 @@
 
 | key                                | type   | writer                                  | reader                   | TTL  |
 |------------------------------------|--------|-----------------------------------------|--------------------------|------|
-| `{prefix}:rollout:{<rid>}`         | hash   | gateway (create, first call), reward    | gateway, reward, learner | R    |
+| `{prefix}:rollout:{<rid>}`         | hash   | gateway (create, every call), reward    | gateway, reward, learner | R    |
 |                                    |        | hooks (close, fail), sweeper (expire),  |                          |      |
 |                                    |        | learner (consume)                       |                          |      |
 | `{prefix}:rollout:{<rid>}:calls`   | list   | gateway (one entry per choice)          | gateway, reward, learner | R    |
@@ -32,9 +32,11 @@
   acknowledged (older than each group's oldest pending entry and not after its last delivered one), and
   trims nothing while no group exists.
 - The rollout hash holds the fields of `records.Rollout` (`status`, `reward`, `closed_at`, ... with
-  JSON for `metadata`, `reward_metadata` and `finish`; absent means null) plus `published`, the outbox
-  flag ('0' from closing until the episode is on the stream, then '1'), and a learner's training claim
-  (`claimed_by`, `claimed_until_ms`: a lease, so an episode published twice trains once).
+  JSON for `metadata`, `reward_metadata` and `finish`; absent means null; `agent_name`, `first_version`
+  and `last_version` kept by the record script on every call, so a listing need not read records) plus
+  `published`, the outbox flag ('0' from closing until the episode is on the stream, then '1'), and a
+  learner's training claim (`claimed_by`, `claimed_until_ms`: a lease, so an episode published twice
+  trains once).
 - The calls list holds one `records.CallRecord` as JSON per LLM transition, in commit order; a call's
   index is its position in the list (0-based), so it is never stored twice. A request with `n > 1`
   appends one entry per choice, in choice order, in the same script call.
@@ -68,7 +70,8 @@ many gateways, webhooks or workers race on it):
 
 Closed episodes reach learners through the `episodes` stream with an outbox, since the stream and the
 rollout live in different slots: a closer first adds the rollout to `outbox`, then runs the close
-script; the one caller that actually closed it XADDs `{rollout_id, task_id, reward}` to the stream, sets
+script; the one caller that actually closed it XADDs `{rollout_id, task_id, reward}` (with `mode` for a
+validation episode, `version` for the policy version that served its first call) to the stream, sets
 `published` to 1 and removes the outbox entry. If it dies in between, the sweeper finds the stale outbox
 entry and publishes it (at least once; the learner's consume script is the exactly-once point). The
 learners' consumer group reads with XREADGROUP, acknowledges with XACK after training (and marks the

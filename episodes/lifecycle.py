@@ -105,7 +105,9 @@ class EpisodeLifecycle:
             )
         outcome = _text(reply[0])
         if outcome == "closed":
-            await self._publish(rollout_id, (_text(reply[1]) or None, _text(reply[2])), value, intent)
+            await self._publish(
+                rollout_id, (_text(reply[1]), _text(reply[2]), _text(reply[3])), value, intent
+            )
             return CloseResult("closed", float(value))
         # Not ours to publish: the closer that closed it does, or, if that one died, the sweeper finds its
         # intent. So the stream holds each episode once in normal operation.
@@ -122,19 +124,26 @@ class EpisodeLifecycle:
         raise RolloutNotOpen(rollout_id, outcome)
 
     async def _publish(
-        self, rollout_id: str, task_and_mode: tuple[str | None, str] | None, reward: str, intent: str
+        self, rollout_id: str, hashed: tuple[str, str, str] | None, reward: str, intent: str
     ) -> None:
-        """Put a closed episode on the stream (at least once), then clear the intent and its expiry. A
-        validation episode (mode val) carries its mode: learners score it apart and never train on it."""
+        """Put a closed episode on the stream (at least once), then clear the intent and its expiry.
+        `hashed`: the rollout's task id, mode and first version as the close script read them (None: read
+        them here). A validation episode (mode val) carries its mode: learners score it apart and never
+        train on it; `version`, the policy version that served its first call, lets them report success
+        per serving version."""
         async with self.store.guard():
-            if task_and_mode is None:
-                task, mode = await self.store.redis.hmget(self.keys.rollout(rollout_id), "task_id", "mode")
-                task_id, mode_name = _text(task or b"") or None, _text(mode or b"train")
+            if hashed is None:
+                values = await self.store.redis.hmget(
+                    self.keys.rollout(rollout_id), "task_id", "mode", "first_version"
+                )
+                task_id, mode_name, version = (_text(v or b"") for v in values)
             else:
-                task_id, mode_name = task_and_mode
-            fields = {"rollout_id": rollout_id, "task_id": task_id or "", "reward": reward}
-            if mode_name != "train":
+                task_id, mode_name, version = hashed
+            fields = {"rollout_id": rollout_id, "task_id": task_id, "reward": reward}
+            if mode_name not in ("", "train"):
                 fields["mode"] = mode_name
+            if version:
+                fields["version"] = version
             await self.store.redis.xadd(self.keys.episodes, fields)
             await self._mark_published(keys=[self.keys.rollout(rollout_id)])
             async with self.store.redis.pipeline(transaction=False) as pipe:

@@ -11,18 +11,14 @@ dashboard can poll it on a store of millions of rollouts:
 - reward jobs waiting: `LLEN` of the rq queue;
 - the policy pointer and the newest learner step.
 
-`call_heads` reads, for each rollout of a listing page, its number of calls and the first `HEAD_BYTES`
-bytes of its first and last call records (one small script per rollout, on that rollout's key alone, so
-it runs unchanged on a cluster): the agent name and the policy version sit at the start of every record
-(`CallRecord`'s field order), so a listing shows them without reading records that may be megabytes.
+A listing shows each rollout's agent and the policy versions that served it from fields of the rollout
+hash that the record script keeps (`agent_name`, `first_version`, `last_version`: `EpisodeStore.list_rollouts`
+reads them with the rest of the summary), never from the call records, which may be megabytes each.
 """
 
 from __future__ import annotations
 
-import asyncio
-import re
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,35 +27,7 @@ import orjson
 from episodes.records import Policy
 from episodes.store import EpisodeStore
 
-CLUSTER_CONCURRENCY = 16  # call-head scripts in flight at once on a Redis Cluster
-HEAD_BYTES = 2048  # bytes read of a call record to find its agent name and policy version
 STEPS_MAX = 2000  # most learner steps one read returns
-
-# KEYS[1] a rollout's calls list; ARGV[1] bytes kept of each record.
-# Returns {number of calls, the first record's first ARGV[1] bytes, the last record's} (false when empty).
-_CALL_HEADS = """
-local n = redis.call('LLEN', KEYS[1])
-if n == 0 then
-  return {0, false, false}
-end
-local k = tonumber(ARGV[1])
-local first = redis.call('LINDEX', KEYS[1], 0)
-local last = redis.call('LINDEX', KEYS[1], -1)
-return {n, string.sub(first, 1, k), string.sub(last, 1, k)}
-"""
-
-_AGENT = re.compile(rb'"agent_name":("(?:[^"\\]|\\.)*"|null)')
-_VERSION = re.compile(rb'"policy_version":(-?\d+)')
-
-
-@dataclass(frozen=True, slots=True)
-class CallHead:
-    """What a listing shows of a rollout's calls: how many, the first call's agent, the versions served."""
-
-    calls: int = 0
-    agent_name: str | None = None
-    first_version: int | None = None
-    last_version: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,15 +59,6 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _head(raw: bytes | None) -> tuple[str | None, int | None]:
-    if not raw:
-        return None, None
-    agent = _AGENT.search(raw)
-    version = _VERSION.search(raw)
-    name = orjson.loads(agent.group(1)) if agent else None
-    return name, int(version.group(1)) if version else None
-
-
 class StoreOverview:
     """Dashboard reads on an `EpisodeStore` (its keys, its timeout, its error translation)."""
 
@@ -108,7 +67,6 @@ class StoreOverview:
         self.keys = store.keys
         self.queue_key = f"rq:queue:{reward_queue}" if reward_queue else None
         self.group = group
-        self._call_heads = store.redis.register_script(_CALL_HEADS)
 
     async def counts(self, window_s: float = 60.0) -> StoreCounts:
         """The counters, read in two round trips."""
@@ -150,34 +108,6 @@ class StoreOverview:
             else Policy(),
             last_step=orjson.loads(step[0][1][b"data"]) if step else None,
         )
-
-    async def call_heads(self, rollout_ids: Sequence[str]) -> dict[str, CallHead]:
-        """For each rollout: its number of calls, its first call's agent, its first and last call's policy
-        version; at most `HEAD_BYTES` bytes read of each record."""
-        if not rollout_ids:
-            return {}
-        async with self.store.guard():
-            if self.store.cluster:  # redis-py's cluster pipeline runs no scripts: concurrent calls instead,
-                # a few at a time (its pool raises at max_connections rather than waiting)
-                replies = []
-                for i in range(0, len(rollout_ids), CLUSTER_CONCURRENCY):
-                    replies += await asyncio.gather(
-                        *(
-                            self._call_heads(keys=[self.keys.calls(rid)], args=[HEAD_BYTES])
-                            for rid in rollout_ids[i : i + CLUSTER_CONCURRENCY]
-                        )
-                    )
-            else:
-                pipe = self.store.redis.pipeline(transaction=False)
-                for rid in rollout_ids:
-                    await self._call_heads(keys=[self.keys.calls(rid)], args=[HEAD_BYTES], client=pipe)
-                replies = await pipe.execute()
-        heads = {}
-        for rid, (n, first, last) in zip(rollout_ids, replies, strict=True):
-            agent, first_version = _head(first)
-            _, last_version = _head(last)
-            heads[rid] = CallHead(int(n), agent, first_version, last_version)
-        return heads
 
     async def call_count(self, rollout_id: str) -> int:
         async with self.store.guard():

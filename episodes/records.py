@@ -65,6 +65,9 @@ class Rollout(_Record):
     consumed_at: float | None = None
     error: str | None = Field(None, description="Why the rollout failed (its reward job's last error).")
     finish: FinishRequest | None = Field(None, description="The reward job's request, if one was made.")
+    agent_name: str | None = Field(None, description="The first named agent that made one of its calls.")
+    first_version: int | None = Field(None, description="The lowest policy version that served a call.")
+    last_version: int | None = Field(None, description="The highest policy version that served a call.")
 
 
 class CallError(_Record):
@@ -121,6 +124,11 @@ class CallRecord(_Record):
     completion_token_ids: list[int] | None = None
     completion_logprobs: list[float] | None = Field(
         None, description="Log-prob of each sampled completion token, as the server reported it."
+    )
+    completion_tokens: list[str] | None = Field(
+        None,
+        description="Each sampled completion token's text, as the server reported it with its log-prob "
+        "(kept with RLGATE_RECORD_TOKEN_TEXT, for display; never trained on).",
     )
     started_at: float = Field(description="Unix seconds when the gateway received the request.")
     latency_ms: float = Field(description="From receiving the request to the complete upstream answer.")
@@ -201,6 +209,9 @@ class RolloutSummary(BaseModel):
     reward: float | None = None
     error: str | None = None
     calls: int = Field(description="Call records held (one per choice).")
+    agent_name: str | None = Field(None, description="The first named agent that made one of its calls.")
+    first_version: int | None = Field(None, description="The lowest policy version that served a call.")
+    last_version: int | None = Field(None, description="The highest policy version that served a call.")
 
 
 class RolloutListing(BaseModel):

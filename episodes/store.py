@@ -53,7 +53,19 @@ EVENT_MAX_BYTES = 16 * 1024
 RETENTION_S = 7 * 86400.0  # a finished rollout's keys and its stream entry are kept this long (0: forever)
 INDEX_MAX = 1_000_000  # rollouts the listing index keeps (the newest; `EpisodeStore.index_max`)
 LIST_MAX = 1000  # most index entries one `list_rollouts` call reads
-_SUMMARY_FIELDS = ("rollout_id", "task_id", "status", "mode", "created_at", "closed_at", "reward", "error")
+_SUMMARY_FIELDS = (
+    "rollout_id",
+    "task_id",
+    "status",
+    "mode",
+    "created_at",
+    "closed_at",
+    "reward",
+    "error",
+    "agent_name",
+    "first_version",
+    "last_version",
+)
 
 
 # A Redis Cluster is named by the URL of any of its nodes with one of these schemes (the rest as redis://)
@@ -323,6 +335,8 @@ class EpisodeStore:
             str(max_calls),
             mode or "",
             str(max_attempts),
+            records[0].agent_name or "",  # one request's choices: one agent, one version
+            records[0].policy_version,
             *encoded,
         ]
         keys = [self.keys.rollout(rollout_id), self.keys.calls(rollout_id)]

@@ -24,6 +24,7 @@ class ClosedEpisode:
     task_id: str | None
     reward: float
     mode: str = "train"  # val: a validation episode, scored apart and never trained on
+    version: int | None = None  # the policy version that served its first call (None: not recorded)
 
 
 def _episode(entry_id: bytes | str, fields: dict[bytes, bytes]) -> ClosedEpisode:
@@ -37,6 +38,7 @@ def _episode(entry_id: bytes | str, fields: dict[bytes, bytes]) -> ClosedEpisode
         text(b"task_id") or None,
         float(text(b"reward") or "nan"),
         text(b"mode") or "train",
+        int(version) if (version := text(b"version")).isdigit() else None,
     )
 
 

@@ -39,6 +39,7 @@ class Transition:
     prompt_token_ids: list[int] | None
     completion_token_ids: list[int] | None
     completion_logprobs: list[float] | None
+    completion_tokens: list[str] | None = None  # each sampled token's text, when asked for
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -131,7 +132,7 @@ def _strip_item(item: Any) -> None:
                 part["logprobs"] = None
 
 
-def responses_transition(payload: dict[str, Any], injected: Injected) -> Transition:
+def responses_transition(payload: dict[str, Any], injected: Injected, token_text: bool = False) -> Transition:
     """A Responses API answer as one transition: token ids from its input and output messages (vLLM's
     `enable_response_messages`: one of each for a plain turn), log-probs from its output text, which covers
     every generated token, tool-call markup included. A response with several turns inside (the server
@@ -154,6 +155,7 @@ def responses_transition(payload: dict[str, Any], injected: Injected) -> Transit
         prompt_ids = _tokens(inputs[0])
         completion_ids = _tokens(outputs[0]) if outputs else []
     values: list[float] = []
+    texts: list[str] = []
     found = False
     for item in payload.get("output") or ():
         if isinstance(item, dict) and item.get("type") == "message":
@@ -161,10 +163,14 @@ def responses_transition(payload: dict[str, Any], injected: Injected) -> Transit
                 entries = part.get("logprobs") if isinstance(part, dict) else None
                 if entries:
                     values.extend(entry["logprob"] for entry in entries)
+                    if token_text:
+                        texts.extend(str(entry.get("token", "")) for entry in entries)
                     found = True
+    tokens = None
     if found and completion_ids is not None and len(values) == len(completion_ids):
         logprobs = values
-    return Transition(0, response, prompt_ids, completion_ids, logprobs)
+        tokens = texts if token_text else None
+    return Transition(0, response, prompt_ids, completion_ids, logprobs, tokens)
 
 
 def _tokens(message: Any) -> list[int] | None:
@@ -194,11 +200,12 @@ def strip_response(endpoint: Endpoint, payload: dict[str, Any], injected: Inject
 
 
 def transitions(
-    endpoint: Endpoint, payload: dict[str, Any], injected: Injected | None = None
+    endpoint: Endpoint, payload: dict[str, Any], injected: Injected | None = None, token_text: bool = False
 ) -> list[Transition]:
-    """The transitions of a non-streaming answer: one per choice (one for `responses`)."""
+    """The transitions of a non-streaming answer: one per choice (one for `responses`); with `token_text`,
+    each sampled token's text too (`sampled_tokens`)."""
     if endpoint == "responses":
-        return [responses_transition(payload, injected or Injected())]
+        return [responses_transition(payload, injected or Injected(), token_text)]
     usage = payload.get("usage")
     response_id = payload.get("id")
     prompt_token_ids = payload.get("prompt_token_ids")
@@ -229,6 +236,7 @@ def transitions(
                 prompt_token_ids=prompt_ids,
                 completion_token_ids=choice.get("token_ids"),
                 completion_logprobs=sampled_logprobs(endpoint, choice.get("logprobs")),
+                completion_tokens=sampled_tokens(endpoint, choice.get("logprobs")) if token_text else None,
             )
         )
     return out
@@ -245,3 +253,16 @@ def sampled_logprobs(endpoint: Endpoint, logprobs: Any) -> list[float] | None:
     values = logprobs.get("token_logprobs")
     # `echo` puts the prompt's tokens first, the very first with a null log-prob: not a completion's.
     return None if values is None or None in values else list(values)
+
+
+def sampled_tokens(endpoint: Endpoint, logprobs: Any) -> list[str] | None:
+    """The sampled tokens' text from a choice's `logprobs` (chat: `content[].token`; completions:
+    `tokens`), as the server decoded them one by one (a token that ends inside a UTF-8 character reads as
+    the server wrote it); None where the server gave none, or gave the prompt's too (`echo`)."""
+    if not logprobs:
+        return None
+    if endpoint == "chat.completions":
+        content = logprobs.get("content")
+        return None if content is None else [str(entry.get("token", "")) for entry in content]
+    values, tokens = logprobs.get("token_logprobs"), logprobs.get("tokens")
+    return None if tokens is None or values is None or None in values else [str(t) for t in tokens]

@@ -319,7 +319,11 @@ class Proxy:
             if not isinstance(payload, dict):
                 raise ValueError("not a JSON object")
             records = self._records(
-                call, capture.transitions(call.endpoint, payload, injected), None, latency_ms, None
+                call,
+                capture.transitions(call.endpoint, payload, injected, self.settings.record_token_text),
+                None,
+                latency_ms,
+                None,
             )
         except ValueError as exc:  # includes JSON and record validation errors
             error = CallError(
@@ -366,7 +370,7 @@ class Proxy:
         disconnect: asyncio.Future[None],
     ) -> None:
         endpoint = call.endpoint
-        relay = StreamRelay(endpoint, injected)
+        relay = StreamRelay(endpoint, injected, self.settings.record_token_text)
         assembler = relay.assembler
         failure: CallError | None = None  # what went wrong on our side of the stream, if anything
         ttfb_ms = None
@@ -478,6 +482,7 @@ class Proxy:
                 prompt_token_ids=t.prompt_token_ids,
                 completion_token_ids=t.completion_token_ids,
                 completion_logprobs=t.completion_logprobs,
+                completion_tokens=t.completion_tokens,
                 **common,
             )
             for t in transitions

@@ -124,6 +124,13 @@ class GatewaySettings(SharedSettings):
         "prompt_token_ids, token_ids; the Responses API's input and output messages), for agents that read "
         "them; per request: header X-Rlgate-Keep-Token-Ids: true. Always on for Agent Lightning's proxy URLs.",
     )
+    record_token_text: bool = Field(
+        False,
+        description="Keep each completion token's text (the `token` of the server's log-probs) in the call "
+        "records, so the dashboard's rollout page shows the completion as text shaded by log-prob rather "
+        "than as token ids. Costs about 7 bytes of Redis memory per completion token (docs/deployment.md, "
+        "Sizing); the learner never reads it.",
+    )
     require_rollout_id: bool = Field(
         False,
         description="Reject calls without a rollout id (400) instead of recording them under a new one.",

@@ -13,6 +13,7 @@ from gateway.capture import (
     Transition,
     responses_transition,
     sampled_logprobs,
+    sampled_tokens,
     strip_response,
     strip_responses,
 )
@@ -70,10 +71,10 @@ class StreamRelay:
     committed. Raises ValueError (or TypeError, AttributeError) on a malformed chunk.
     """
 
-    def __init__(self, endpoint: Endpoint, injected: Injected) -> None:
+    def __init__(self, endpoint: Endpoint, injected: Injected, token_text: bool = False) -> None:
         self.endpoint = endpoint
         self.injected = injected
-        self.assembler = StreamAssembler(endpoint, injected)
+        self.assembler = StreamAssembler(endpoint, injected, token_text)
         self.held: bytes | None = None
         self._pending = b""
 
@@ -172,11 +173,15 @@ class _Choice:
 
 
 class StreamAssembler:
-    """Rebuilds the complete call from a chat or completions stream's chunks, choice by choice."""
+    """Rebuilds the complete call from a chat or completions stream's chunks, choice by choice; with
+    `token_text`, each sampled token's text too (`capture.sampled_tokens`)."""
 
-    def __init__(self, endpoint: Endpoint, injected: Injected | None = None) -> None:
+    def __init__(
+        self, endpoint: Endpoint, injected: Injected | None = None, token_text: bool = False
+    ) -> None:
         self.endpoint = endpoint
         self.injected = injected or Injected()
+        self.token_text = token_text
         self.chat = endpoint == "chat.completions"
         self.id: str | None = None
         self.prompt_token_ids: list[int] | None = None
@@ -287,10 +292,22 @@ class StreamAssembler:
                 found = True
         return out if found else None
 
+    def _tokens(self, state: _Choice) -> list[str] | None:
+        if not self.token_text or state.logprobs is None:
+            return None
+        out: list[str] = []
+        found = False
+        for logprobs in state.logprobs:
+            values = sampled_tokens(self.endpoint, logprobs)
+            if values is not None:
+                out.extend(values)
+                found = True
+        return out if found else None
+
     def transitions(self) -> list[Transition]:
         """The complete calls, one per choice in index order (one for `responses`)."""
         if self.endpoint == "responses":
-            return [responses_transition(self.final or {}, self.injected)]
+            return [responses_transition(self.final or {}, self.injected, self.token_text)]
         out = []
         for index in sorted(self._choices):
             state = self._choices[index]
@@ -320,7 +337,11 @@ class StreamAssembler:
                     usage=self.usage,
                 )
                 prompt_ids = state.prompt_token_ids
-            out.append(Transition(index, response, prompt_ids, state.token_ids, self._logprobs(state)))
+            out.append(
+                Transition(
+                    index, response, prompt_ids, state.token_ids, self._logprobs(state), self._tokens(state)
+                )
+            )
         return out
 
 

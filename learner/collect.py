@@ -46,18 +46,44 @@ class Group:
 
 
 @dataclass
-class Validation:
-    """Validation episodes' rewards, summed as they are scored (never trained on: `Collector`)."""
+class Tally:
+    """Episodes' rewards summed as they are scored: in all, and per policy version that served the
+    episode's first call (`by_version`: version -> [episodes, successes, reward sum]; episodes recorded
+    without a version count in all only)."""
 
     success_threshold: float = 1.0
     episodes: int = 0
     reward_sum: float = 0.0
     successes: int = 0
+    by_version: dict[int, list[float]] = field(default_factory=dict)
 
-    def add(self, reward: float) -> None:
+    def add(self, reward: float, version: int | None = None) -> None:
+        success = reward >= self.success_threshold
         self.episodes += 1
         self.reward_sum += reward
-        self.successes += reward >= self.success_threshold
+        self.successes += success
+        if version is not None:
+            row = self.by_version.setdefault(version, [0, 0, 0.0])
+            row[0] += 1
+            row[1] += success
+            row[2] += reward
+
+    def merge(self, other: Tally) -> Tally:
+        """This tally with `other`'s counts added (a new one; neither changes)."""
+        out = Tally(self.success_threshold, self.episodes, self.reward_sum, self.successes)
+        out.by_version = {v: list(row) for v, row in self.by_version.items()}
+        out.episodes += other.episodes
+        out.reward_sum += other.reward_sum
+        out.successes += other.successes
+        for v, row in other.by_version.items():
+            mine = out.by_version.setdefault(v, [0, 0, 0.0])
+            for i, value in enumerate(row):
+                mine[i] += value
+        return out
+
+    def versions(self) -> dict[str, list[float]]:
+        """`by_version` as JSON keeps it (string keys), in version order."""
+        return {str(v): list(self.by_version[v]) for v in sorted(self.by_version)}
 
 
 class Collector:
@@ -84,9 +110,9 @@ class Collector:
         self.waiting: dict[str, Group] = {}
         self.seen: set[str] = set()  # entry ids waiting here, so a redelivery is not counted twice
         self.dropped_singletons = 0
-        self.validation = Validation(success_threshold)  # validation episodes scored since the last step
+        self.validation = Tally(success_threshold)  # validation episodes scored since the last step
         self.dynamic_filtering = dynamic_filtering
-        self.uniform = Validation(success_threshold)  # episodes of uniform groups dropped since the last step
+        self.uniform = Tally(success_threshold)  # episodes of uniform groups dropped since the last step
         self._last_reclaim = 0.0
 
     async def start(self) -> None:
@@ -121,7 +147,7 @@ class Collector:
                 continue
             if entry.mode == "val":  # scored apart, never trained on: acknowledged (consumed) at once
                 if await self.stream.ack(entry) and math.isfinite(entry.reward):
-                    self.validation.add(entry.reward)
+                    self.validation.add(entry.reward, entry.version)
                 continue
             self.seen.add(entry.entry_id)
             key = entry.task_id if entry.task_id is not None else f"\0{entry.rollout_id}"
@@ -185,7 +211,7 @@ class Collector:
         for entry in group.episodes:
             self.seen.discard(entry.entry_id)
             if await self.stream.ack(entry):  # a second copy of an episode counts once
-                self.uniform.add(entry.reward)
+                self.uniform.add(entry.reward, entry.version)
 
 
 def _uniform(group: Group) -> bool:

@@ -41,7 +41,7 @@ import torch
 
 from episodes import ClosedEpisode, ClosedEpisodes, EpisodeStore, RolloutStatus, RolloutView, StoreUnavailable
 from learner import checkpoint
-from learner.collect import Collector, Group
+from learner.collect import Collector, Group, Tally
 from learner.policy import Policy
 from learner.push import FullPusher, LoraPusher
 from learner.ranks import Order, Ranks, RanksMisconfigured
@@ -215,12 +215,18 @@ class Learner:
         await self._ack(entries)
         self.episodes_trained += len(entries)
 
-        rewards = [v.reward for g in views for v in g]
         val, uniform = self.collector.validation, self.collector.uniform
-        self.collector.validation = dataclasses.replace(val, episodes=0, reward_sum=0.0, successes=0)
-        self.collector.uniform = dataclasses.replace(uniform, episodes=0, reward_sum=0.0, successes=0)
+        self.collector.validation = Tally(s.success_threshold)
+        self.collector.uniform = Tally(s.success_threshold)
         # the step's episodes: those trained and those of uniform groups dropped for it (dynamic filtering)
-        seen = len(rewards) + uniform.episodes
+        trained = Tally(s.success_threshold)
+        for v in (v for g in views for v in g):  # (recorded before the hash kept it: read from the calls)
+            first = v.first_version
+            trained.add(
+                v.reward,
+                first if first is not None else min((c.policy_version for c in v.calls), default=None),
+            )
+        train = trained.merge(uniform)
         metrics = {
             "step": self.step,
             "time": time.time(),
@@ -228,13 +234,14 @@ class Learner:
             "ranks": self.ranks.size,
             "episodes": len(entries) + uniform.episodes,
             "groups": len(views),
-            "reward_mean": (sum(rewards) + uniform.reward_sum) / seen if seen else math.nan,
-            "success_rate": (sum(r >= s.success_threshold for r in rewards) + uniform.successes) / seen
-            if seen
-            else math.nan,
+            "reward_mean": train.reward_sum / train.episodes if train.episodes else math.nan,
+            "success_rate": train.successes / train.episodes if train.episodes else math.nan,
+            # per policy version that served the episodes' first calls: [episodes, successes, reward sum]
+            "by_version": train.versions(),
             "val_episodes": val.episodes,
             "val_reward_mean": val.reward_sum / val.episodes if val.episodes else math.nan,
             "val_success_rate": val.successes / val.episodes if val.episodes else math.nan,
+            "val_by_version": val.versions(),
             "group_reward_std": statistics.fmean(
                 statistics.stdev([v.reward for v in g]) if len(g) > 1 else 0.0 for g in views
             ),

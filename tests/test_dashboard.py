@@ -96,7 +96,10 @@ def _step(n: int) -> dict[str, Any]:
         "groups": 2,
         "reward_mean": 0.1 * n,
         "success_rate": 0.125 * n,
+        # the episodes' serving versions: the previous one's (most) and this step's own
+        "by_version": {str(n - 1): [6 + n, n, 0.5 * n], str(n): [2, 1, 0.25]},
         "val_episodes": 4 if n % 2 == 0 else 0,
+        "val_by_version": {str(n - 1): [4, n // 2, 0.2 * n]} if n % 2 == 0 else {},
         "val_reward_mean": 0.2 * n if n % 2 == 0 else math.nan,
         "val_success_rate": 0.15 * n if n % 2 == 0 else math.nan,
         "group_reward_std": 0.3 + 0.01 * n,
@@ -142,6 +145,7 @@ def loop(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Loop]:
         control_port=str(control_port),
         key_prefix=prefix,
         policy_poll_s="0.2",
+        record_token_text="true",
         wait_healthy=False,
     )
     control = f"http://127.0.0.1:{control_port}"
@@ -299,9 +303,20 @@ def test_overview_numbers_and_a_click_to_a_rollout_and_back(loop: Loop, browser:
     pushed = next(s for s in loop.steps if s["policy_version"] == 2)["time"]
     assert time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(pushed)) in text(browser, "#policy-version + small")
     assert re.fullmatch(r"\d+\.\d\d", text(browser, "#episodes-started-per-s"))
-    # the charts: one point per learner step with training episodes, validation only where there was some
-    assert len(browser.find_elements(By.CSS_SELECTOR, "#chart-success circle")) == 2 * len(loop.steps)
-    assert len(browser.find_elements(By.CSS_SELECTOR, "#chart-validation circle")) == 2 * 3
+    # the charts: one point per policy version that served episodes, summed over the learner steps
+    for chart, key in (("chart-success", "by_version"), ("chart-validation", "val_by_version")):
+        sums: dict[int, list[float]] = {}
+        for step in loop.steps:
+            for version, row in step[key].items():
+                sums[int(version)] = [
+                    a + b for a, b in zip(sums.get(int(version), [0, 0, 0]), row, strict=True)
+                ]
+        expected = [f"success rate: {num(ok / n)} at {v}" for v, (n, ok, _) in sorted(sums.items())] + [
+            f"mean reward: {num(total / n)} at {v}" for v, (n, _, total) in sorted(sums.items())
+        ]
+        points = browser.find_elements(By.CSS_SELECTOR, f"#{chart} circle title")
+        assert [p.get_attribute("textContent") for p in points] == expected
+        assert len(expected) == 2 * (7 if key == "by_version" else 3)
 
     # the page refreshes itself: a rollout started now appears without a reload
     new = f"late-{uuid.uuid4().hex[:6]}"
@@ -331,8 +346,13 @@ def test_overview_numbers_and_a_click_to_a_rollout_and_back(loop: Loop, browser:
         assert fact("latency ms") == num(call.latency_ms)
         assert fact("agent") == call.agent_name == "solver"
         assert fact("reward") == num(call.reward)
-        tokens = browser.find_elements(By.CSS_SELECTOR, f"#call-{call.index} .tokens .t")
-        assert [int(t.text) for t in tokens] == call.completion_token_ids
+        # the completion as the server's token text (RLGATE_RECORD_TOKEN_TEXT), each token's id kept
+        tokens = browser.find_elements(By.CSS_SELECTOR, f"#call-{call.index} .tokens.text .t")
+        assert [int(t.get_attribute("data-id")) for t in tokens] == call.completion_token_ids
+        assert call.completion_tokens and len(call.completion_tokens) == len(tokens)
+        assert [t.get_attribute("textContent") for t in tokens] == [
+            tok.replace("\n", "↵\n") if tok else "∅" for tok in call.completion_tokens
+        ]
         expected = [f"lp{min(9, int(math.exp(lp) * 10))}" for lp in call.completion_logprobs]
         assert [t.get_attribute("class").split()[1] for t in tokens] == expected
     assert [c.policy_version for c in view.calls] == [0, 2]

@@ -123,13 +123,24 @@ def test_a_dead_learners_pending_episodes_come_back(redis_client: redis.Redis, s
 
 def test_validation_episodes_are_scored_apart_and_never_trained(redis_client: redis.Redis):
     """A rollout created with mode val, closed like any other: on the stream with its mode, acknowledged
-    (consumed) by the collector at once, its reward kept for the step's val_* numbers, in no group."""
-    from episodes import EpisodeLifecycle
+    (consumed) by the collector at once, its reward kept for the step's val_* numbers, in no group, and
+    counted under the policy version that served its first call (its stream entry carries it)."""
+    from episodes import CallRecord, EpisodeLifecycle
 
     async def body(store):
         lifecycle = EpisodeLifecycle(store)
         for i, mode in enumerate(["val", "train", "train", "train", "val"]):
             await store.create_rollout(f"r{i}", "a", mode=mode)
+            for version in (3, 5) if i == 0 else ():  # r4 made no call: no version to count it under
+                call = CallRecord(
+                    rollout_id=f"r{i}",
+                    endpoint="completions",
+                    policy_version=version,
+                    request={},
+                    started_at=0.0,
+                    latency_ms=1.0,
+                )
+                await store.record_calls(f"r{i}", "a", [call])
             await lifecycle.close(f"r{i}", float(i))
         c = collector(store, tasks_per_step=1)
         await c.start()
@@ -141,6 +152,7 @@ def test_validation_episodes_are_scored_apart_and_never_trained(redis_client: re
     assert [[e.rollout_id for e in g.episodes] for g in groups] == [["r1", "r2", "r3"]]
     assert all(e.mode == "train" for g in groups for e in g.episodes)
     assert (validation.episodes, validation.reward_sum, validation.successes) == (2, 4.0, 1)
+    assert validation.versions() == {"3": [1, 0, 0.0]}
     assert (
         statuses[0] == statuses[4] == "consumed" and statuses[1] == "closed"
     )  # trained ones: acked after training

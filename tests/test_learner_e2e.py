@@ -449,6 +449,17 @@ def test_dynamic_filtering_skips_uniform_groups_and_consumed_episodes_get_the_re
     [step] = steps(out)
     assert step["groups"] == 2 and step["samples"] == 16 and step["dropped_uniform"] == 4
     assert step["episodes"] == 12 and step["success_rate"] == pytest.approx(7 / 12)
+    # per serving version: the uniform group's episodes (counted from their stream entries) with the
+    # trained ones (from their rollouts); the previous test's push may reach the gateway mid-way
+    expected: dict[str, list[float]] = {}
+    for task, ids in rids.items():
+        for rid, reward in zip(ids, rewards[task], strict=True):
+            row = expected.setdefault(
+                str(min(c["policy_version"] for c in calls_of(gateway, rid))), [0, 0, 0.0]
+            )
+            row[0], row[1], row[2] = row[0] + 1, row[1] + (reward >= 1.0), row[2] + reward
+    assert step["by_version"] == dict(sorted(expected.items(), key=lambda kv: int(kv[0])))
+    assert sum(n for n, _, _ in step["by_version"].values()) == 12
     for task, ids in rids.items():
         for rid in ids:
             assert redis_client.hget(f"rlgate:rollout:{{{rid}}}", "status") == b"consumed", task

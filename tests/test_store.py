@@ -75,6 +75,36 @@ def test_record_creates_rollout_and_indexes_calls(redis_client: redis.Redis):
     assert redis_client.llen("t:rollout:{r1}:calls") == 3
 
 
+def test_the_rollout_hash_keeps_its_agent_and_served_versions(redis_client: redis.Redis):
+    """What a listing shows of a rollout's calls comes from its hash, kept by the record script: the first
+    named agent, the lowest and highest version that served it (in whatever order calls commit)."""
+
+    async def go():
+        store = EpisodeStore.from_url(REDIS_URL, prefix="t")
+        try:
+            await store.record_calls("r9", "t9", [_record("r9", policy_version=4)])  # no agent named
+            before = (await store.list_rollouts(limit=10)).rollouts
+            await store.record_calls("r9", None, [_record("r9", policy_version=2, agent_name="planner")])
+            await store.record_calls("r9", None, [_record("r9", policy_version=7, agent_name="coder")])
+            await store.record_calls("r9", None, [_record("r9", policy_version=3, agent_name="coder")])
+            # refused calls change nothing
+            with pytest.raises(TaskMismatch):
+                await store.record_calls("r9", "other", [_record("r9", policy_version=99, agent_name="x")])
+            return before, (await store.list_rollouts(limit=10)).rollouts, await store.get_rollout("r9")
+        finally:
+            await store.aclose()
+
+    before, after, rollout = run(go())
+    assert [(r.agent_name, r.first_version, r.last_version) for r in before] == [(None, 4, 4)]
+    assert [(r.agent_name, r.first_version, r.last_version, r.calls) for r in after] == [("planner", 2, 7, 4)]
+    assert (rollout.agent_name, rollout.first_version, rollout.last_version) == ("planner", 2, 7)
+    assert redis_client.hmget("t:rollout:{r9}", "agent_name", "first_version", "last_version") == [
+        b"planner",
+        b"2",
+        b"7",
+    ]
+
+
 def test_create_rollout_once_and_task_mismatch(redis_client: redis.Redis):
     async def go():
         store = EpisodeStore.from_url(REDIS_URL, prefix="t")

@@ -15,7 +15,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
 
-from episodes.overview import CallHead, StoreCounts
+from episodes.overview import StoreCounts
 from episodes.records import RolloutSummary
 from gateway.ui.html import Html, join, num, tag, when
 from gateway.ui.svg import line_chart
@@ -68,7 +68,6 @@ class Snapshot:
     errors: dict[str, float]  # this gateway's errors by kind
     rates: dict[str, float]
     recent: Sequence[RolloutSummary]
-    heads: dict[str, CallHead]
     gateway_backlog: int
     holding: bool
 
@@ -96,17 +95,38 @@ def pushed_at(counts: StoreCounts, steps: list[dict[str, Any]]) -> float | None:
     return None
 
 
-def rollout_rows(rows: Sequence[RolloutSummary], heads: dict[str, CallHead]) -> Html:
+def by_version(steps: Sequence[dict[str, Any]], key: str) -> list[tuple[int, tuple[float, float, float]]]:
+    """The learner steps' tallies per serving policy version (`key`: `by_version` or `val_by_version`,
+    version -> [episodes, successes, reward sum]) summed over `steps`, in version order; versions with no
+    episode and malformed entries left out."""
+    total: dict[int, list[float]] = {}
+    for step in steps:
+        rows = step.get(key)
+        if not isinstance(rows, dict):
+            continue
+        for name, row in rows.items():
+            try:
+                version = int(name)
+                n, ok, reward = (float(x) for x in row)
+            except (TypeError, ValueError):
+                continue
+            into = total.setdefault(version, [0.0, 0.0, 0.0])
+            into[0] += n
+            into[1] += ok
+            into[2] += reward
+    return [(v, (n, ok, r)) for v, (n, ok, r) in sorted(total.items()) if n > 0]
+
+
+def rollout_rows(rows: Sequence[RolloutSummary]) -> Html:
     """The rows of a rollout table (the overview's recent rollouts and the rollouts page)."""
     out = []
     for r in rows:
-        head = heads.get(r.rollout_id, CallHead())
         versions = (
             "—"
-            if head.first_version is None
-            else str(head.first_version)
-            if head.first_version == head.last_version
-            else f"{head.first_version}–{head.last_version}"
+            if r.first_version is None
+            else str(r.first_version)
+            if r.first_version == r.last_version
+            else f"{r.first_version}–{r.last_version}"
         )
         out.append(
             tag(
@@ -115,7 +135,7 @@ def rollout_rows(rows: Sequence[RolloutSummary], heads: dict[str, CallHead]) -> 
                 tag("td", r.task_id or "—"),
                 tag("td", r.status.value, class_=f"status {r.status.value}"),
                 tag("td", r.mode),
-                tag("td", head.agent_name or "—"),
+                tag("td", r.agent_name or "—"),
                 tag("td", versions, class_="num"),
                 tag("td", num(r.reward), class_="num"),
                 tag("td", num(r.calls), class_="num"),
@@ -167,23 +187,23 @@ def live(s: Snapshot) -> Html:
         _stat("indexed", "rollouts listed", c.indexed),
         class_="stats",
     )
-    train = [st for st in s.steps if st.get("episodes")]
+    train, val = by_version(s.steps, "by_version"), by_version(s.steps, "val_by_version")
     reward_chart = line_chart(
-        "Training episodes by policy version",
+        "Training episodes by the policy version that served them",
         [
-            ("success rate", [(st["policy_version"], st.get("success_rate")) for st in train]),
-            ("mean reward", [(st["policy_version"], st.get("reward_mean")) for st in train]),
+            ("success rate", [(v, ok / n) for v, (n, ok, _) in train]),
+            ("mean reward", [(v, total / n) for v, (n, _, total) in train]),
         ],
-        x_label="policy version pushed by the step",
+        x_label=f"policy version of the episode's first call (last {len(s.steps)} learner steps)",
         chart_id="chart-success",
     )
     val_chart = line_chart(
         "Validation episodes (never trained on)",
         [
-            ("success rate", [(st["policy_version"], st.get("val_success_rate")) for st in s.steps]),
-            ("mean reward", [(st["policy_version"], st.get("val_reward_mean")) for st in s.steps]),
+            ("success rate", [(v, ok / n) for v, (n, ok, _) in val]),
+            ("mean reward", [(v, total / n) for v, (n, _, total) in val]),
         ],
-        x_label="policy version",
+        x_label="policy version of the episode's first call",
         chart_id="chart-validation",
     )
     kinds = sorted(set(s.errors) | {k for k in s.rates if k.startswith("error:")} - {""})
@@ -226,7 +246,7 @@ def live(s: Snapshot) -> Html:
                 class_="columns",
             ),
             tag("h2", "Recent rollouts"),
-            tag("table", ROLLOUT_HEADER, rollout_rows(s.recent, s.heads), id="recent", class_="rollouts"),
+            tag("table", ROLLOUT_HEADER, rollout_rows(s.recent), id="recent", class_="rollouts"),
             tag("p", tag("a", "All rollouts", href="/ui/rollouts")),
         ]
     )

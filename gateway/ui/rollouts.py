@@ -14,7 +14,6 @@ from urllib.parse import urlencode
 
 import orjson
 
-from episodes.overview import CallHead
 from episodes.records import IndexedCall, RolloutStatus, RolloutSummary, RolloutView
 from gateway.ui.html import Html, join, num, tag, truncate, when
 from gateway.ui.overview import ROLLOUT_HEADER, rollout_rows
@@ -36,14 +35,16 @@ class Filters:
     until: float | None = None
     limit: int = 50
 
-    def keep(self, row: RolloutSummary, head: CallHead) -> bool:
+    def keep(self, row: RolloutSummary) -> bool:
         """The filters `EpisodeStore.list_rollouts` does not apply itself."""
         if self.mode is not None and row.mode != self.mode:
             return False
-        if self.agent is not None and head.agent_name != self.agent:
+        if self.agent is not None and row.agent_name != self.agent:
             return False
         if self.version is not None and not (
-            head.first_version is not None and head.first_version <= self.version <= (head.last_version or 0)
+            row.first_version is not None
+            and row.last_version is not None
+            and row.first_version <= self.version <= row.last_version
         ):
             return False
         if self.min_reward is not None and (row.reward is None or row.reward < self.min_reward):
@@ -89,7 +90,6 @@ def _select(name: str, label: str, value: str | None, options: Sequence[str]) ->
 def listing(
     f: Filters,
     rows: Sequence[RolloutSummary],
-    heads: dict[str, CallHead],
     next_cursor: str | None,
     scanned: int,
 ) -> Html:
@@ -109,7 +109,7 @@ def listing(
         class_="filters",
         id="filters",
     )
-    kept = [r for r in rows if f.keep(r, heads.get(r.rollout_id, CallHead()))]
+    kept = [r for r in rows if f.keep(r)]
     nav = [tag("a", "First page", href="/ui/rollouts?" + f.query())]
     if next_cursor:
         nav.append(tag("a", "Next page", href="/ui/rollouts?" + f.query(cursor=next_cursor), id="next-page"))
@@ -124,7 +124,7 @@ def listing(
                 class_="note",
                 id="listing-note",
             ),
-            tag("table", ROLLOUT_HEADER, rollout_rows(kept, heads), id="rollouts", class_="rollouts"),
+            tag("table", ROLLOUT_HEADER, rollout_rows(kept), id="rollouts", class_="rollouts"),
             tag("p", nav, class_="pager"),
         ]
     )
@@ -220,31 +220,57 @@ def _request(request: dict[str, Any]) -> Html:
     return _text_block(request)
 
 
+def _token_text(text: str) -> Any:
+    """A token's text as shown (escaped by `tag`): line ends marked (↵) before they break the line, an
+    empty token as ∅."""
+    if not text:
+        return tag("span", "∅", class_="mark")
+    if "\n" not in text:
+        return text
+    lines = text.split("\n")
+    return [lines[0], *([tag("span", "↵", class_="mark"), "\n", line] for line in lines[1:])]
+
+
 def _tokens(call: IndexedCall) -> Html | None:
+    """The completion's tokens shaded by sampling probability: as text where the record kept each token's
+    text (`RLGATE_RECORD_TOKEN_TEXT`), else as token ids; the id, log-prob and probability in the tooltip."""
     ids = call.completion_token_ids
     if not ids:
         return None
     logprobs = call.completion_logprobs or []
+    texts = (
+        call.completion_tokens if call.completion_tokens and len(call.completion_tokens) == len(ids) else None
+    )
     spans = []
     for i, token in enumerate(ids[:TOKENS_MAX]):
+        shown: Any = token if texts is None else _token_text(texts[i])
         lp = logprobs[i] if i < len(logprobs) else None
         if lp is None or not math.isfinite(lp):
-            spans.append(tag("span", token, class_="t lpn", title=f"token {token}: no log-prob"))
+            spans.append(
+                tag("span", shown, class_="t lpn", title=f"token {token}: no log-prob", data_id=token)
+            )
             continue
         p = math.exp(lp)
         spans.append(
             tag(
                 "span",
-                token,
+                shown,
                 class_=f"t lp{min(9, int(p * 10))}",
                 title=f"token {token} · log-prob {lp:.4f} · p {p:.3f}",
+                data_id=token,
             )
         )
     more = len(ids) - TOKENS_MAX
+    kind = "text" if texts is not None else "ids"
     return tag(
         "div",
-        tag("div", f"completion: {len(ids)} tokens (ids), shaded by sampling probability", class_="role"),
-        tag("div", spans, tag("em", f" … {more} more tokens") if more > 0 else None, class_="tokens"),
+        tag("div", f"completion: {len(ids)} tokens ({kind}), shaded by sampling probability", class_="role"),
+        tag(
+            "div",
+            spans,
+            tag("em", f" … {more} more tokens") if more > 0 else None,
+            class_=f"tokens {kind}",
+        ),
         class_="msg",
     )
 

@@ -238,7 +238,6 @@ async def overview_page(request: Request) -> Response:
         counts, steps, recent = await asyncio.gather(
             d.overview.counts(), d.overview.learner_steps(STEPS_DEFAULT), d.store.list_rollouts(limit=RECENT)
         )
-        heads = await d.overview.call_heads([r.rollout_id for r in recent.rollouts])
         # with several workers this reads every worker's metric files: off the event loop
         calls, errors = await asyncio.to_thread(
             lambda: (
@@ -255,7 +254,7 @@ async def overview_page(request: Request) -> Response:
         )
         watch = d.gateway.proxy.watch
         snap = overview.Snapshot(
-            counts, steps, calls, errors, rates, recent.rollouts, heads, watch.backlog, watch.over_backlog
+            counts, steps, calls, errors, rates, recent.rollouts, watch.backlog, watch.over_backlog
         )
         if fragment:
             return _html((await asyncio.to_thread(overview.live, snap)).encode())
@@ -297,9 +296,8 @@ async def rollouts_page(request: Request) -> Response:
             )
         except ValueError as exc:
             raise BadParam(str(exc)) from exc
-        heads = await d.overview.call_heads([r.rollout_id for r in listing.rollouts])
         body = await asyncio.to_thread(
-            rollouts.listing, f, listing.rollouts, heads, listing.next_cursor, len(listing.rollouts)
+            rollouts.listing, f, listing.rollouts, listing.next_cursor, len(listing.rollouts)
         )
         return _html(page("rollouts", body, "rollouts"))
 
