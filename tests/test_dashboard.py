@@ -26,6 +26,7 @@ import httpx
 import pytest
 import redis
 from conftest import REDIS_URL, ROOT, Proc, free_port, start_fake_vllm, start_gateway
+from prometheus_client.parser import text_string_to_metric_families
 
 from episodes import ClosedEpisodes, EpisodeStore, Policy
 from gateway.ui.html import num
@@ -325,6 +326,32 @@ def test_overview_numbers_and_a_click_to_a_rollout_and_back(loop: Loop, browser:
     _wait(lambda: new in text(browser, "#recent"), "the overview to show the new rollout")
     assert text(browser, "#open") == str(statuses.count("open") + 1)
     assert browser.execute_script("return document.querySelector('#live').dataset.refreshed") is not None
+
+    # this gateway's errors by kind, as its own Prometheus counter says (read by prometheus_client's parser)
+    with httpx.Client(timeout=30) as client:
+        answer = client.post(
+            f"{loop.gateway.url}/rollouts/err-{uuid.uuid4().hex[:6]}/v1/chat/completions",
+            json={"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]},
+            headers={"authorization": f"Bearer {API_KEY}"},
+        )
+        assert answer.status_code == 404, answer.text
+        exposed = client.get(f"{loop.control}/metrics").text
+    counted = {
+        sample.labels["kind"]: int(sample.value)
+        for family in text_string_to_metric_families(exposed)
+        if family.name == "rlgate_gateway_errors"
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    }
+    assert counted and all(counted.values())
+    rows = (  # read in one script: the live part may be replaced between two element reads
+        "return Array.from(document.querySelectorAll('#errors tr[data-kind]'))"
+        ".map(r => [r.dataset.kind, r.querySelector('td.num').textContent])"
+    )
+    _wait(
+        lambda: {kind: int(total) for kind, total in browser.execute_script(rows)} == counted,
+        "the overview's error table to equal the gateway's counter",
+    )
 
     # click from the overview to a rollout, and compare its page with the store's record
     rid = loop.rollouts[4]

@@ -206,7 +206,7 @@ def live(s: Snapshot) -> Html:
         x_label="policy version of the episode's first call",
         chart_id="chart-validation",
     )
-    kinds = sorted(set(s.errors) | {k for k in s.rates if k.startswith("error:")} - {""})
+    kinds = sorted((set(s.errors) | {k.removeprefix("error:") for k in s.rates if k.startswith("error:")}) - {""})
     errors = tag(
         "table",
         tag("tr", tag("th", "error kind"), tag("th", "total"), tag("th", "per s")),
