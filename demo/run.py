@@ -250,6 +250,7 @@ def start(cfg: DemoConfig) -> dict[str, Any]:
             "RLGATE_PORT": str(gateway_port),
             "RLGATE_POLICY_POLL_S": "0.1",
             "RLGATE_MAX_BACKLOG": str(cfg.max_backlog),
+            "RLGATE_RECORD_TOKEN_TEXT": "true",  # the dashboard shows completions as text
         },
     )
     gateway_url = f"http://127.0.0.1:{gateway_port}"

@@ -93,16 +93,22 @@ if created == 0 and ARGV[2] ~= '' then
   end
 end
 local n = redis.call('RPUSH', KEYS[2], unpack(ARGV, 12))
-if ARGV[10] ~= '' then
-  redis.call('HSETNX', KEYS[1], 'agent_name', ARGV[10])
+local seen = redis.call('HMGET', KEYS[1], 'agent_name', 'first_version', 'last_version')
+local version, changed = tonumber(ARGV[11]), {}
+if not seen[1] and ARGV[10] ~= '' then
+  changed[#changed + 1] = 'agent_name'
+  changed[#changed + 1] = ARGV[10]
 end
-local version = tonumber(ARGV[11])
-local seen = redis.call('HMGET', KEYS[1], 'first_version', 'last_version')
-if not seen[1] or version < tonumber(seen[1]) then
-  redis.call('HSET', KEYS[1], 'first_version', ARGV[11])
+if not seen[2] or version < tonumber(seen[2]) then
+  changed[#changed + 1] = 'first_version'
+  changed[#changed + 1] = ARGV[11]
 end
-if not seen[2] or version > tonumber(seen[2]) then
-  redis.call('HSET', KEYS[1], 'last_version', ARGV[11])
+if not seen[3] or version > tonumber(seen[3]) then
+  changed[#changed + 1] = 'last_version'
+  changed[#changed + 1] = ARGV[11]
+end
+if #changed > 0 then
+  redis.call('HSET', KEYS[1], unpack(changed))
 end
 return {0, n - n_records, created}
 """

@@ -128,8 +128,8 @@ class GatewaySettings(SharedSettings):
         False,
         description="Keep each completion token's text (the `token` of the server's log-probs) in the call "
         "records, so the dashboard's rollout page shows the completion as text shaded by log-prob rather "
-        "than as token ids. Costs about 7 bytes of Redis memory per completion token (docs/deployment.md, "
-        "Sizing); the learner never reads it.",
+        "than as token ids. Adds about 7 bytes per completion token to every record (docs/performance.md, "
+        "Token text); the learner never reads it.",
     )
     require_rollout_id: bool = Field(
         False,

@@ -10,6 +10,8 @@ apart), the bytes sent to Redis, the memory it keeps (`used_memory`, masters onl
 copy), and the calls per second this one client process reached.
 
     .venv/bin/python scripts/bench_store.py            # sizes 40/32, 2000/300, 8000/1000; 3 rounds
+    .venv/bin/python scripts/bench_store.py --targets standalone --token-text off,on
+                                                       # what RLGATE_RECORD_TOKEN_TEXT costs
 
 The client shares the machine's cores with every redis-server: calls/s is a floor for the recording path,
 not the gateway's throughput (scripts/bench_gateway.py measures that). The servers' CPU per call is what
@@ -105,12 +107,15 @@ class Servers:
         return f"redis+cluster://127.0.0.1:{self.ports[0]}{wait}"
 
     def counters(self) -> dict[str, float]:
-        """CPU seconds (masters, replicas), bytes received and memory used (masters), summed over nodes."""
-        out = {"cpu_masters": 0.0, "cpu_replicas": 0.0, "in": 0.0, "memory": 0.0}
+        """CPU seconds (masters, replicas), bytes received, memory used and seconds spent running the
+        record script (`EVALSHA`'s commandstats: the script alone, without the event loop and network
+        work around it; masters), summed over nodes."""
+        out = {"cpu_masters": 0.0, "cpu_replicas": 0.0, "in": 0.0, "memory": 0.0, "script": 0.0}
         for port in self.ports:
             info = redis.Redis(port=port).info("all")
             cpu = info["used_cpu_user"] + info["used_cpu_sys"]
             if info["role"] == "master":
+                out["script"] += info.get("cmdstat_evalsha", {}).get("usec", 0) / 1e6
                 out["cpu_masters"] += cpu
                 out["in"] += info["total_net_input_bytes"]
                 out["memory"] += info["used_memory"]
@@ -130,16 +135,21 @@ class Servers:
             proc.wait()
 
 
-def make_record(rollout_id: str, prompt: int, completion: int, rng: random.Random) -> CallRecord:
+def make_record(
+    rollout_id: str, prompt: int, completion: int, rng: random.Random, token_text: bool = False
+) -> CallRecord:
     """A call as the gateway records it: messages and answer text (~4 characters per token), the server's
-    prompt and completion token ids, and a log-prob per completion token."""
+    prompt and completion token ids, a log-prob per completion token, and with `token_text` each
+    completion token's text (RLGATE_RECORD_TOKEN_TEXT)."""
     words = "the of and to in is that for it as with was on be at by this from".split()
 
     def text(tokens: int) -> str:
         return " ".join(rng.choice(words) for _ in range(tokens))
 
+    answer = [rng.choice(words) for _ in range(completion)]
     return CallRecord(
         rollout_id=rollout_id,
+        agent_name="solver",
         endpoint="chat.completions",
         model="Qwen/Qwen2.5-7B-Instruct",
         policy_version=3,
@@ -153,7 +163,7 @@ def make_record(rollout_id: str, prompt: int, completion: int, rng: random.Rando
         },
         response={
             "id": "chatcmpl-0123456789abcdef",
-            "message": {"role": "assistant", "content": text(completion)},
+            "message": {"role": "assistant", "content": " ".join(answer)},
             "finish_reason": "stop",
             "usage": {
                 "prompt_tokens": prompt,
@@ -164,6 +174,11 @@ def make_record(rollout_id: str, prompt: int, completion: int, rng: random.Rando
         prompt_token_ids=[rng.randrange(151_000) for _ in range(prompt)],
         completion_token_ids=[rng.randrange(151_000) for _ in range(completion)],
         completion_logprobs=[-rng.random() * 3 for _ in range(completion)],
+        **(
+            {"completion_tokens": [(" " if i else "") + w for i, w in enumerate(answer)]}
+            if token_text
+            else {}
+        ),
         started_at=time.time(),
         latency_ms=812.4,
         ttfb_ms=95.1,
@@ -202,18 +217,22 @@ def main() -> None:
     ap.add_argument("--bytes", type=int, default=256 << 20, help="at most this much record JSON per cell")
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--token-text", default="off", help="off, on, or off,on: records without/with each token's text"
+    )
     args = ap.parse_args()
+    variants = [v == "on" for v in args.token_text.split(",")]
     if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
         raise SystemExit("bench_store: needs redis-server and redis-cli on PATH")
     sizes = [tuple(int(x) for x in size.split("/")) for size in args.sizes.split(",")]
     targets = args.targets.split(",")
     rng = random.Random(0)
-    results: dict[tuple[str, tuple[int, int]], list[dict[str, float]]] = {}
+    results: dict[tuple[str, tuple[int, int], bool], list[dict[str, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         servers = {kind: Servers(kind, Path(tmp)) for kind in targets}
         try:
-            for size in sizes:
-                record = make_record("r", *size, rng)
+            for size, text in ((size, text) for size in sizes for text in variants):
+                record = make_record("r", *size, rng, text)
                 json_bytes = len(record.model_dump_json())
                 calls = max(args.concurrency, min(args.calls, args.bytes // json_bytes))
                 calls -= calls % args.concurrency
@@ -228,11 +247,12 @@ def main() -> None:
                         seconds = asyncio.run(record_all(s.url, f"b{rnd}", record, calls, args.concurrency))
                         after = s.counters()
                         done = calls + calls // args.concurrency  # and the warm-up task's calls
-                        results.setdefault((kind, size), []).append(
+                        results.setdefault((kind, size, text), []).append(
                             {
                                 "calls/s": calls / seconds,
                                 "cpu_m": (after["cpu_masters"] - before["cpu_masters"]) / done * 1e6,
                                 "cpu_r": (after["cpu_replicas"] - before["cpu_replicas"]) / done * 1e6,
+                                "script": (after["script"] - before["script"]) / done * 1e6,
                                 "in": (after["in"] - before["in"]) / done,
                                 "memory": (after["memory"] - before["memory"]) / done,
                                 "json": json_bytes,
@@ -242,23 +262,29 @@ def main() -> None:
             for s in servers.values():
                 s.stop()
     print(f"\nmedians of {args.rounds} rounds, concurrency {args.concurrency}, one client process\n")
+    text_column = len(variants) > 1 or variants[0]
     print(
-        "| tokens (prompt/completion) | record JSON | target | calls/s | Redis CPU us/call (masters) "
-        "| replicas CPU us/call | bytes to Redis/call | memory/call |"
+        "| tokens (prompt/completion) |" + (" token text |" if text_column else "") + " record JSON | target "
+        "| calls/s | Redis CPU us/call (masters) | of it, the record script | replicas CPU us/call "
+        "| bytes to Redis/call | memory/call |"
     )
-    print("|---|---:|---|---:|---:|---:|---:|---:|")
+    print("|---|" + ("---|" if text_column else "") + "---:|---|---:|---:|---:|---:|---:|---:|")
     for size in sizes:
-        for kind in targets:
-            rows = results[(kind, size)]
+        for text in variants:
+            for kind in targets:
+                rows = results[(kind, size, text)]
 
-            def med(name: str, rows: list[dict[str, float]] = rows) -> float:
-                return statistics.median(r[name] for r in rows)
+                def med(name: str, rows: list[dict[str, float]] = rows) -> float:
+                    return statistics.median(r[name] for r in rows)
 
-            replicas = f"{med('cpu_r'):.1f}" if kind == "cluster+replicas" else ""
-            print(
-                f"| {size[0]}/{size[1]} | {med('json'):,.0f} B | {kind} | {med('calls/s'):,.0f} "
-                f"| {med('cpu_m'):.1f} | {replicas} | {med('in'):,.0f} | {med('memory'):,.0f} B |"
-            )
+                replicas = f"{med('cpu_r'):.1f}" if kind == "cluster+replicas" else ""
+                print(
+                    f"| {size[0]}/{size[1]} |"
+                    + (f" {'on' if text else 'off'} |" if text_column else "")
+                    + f" {med('json'):,.0f} B | {kind} | {med('calls/s'):,.0f} "
+                    f"| {med('cpu_m'):.1f} | {med('script'):.1f} | {replicas} | {med('in'):,.0f} "
+                    f"| {med('memory'):,.0f} B |"
+                )
 
 
 if __name__ == "__main__":
