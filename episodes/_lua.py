@@ -92,21 +92,21 @@ if created == 0 and ARGV[2] ~= '' then
     return {2, task}
   end
 end
-local n = redis.call('RPUSH', KEYS[2], unpack(ARGV, 12))
 local seen = redis.call('HMGET', KEYS[1], 'agent_name', 'first_version', 'last_version')
-local version, changed = tonumber(ARGV[11]), {}
+local version, changed = tonumber(ARGV[11]) or 0, {}
 if not seen[1] and ARGV[10] ~= '' then
   changed[#changed + 1] = 'agent_name'
   changed[#changed + 1] = ARGV[10]
 end
-if not seen[2] or version < tonumber(seen[2]) then
+if version < (tonumber(seen[2]) or math.huge) then
   changed[#changed + 1] = 'first_version'
   changed[#changed + 1] = ARGV[11]
 end
-if not seen[3] or version > tonumber(seen[3]) then
+if version > (tonumber(seen[3]) or -1) then
   changed[#changed + 1] = 'last_version'
   changed[#changed + 1] = ARGV[11]
 end
+local n = redis.call('RPUSH', KEYS[2], unpack(ARGV, 12))
 if #changed > 0 then
   redis.call('HSET', KEYS[1], unpack(changed))
 end

@@ -71,7 +71,7 @@ many gateways, webhooks or workers race on it):
 Closed episodes reach learners through the `episodes` stream with an outbox, since the stream and the
 rollout live in different slots: a closer first adds the rollout to `outbox`, then runs the close
 script; the one caller that actually closed it XADDs `{rollout_id, task_id, reward}` (with `mode` for a
-validation episode, `version` for the policy version that served its first call) to the stream, sets
+validation episode, `version` for the oldest policy version that served one of its calls) to the stream, sets
 `published` to 1 and removes the outbox entry. If it dies in between, the sweeper finds the stale outbox
 entry and publishes it (at least once; the learner's consume script is the exactly-once point). The
 learners' consumer group reads with XREADGROUP, acknowledges with XACK after training (and marks the

@@ -129,7 +129,7 @@ class EpisodeLifecycle:
         """Put a closed episode on the stream (at least once), then clear the intent and its expiry.
         `hashed`: the rollout's task id, mode and first version as the close script read them (None: read
         them here). A validation episode (mode val) carries its mode: learners score it apart and never
-        train on it; `version`, the policy version that served its first call, lets them report success
+        train on it; `version`, the oldest policy version that served one of its calls, lets them report success
         per serving version."""
         async with self.store.guard():
             if hashed is None:

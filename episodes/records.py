@@ -125,7 +125,7 @@ class CallRecord(_Record):
     completion_logprobs: list[float] | None = Field(
         None, description="Log-prob of each sampled completion token, as the server reported it."
     )
-    completion_tokens: list[str] | None = Field(
+    completion_token_texts: list[str] | None = Field(
         None,
         description="Each sampled completion token's text, as the server reported it with its log-prob "
         "(kept with RLGATE_RECORD_TOKEN_TEXT, for display; never trained on).",

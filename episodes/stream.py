@@ -24,7 +24,7 @@ class ClosedEpisode:
     task_id: str | None
     reward: float
     mode: str = "train"  # val: a validation episode, scored apart and never trained on
-    version: int | None = None  # the policy version that served its first call (None: not recorded)
+    version: int | None = None  # the oldest policy version that served one of its calls (None: no call)
 
 
 def _episode(entry_id: bytes | str, fields: dict[bytes, bytes]) -> ClosedEpisode:

@@ -39,7 +39,7 @@ class Transition:
     prompt_token_ids: list[int] | None
     completion_token_ids: list[int] | None
     completion_logprobs: list[float] | None
-    completion_tokens: list[str] | None = None  # each sampled token's text, when asked for
+    completion_token_texts: list[str] | None = None  # each sampled token's text, when asked for
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -164,7 +164,7 @@ def responses_transition(payload: dict[str, Any], injected: Injected, token_text
                 if entries:
                     values.extend(entry["logprob"] for entry in entries)
                     if token_text:
-                        texts.extend(str(entry.get("token", "")) for entry in entries)
+                        texts.extend(str(entry.get("token") or "") for entry in entries)
                     found = True
     tokens = None
     if found and completion_ids is not None and len(values) == len(completion_ids):
@@ -236,7 +236,9 @@ def transitions(
                 prompt_token_ids=prompt_ids,
                 completion_token_ids=choice.get("token_ids"),
                 completion_logprobs=sampled_logprobs(endpoint, choice.get("logprobs")),
-                completion_tokens=sampled_tokens(endpoint, choice.get("logprobs")) if token_text else None,
+                completion_token_texts=sampled_tokens(endpoint, choice.get("logprobs"))
+                if token_text
+                else None,
             )
         )
     return out
@@ -263,6 +265,6 @@ def sampled_tokens(endpoint: Endpoint, logprobs: Any) -> list[str] | None:
         return None
     if endpoint == "chat.completions":
         content = logprobs.get("content")
-        return None if content is None else [str(entry.get("token", "")) for entry in content]
+        return None if content is None else [str(entry.get("token") or "") for entry in content]
     values, tokens = logprobs.get("token_logprobs"), logprobs.get("tokens")
-    return None if tokens is None or values is None or None in values else [str(t) for t in tokens]
+    return None if tokens is None or values is None or None in values else [str(t or "") for t in tokens]

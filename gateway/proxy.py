@@ -40,6 +40,9 @@ UPSTREAM_PATHS: dict[str, str] = {
 _JSON = (b"content-type", b"application/json")
 
 
+AGENT_NAME_MAX = 256  # characters of an X-Agent-Name header
+
+
 @dataclass(slots=True)
 class Call:
     """What the gateway knows about one agent call while serving it."""
@@ -169,6 +172,12 @@ class Proxy:
                 episodes.validate_id(task_id, "task id")
         except episodes.InvalidId as exc:
             raise errors.BadRequest(str(exc), code="invalid_id") from exc
+        if agent_name is not None and len(agent_name) > AGENT_NAME_MAX:  # kept in every record and listing
+            raise errors.BadRequest(
+                f"X-Agent-Name is {len(agent_name)} characters: at most {AGENT_NAME_MAX}",
+                code="invalid_agent_name",
+                param="X-Agent-Name",
+            )
         mode = None
         if attempt is not None:  # Agent Lightning: a later attempt of a rollout is an episode of its own
             attempt_id, mode = attempt
@@ -482,7 +491,7 @@ class Proxy:
                 prompt_token_ids=t.prompt_token_ids,
                 completion_token_ids=t.completion_token_ids,
                 completion_logprobs=t.completion_logprobs,
-                completion_tokens=t.completion_tokens,
+                completion_token_texts=t.completion_token_texts,
                 **common,
             )
             for t in transitions
@@ -516,6 +525,10 @@ class Proxy:
             )
             self.watch.recorded(call.rollout_id)
         except episodes.RecordTooLarge as exc:
+            if any(r.completion_token_texts for r in records):  # display only: never the reason a call fails
+                for record in records:
+                    record.completion_token_texts = None
+                return await self._commit(call, records, outcome, write_log, limit)
             # The answer is dropped, the call kept as failed (its request fits: checked before the upstream).
             error = CallError(
                 status=413, type="invalid_request_error", message=str(exc), code="record_too_large"

@@ -129,7 +129,8 @@ class GatewaySettings(SharedSettings):
         description="Keep each completion token's text (the `token` of the server's log-probs) in the call "
         "records, so the dashboard's rollout page shows the completion as text shaded by log-prob rather "
         "than as token ids. Adds about 7 bytes per completion token to every record (docs/performance.md, "
-        "Token text); the learner never reads it.",
+        "Token text); the learner never reads it. A record that would be over RLGATE_MAX_RECORD_BYTES with "
+        "the text is kept without it.",
     )
     require_rollout_id: bool = Field(
         False,

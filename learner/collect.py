@@ -47,9 +47,9 @@ class Group:
 
 @dataclass
 class Tally:
-    """Episodes' rewards summed as they are scored: in all, and per policy version that served the
-    episode's first call (`by_version`: version -> [episodes, successes, reward sum]; episodes recorded
-    without a version count in all only)."""
+    """Episodes' rewards summed as they are scored: in all, and per oldest policy version that served one
+    of the episode's calls (`by_version`: version -> [episodes, successes, reward sum]; episodes without a
+    recorded call count in all only)."""
 
     success_threshold: float = 1.0
     episodes: int = 0

@@ -236,7 +236,7 @@ class Learner:
             "groups": len(views),
             "reward_mean": train.reward_sum / train.episodes if train.episodes else math.nan,
             "success_rate": train.successes / train.episodes if train.episodes else math.nan,
-            # per policy version that served the episodes' first calls: [episodes, successes, reward sum]
+            # per oldest policy version that served each episode: [episodes, successes, reward sum]
             "by_version": train.versions(),
             "val_episodes": val.episodes,
             "val_reward_mean": val.reward_sum / val.episodes if val.episodes else math.nan,

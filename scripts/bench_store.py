@@ -175,7 +175,7 @@ def make_record(
         completion_token_ids=[rng.randrange(151_000) for _ in range(completion)],
         completion_logprobs=[-rng.random() * 3 for _ in range(completion)],
         **(
-            {"completion_tokens": [(" " if i else "") + w for i, w in enumerate(answer)]}
+            {"completion_token_texts": [(" " if i else "") + w for i, w in enumerate(answer)]}
             if token_text
             else {}
         ),

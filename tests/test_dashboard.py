@@ -376,9 +376,9 @@ def test_overview_numbers_and_a_click_to_a_rollout_and_back(loop: Loop, browser:
         # the completion as the server's token text (RLGATE_RECORD_TOKEN_TEXT), each token's id kept
         tokens = browser.find_elements(By.CSS_SELECTOR, f"#call-{call.index} .tokens.text .t")
         assert [int(t.get_attribute("data-id")) for t in tokens] == call.completion_token_ids
-        assert call.completion_tokens and len(call.completion_tokens) == len(tokens)
+        assert call.completion_token_texts and len(call.completion_token_texts) == len(tokens)
         assert [t.get_attribute("textContent") for t in tokens] == [
-            tok.replace("\n", "↵\n") if tok else "∅" for tok in call.completion_tokens
+            tok.replace("\n", "↵\n") if tok else "∅" for tok in call.completion_token_texts
         ]
         expected = [f"lp{min(9, int(math.exp(lp) * 10))}" for lp in call.completion_logprobs]
         assert [t.get_attribute("class").split()[1] for t in tokens] == expected

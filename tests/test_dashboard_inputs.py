@@ -83,7 +83,7 @@ def _call(**kw):
 
 
 def test_token_text_is_text_with_line_ends_marked_and_ids_kept() -> None:
-    html = str(rollouts._tokens(_call(completion_tokens=["<script>", "a\nb", "", " &x"])))
+    html = str(rollouts._tokens(_call(completion_token_texts=["<script>", "a\nb", "", " &x"])))
     assert "<script>" not in html and 'class="tokens text"' in html
     assert _spans(html) == [("5", "<script>"), ("6", "a↵\nb"), ("7", "∅"), ("8", " &x")]
     assert 'class="t lp9"' in html and 'class="t lpn"' in html  # p 0.99, and -inf: no probability
@@ -91,6 +91,6 @@ def test_token_text_is_text_with_line_ends_marked_and_ids_kept() -> None:
 
 @pytest.mark.parametrize("texts", [None, [], ["a", "b"]])
 def test_without_the_text_of_every_token_the_ids_are_shown(texts: list | None) -> None:
-    html = str(rollouts._tokens(_call(completion_tokens=texts)))
+    html = str(rollouts._tokens(_call(completion_token_texts=texts)))
     assert 'class="tokens ids"' in html
     assert _spans(html) == [("5", "5"), ("6", "6"), ("7", "7"), ("8", "8")]

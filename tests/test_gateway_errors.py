@@ -54,6 +54,14 @@ def test_invalid_rollout_ids_are_400(gateway: Proc, redis_client):
         headers={"X-Rollout-Id": "ok", "X-Task-Id": "bad{task}"},
     )
     assert_openai_error(response, 400)
+    # an agent name is kept in every record and in the rollout's listing row: bounded
+    response = httpx.post(
+        f"{gateway.url}/v1/chat/completions",
+        json=body,
+        headers={"X-Rollout-Id": "ok", "X-Agent-Name": "a" * 257},
+    )
+    error = assert_openai_error(response, 400)
+    assert (error["code"], error["param"]) == ("invalid_agent_name", "X-Agent-Name")
     assert redis_client.keys("*rollout*") == []
     assert_openai_error(httpx.post(f"{gateway.url}/rollouts", json={"rollout_id": "a/b"}), 400)
     error = assert_openai_error(httpx.post(f"{gateway.url}/rollouts", json={"metadata": "not a dict"}), 422)

@@ -121,6 +121,10 @@ def test_expiry_and_fill_reward(redis_client: redis.Redis):
 def test_outbox_repair_publishes_what_a_dead_closer_left(redis_client: redis.Redis):
     async def scenario(store, lifecycle):
         await store.create_rollout("orphan", "t9")
+        for version in (4, 2, 6):  # the entry names the oldest version that served a call
+            await store.record_calls(
+                "orphan", None, [_record("orphan").model_copy(update={"policy_version": version})]
+            )
         # a closer that wrote its intent and closed, then died before publishing
         redis_client.zadd("t:outbox", {"orphan": time.time() - 60})
         redis_client.eval(_lua.CLOSE, 1, "t:rollout:{orphan}", "0.75", "{}", repr(time.time()))
@@ -134,7 +138,7 @@ def test_outbox_repair_publishes_what_a_dead_closer_left(redis_client: redis.Red
     unchanged, repaired, again = run(scenario)
     assert unchanged.outcome == "unchanged" and repaired == ["orphan"] and again == []
     [(_, fields)] = redis_client.xrange("t:episodes")
-    assert fields == {b"rollout_id": b"orphan", b"task_id": b"t9", b"reward": b"0.75"}
+    assert fields == {b"rollout_id": b"orphan", b"task_id": b"t9", b"reward": b"0.75", b"version": b"2"}
 
 
 def test_intermediate_rewards_and_failure(redis_client: redis.Redis):

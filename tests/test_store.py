@@ -13,6 +13,7 @@ from episodes import (
     EpisodeStore,
     InvalidId,
     Keys,
+    ModeMismatch,
     RolloutExists,
     RolloutNotOpen,
     StoreUnavailable,
@@ -88,6 +89,10 @@ def test_the_rollout_hash_keeps_its_agent_and_served_versions(redis_client: redi
             await store.record_calls("r9", None, [_record("r9", policy_version=7, agent_name="coder")])
             await store.record_calls("r9", None, [_record("r9", policy_version=3, agent_name="coder")])
             # refused calls change nothing
+            with pytest.raises(ModeMismatch):
+                await store.record_calls(
+                    "r9", None, [_record("r9", policy_version=0, agent_name="x")], mode="val"
+                )
             with pytest.raises(TaskMismatch):
                 await store.record_calls("r9", "other", [_record("r9", policy_version=99, agent_name="x")])
             return before, (await store.list_rollouts(limit=10)).rollouts, await store.get_rollout("r9")

@@ -14,15 +14,15 @@ from test_gateway_proxy import MESSAGES, MODEL, new_id, post, rollout, sse_chunk
 
 
 @pytest.fixture(scope="module", params=["fake_vllm", "rlgate_serve"])
-def text_upstream(request: pytest.FixtureRequest, tmp_path_factory) -> Iterator[tuple[Proc, Proc]]:
+def text_upstream(request: pytest.FixtureRequest, tmp_path_factory) -> Iterator[tuple[Proc, Proc, str]]:
     upstream = request.getfixturevalue(request.param)
     proc = start_gateway(tmp_path_factory.mktemp("text_gateway"), upstream.url, record_token_text="true")
-    yield proc, upstream
+    yield proc, upstream, request.param
     proc.kill(signal.SIGTERM)
 
 
-def test_every_form_of_call_keeps_the_servers_token_text(text_upstream: tuple[Proc, Proc], redis_client):
-    gateway, upstream = text_upstream
+def test_every_form_of_call_keeps_the_servers_token_text(text_upstream: tuple[Proc, Proc, str], redis_client):
+    gateway, upstream, name = text_upstream
     rid = new_id()
     base = f"{gateway.url}/rollouts/{rid}/v1"
     chat = {"model": MODEL, "messages": MESSAGES, "max_tokens": 12, "seed": 3, "temperature": 1.0}
@@ -42,10 +42,15 @@ def test_every_form_of_call_keeps_the_servers_token_text(text_upstream: tuple[Pr
     sse_chunks(f"{base}/completions", {**completion, "stream": True})
 
     calls = rollout(gateway, rid)["calls"]
-    assert [c["completion_tokens"] for c in calls] == [chat_tokens, chat_tokens, text_tokens, text_tokens]
+    assert [c["completion_token_texts"] for c in calls] == [
+        chat_tokens,
+        chat_tokens,
+        text_tokens,
+        text_tokens,
+    ]
     for call in calls:
-        assert len(call["completion_tokens"]) == len(call["completion_token_ids"])
-    if "\ufffd" not in "".join(chat_tokens + text_tokens):  # the tiny model's random bytes split characters
+        assert len(call["completion_token_texts"]) == len(call["completion_token_ids"])
+    if name == "fake_vllm":  # (the tiny model's random bytes split characters between tokens)
         assert "".join(chat_tokens) == direct_chat["choices"][0]["message"]["content"]
         assert "".join(text_tokens) == direct_text["choices"][0]["text"]
 
@@ -69,7 +74,7 @@ def test_responses_keep_the_token_text_of_their_output(
         ]
         post(f"{proc.url}/rollouts/{rid}/v1/responses", body)
         (call,) = rollout(proc, rid)["calls"]
-        assert expected and call["completion_tokens"] == expected
+        assert expected and call["completion_token_texts"] == expected
     finally:
         proc.kill(signal.SIGTERM)
 
@@ -77,4 +82,34 @@ def test_responses_keep_the_token_text_of_their_output(
     rid = new_id()
     post(f"{gateway.url}/rollouts/{rid}/v1/responses", body)
     post(f"{gateway.url}/rollouts/{rid}/v1/chat/completions", {"model": MODEL, "messages": MESSAGES})
-    assert [c["completion_tokens"] for c in rollout(gateway, rid)["calls"]] == [None, None]
+    assert [c["completion_token_texts"] for c in rollout(gateway, rid)["calls"]] == [None, None]
+
+
+def test_a_record_too_large_with_the_text_is_kept_without_it(fake_vllm: Proc, tmp_path, redis_client):
+    """The text is for display: a call whose record fits RLGATE_MAX_RECORD_BYTES only without it is
+    recorded without it, never failed for it."""
+    from episodes import CallRecord
+
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 64, "seed": 11, "temperature": 1.0}
+    sizes = []
+    for limit in (None, "set below"):
+        settings = {"record_token_text": "true"}
+        if limit is not None:
+            settings["max_record_bytes"] = str((sizes[0] + sizes[1]) // 2)
+        proc = start_gateway(tmp_path, fake_vllm.url, **settings)
+        try:
+            rid = new_id()
+            answer = post(f"{proc.url}/rollouts/{rid}/v1/chat/completions", body)
+            assert answer.status_code == 200, answer.text
+            raw = redis_client.lindex(f"rlgate:rollout:{{{rid}}}:calls", 0)
+            record = CallRecord.model_validate_json(raw)
+        finally:
+            proc.kill(signal.SIGTERM)
+        if limit is None:
+            assert record.completion_token_texts
+            without = record.model_copy(update={"completion_token_texts": None})
+            sizes = [len(raw), len(without.model_dump_json())]
+            assert sizes[0] - sizes[1] > 100  # the margin the limit sits in
+        else:
+            assert record.completion_token_texts is None and record.error is None
+            assert record.completion_token_ids and record.completion_logprobs

@@ -194,7 +194,7 @@ def live(s: Snapshot) -> Html:
             ("success rate", [(v, ok / n) for v, (n, ok, _) in train]),
             ("mean reward", [(v, total / n) for v, (n, _, total) in train]),
         ],
-        x_label=f"policy version of the episode's first call (last {len(s.steps)} learner steps)",
+        x_label=f"oldest policy version that served the episode (last {len(s.steps)} learner steps)",
         chart_id="chart-success",
     )
     val_chart = line_chart(
@@ -203,10 +203,12 @@ def live(s: Snapshot) -> Html:
             ("success rate", [(v, ok / n) for v, (n, ok, _) in val]),
             ("mean reward", [(v, total / n) for v, (n, _, total) in val]),
         ],
-        x_label="policy version of the episode's first call",
+        x_label="oldest policy version that served the episode",
         chart_id="chart-validation",
     )
-    kinds = sorted((set(s.errors) | {k.removeprefix("error:") for k in s.rates if k.startswith("error:")}) - {""})
+    kinds = sorted(
+        (set(s.errors) | {k.removeprefix("error:") for k in s.rates if k.startswith("error:")}) - {""}
+    )
     errors = tag(
         "table",
         tag("tr", tag("th", "error kind"), tag("th", "total"), tag("th", "per s")),

@@ -239,7 +239,9 @@ def _tokens(call: IndexedCall) -> Html | None:
         return None
     logprobs = call.completion_logprobs or []
     texts = (
-        call.completion_tokens if call.completion_tokens and len(call.completion_tokens) == len(ids) else None
+        call.completion_token_texts
+        if call.completion_token_texts and len(call.completion_token_texts) == len(ids)
+        else None
     )
     spans = []
     for i, token in enumerate(ids[:TOKENS_MAX]):
