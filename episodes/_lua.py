@@ -152,6 +152,14 @@ end
 return {status}
 """
 
+# Adds a closed episode to the stream (a script, so that with `wait_replicas` it goes over the store's durable
+# connections like the close it follows: `EpisodeStore.durable_script`).
+# KEYS[1] the closed-episode stream; ARGV field, value, field, value, ...
+# Returns the entry's id.
+ADD_EPISODE = """
+return redis.call('XADD', KEYS[1], '*', unpack(ARGV))
+"""
+
 # Marks a closed rollout as published to the stream; returns 1 if it was not yet, else 0.
 # KEYS[1] rollout hash
 MARK_PUBLISHED = """

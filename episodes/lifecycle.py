@@ -65,13 +65,15 @@ class EpisodeLifecycle:
         self.store = store
         self.keys = store.keys
         redis = store.redis
-        self._close = redis.register_script(_lua.CLOSE)
+        # what a reward's sender is told is done survives a failover with `?wait_replicas=N`
+        self._close = store.durable_script(_lua.CLOSE)
+        self._add_episode = store.durable_script(_lua.ADD_EPISODE)
+        self._set_call_reward = store.durable_script(_lua.SET_CALL_REWARD)
         self._mark_published = redis.register_script(_lua.MARK_PUBLISHED)
         self._expire = redis.register_script(_lua.EXPIRE)
         self._fail = redis.register_script(_lua.FAIL)
         self._consume = redis.register_script(_lua.CONSUME)
         self._claim = redis.register_script(_lua.CLAIM)
-        self._set_call_reward = redis.register_script(_lua.SET_CALL_REWARD)
         self._set_finish = redis.register_script(_lua.SET_FINISH)
         self._trim_episodes = redis.register_script(_lua.TRIM_EPISODES)
 
@@ -144,7 +146,7 @@ class EpisodeLifecycle:
                 fields["mode"] = mode_name
             if version:
                 fields["version"] = version
-            await self.store.redis.xadd(self.keys.episodes, fields)
+            await self._add_episode(keys=[self.keys.episodes], args=[x for kv in fields.items() for x in kv])
             await self._mark_published(keys=[self.keys.rollout(rollout_id)])
             async with self.store.redis.pipeline(transaction=False) as pipe:
                 pipe.zrem(self.keys.outbox, intent)

@@ -180,8 +180,26 @@ class EpisodeStore:
         self.queue_redis: aioredis.Redis | None = None
         self._create = redis.register_script(_lua.CREATE_ROLLOUT)
         # recorded calls wait for this many replicas (`_batch`; `?wait_replicas=N` in the URL)
+        self.wait_replicas = wait_replicas
         self._record = ScriptBatcher(redis, _lua.RECORD_CALLS, timeout_s, wait_replicas)
+        self._durable: dict[
+            str, ScriptBatcher
+        ] = {}  # by script: one set of connections each, however many users
         self._append_event = redis.register_script(_lua.APPEND_EVENT)
+
+    def durable_script(self, source: str) -> Any:
+        """A Lua script for writes a caller is told are done (a reward closing an episode, its stream entry):
+        with `wait_replicas`, it runs over pipelined connections of its own (`_batch`) and answers only once
+        that many replicas hold what it wrote (else `redis.exceptions.TimeoutError`), as a recorded call
+        does; without, it is redis-py's registered script. Called as `script(keys=[...], args=[...])`."""
+        if not self.wait_replicas:
+            return self.redis.register_script(source)
+        batcher = self._durable.get(source)
+        if batcher is None:
+            batcher = self._durable[source] = ScriptBatcher(
+                self.redis, source, self.timeout_s, self.wait_replicas
+            )
+        return batcher
 
     @classmethod
     def from_url(
@@ -243,6 +261,8 @@ class EpisodeStore:
 
     async def aclose(self) -> None:
         await self._record.aclose()
+        for batcher in self._durable.values():
+            await batcher.aclose()
         await self.redis.aclose()
         if self.queue_redis is not None:
             await self.queue_redis.aclose()

@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -534,6 +535,70 @@ def test_waiting_for_a_stalled_replica_is_bounded_and_cancellation_is_per_caller
         # the writes are on the master (the callers were told they may not be replicated), and recording
         # goes on once the replica is back
         assert await store.record_calls(rid, None, [_record(rid)]) == 12
+        await store.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_reward_is_answered_only_once_the_replicas_hold_it(cluster: Cluster):
+    """With `?wait_replicas=1` closing an episode answers only once a replica holds the close and its stream
+    entry: with the replica of the rollout's master stopped the close is not confirmed, with the replica
+    of the stream's master stopped its entry is not; either way the sender hears 503's StoreUnavailable
+    (and retries), and the sweeper's outbox repair puts the episode on the stream."""
+    prefix = f"c{uuid.uuid4().hex[:6]}"
+    keys = Keys(prefix)
+    stream_master = cluster.master_of(key_slot(keys.episodes.encode()))
+
+    def replica_of(master: int) -> int:
+        master_id = next(n["id"] for n in cluster.nodes() if int(n["port"]) == master)
+        return next(int(n["port"]) for n in cluster.nodes() if n["master_id"] == master_id)
+
+    def rollout_off_the_streams_master() -> str:
+        while True:
+            rid = f"d-{uuid.uuid4().hex[:6]}"
+            if cluster.master_of(key_slot(keys.rollout(rid).encode())) != stream_master:
+                return rid
+
+    first, second = rollout_off_the_streams_master(), rollout_off_the_streams_master()
+    stopped = [
+        replica_of(cluster.master_of(key_slot(keys.rollout(first).encode()))),
+        replica_of(stream_master),
+    ]
+    store = EpisodeStore.from_url(f"{cluster.url}/?wait_replicas=1", prefix=prefix, timeout_s=2)
+    lifecycle = EpisodeLifecycle(store)
+
+    async def with_replica_stopped(port: int, work: Any) -> Any:
+        os.kill(cluster.procs[port].pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(StoreUnavailable):
+                await work
+        finally:
+            os.kill(cluster.procs[port].pid, signal.SIGCONT)
+        await asyncio.to_thread(cluster.wait_healthy)
+
+    def stream() -> list[str]:
+        return [f[b"rollout_id"].decode() for _, f in cluster.client().xrange(keys.episodes)]
+
+    async def main() -> None:
+        for rid in (first, second):
+            await store.record_calls(rid, "t", [_record(rid)])
+        await with_replica_stopped(stopped[0], lifecycle.close(first, 1.0))  # the close unconfirmed
+        assert stream() == []
+        assert (await lifecycle.close(first, 1.0)).outcome == "unchanged"  # the sender's retry
+        await with_replica_stopped(stopped[1], lifecycle.close(second, 0.5))  # the stream entry unconfirmed
+        assert stream() == [second]  # on the master, not known to be on its replica
+        assert sorted(await lifecycle.repair_outbox(grace_s=0)) == sorted([first, second])
+        assert sorted(stream()) == sorted([first, second, second])  # at least once: the learner dedupes
+        # with the replicas up a close answers at once, and a replica holds it when it does
+        third = rollout_off_the_streams_master()
+        await store.record_calls(third, "t", [_record(third)])
+        assert (await lifecycle.close(third, 0.25)).outcome == "closed"
+        replica = redis.Redis(
+            port=replica_of(cluster.master_of(key_slot(keys.rollout(third).encode()))),
+            single_connection_client=True,
+        )
+        replica.execute_command("READONLY")
+        assert replica.hget(keys.rollout(third), "status") == b"closed"
         await store.aclose()
 
     asyncio.run(main())
