@@ -124,6 +124,7 @@ class Learner:
         try:
             if not self.ranks.leader:
                 await self._follow()
+                self.ranks.close()
                 return
             if self.settings.resume:
                 await self._resume()
@@ -135,6 +136,7 @@ class Learner:
                     continue
                 await self.train_step(groups)
             self.ranks.send(Order("stop"))
+            self.ranks.close()
         finally:
             if self.writer is not None:
                 self.writer.close()
@@ -149,6 +151,7 @@ class Learner:
             return
         if saved.ranks is not None and saved.ranks != self.ranks.size:
             self.ranks.send(Order("stop"))  # the other ranks end cleanly rather than on a closed connection
+            self.ranks.close()  # they close on "stop" (its barrier is theirs)
             raise RanksMisconfigured(
                 f"the checkpoint in {self.output_dir} was saved by {saved.ranks} rank(s), this learner runs "
                 f"{self.ranks.size}: resume it with {saved.ranks} (ZeRO partitions the optimizer state by "

@@ -167,6 +167,15 @@ class Ranks:
         if self.size > 1:
             self._collective("a barrier", dist.barrier, group=self.control)
 
+    def close(self) -> None:
+        """Where rank 0 sends "stop" and where the others receive it: wait for every rank, then tear the
+        process groups down. A process that exits with them up can abort on its way out ("terminate called
+        without an active exception": gloo's threads still running while the interpreter's teardown runs).
+        Not after a failure: a dead peer would never reach the barrier."""
+        if self.size > 1 and dist.is_initialized():
+            self.barrier()
+            dist.destroy_process_group()
+
     def sum(self, values: list[float]) -> list[float]:
         """Element-wise sums over the ranks (float64)."""
         if self.size == 1:
