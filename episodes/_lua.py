@@ -1,5 +1,5 @@
-"""Lua scripts of the episode store. Each touches only the keys of one rollout (one hash slot); the
-lifecycle they implement is described in `episodes.keys`."""
+"""Lua scripts of the episode store. Each touches only the keys of one rollout (one hash slot), or one
+global key (the outbox, the stream); the lifecycle they implement is described in `episodes.keys`."""
 
 # KEYS[1] rollout hash
 # ARGV[1] rollout_id, ARGV[2] task_id ('' for none), ARGV[3] created_at, ARGV[4] schema_version,
@@ -150,6 +150,13 @@ if status == 'closed' or status == 'consumed' then
   return {'conflict', reward}
 end
 return {status}
+"""
+
+# Records a closer's intent in the outbox before it closes (a script, so that with `wait_replicas` it is
+# durable: the sweeper publishes a closed episode from it if the closer dies or its stream entry is lost).
+# KEYS[1] the outbox; ARGV[1] the intent's time, ARGV[2] the intent
+OUTBOX_ADD = """
+return redis.call('ZADD', KEYS[1], ARGV[1], ARGV[2])
 """
 
 # Adds a closed episode to the stream (a script, so that with `wait_replicas` it goes over the store's durable

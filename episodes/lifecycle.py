@@ -58,6 +58,11 @@ class CloseResult:
     reward: float
 
 
+def _closed_or_same(reply: Any) -> bool:
+    """CLOSE wrote (closed), or answers for an earlier write that must be on the replicas too (same)."""
+    return reply[0] in (b"closed", b"same")
+
+
 class EpisodeLifecycle:
     """Every transition is one Lua script on the rollout's hash: exactly once under any race."""
 
@@ -66,6 +71,7 @@ class EpisodeLifecycle:
         self.keys = store.keys
         redis = store.redis
         # what a reward's sender is told is done survives a failover with `?wait_replicas=N`
+        self._outbox_add = store.durable_script(_lua.OUTBOX_ADD)
         self._close = store.durable_script(_lua.CLOSE)
         self._add_episode = store.durable_script(_lua.ADD_EPISODE)
         self._set_call_reward = store.durable_script(_lua.SET_CALL_REWARD)
@@ -100,10 +106,13 @@ class EpisodeLifecycle:
         except TypeError as exc:
             raise ValueError(f"metadata is not JSON (integers must fit in 64 bits): {exc}") from exc
         intent = _intent(rollout_id)
-        async with self.store.guard():
-            await self.store.redis.zadd(self.keys.outbox, {intent: time.time()})  # before the close
+        async with self.store.durable_guard():  # the intent first: the sweeper's way to the stream
+            await self._outbox_add(keys=[self.keys.outbox], args=[repr(time.time()), intent])
+        async with self.store.durable_guard():
             reply = await self._close(
-                keys=[self.keys.rollout(rollout_id)], args=[value, metadata_json, repr(time.time())]
+                keys=[self.keys.rollout(rollout_id)],
+                args=[value, metadata_json, repr(time.time())],
+                wrote=_closed_or_same,  # a refusal (conflict, missing, expired) changed nothing: no wait
             )
         outcome = _text(reply[0])
         if outcome == "closed":
@@ -133,7 +142,7 @@ class EpisodeLifecycle:
         them here). A validation episode (mode val) carries its mode: learners score it apart and never
         train on it; `version`, the oldest policy version that served one of its calls, lets them report success
         per serving version."""
-        async with self.store.guard():
+        async with self.store.durable_guard():
             if hashed is None:
                 values = await self.store.redis.hmget(
                     self.keys.rollout(rollout_id), "task_id", "mode", "first_version"
@@ -147,6 +156,7 @@ class EpisodeLifecycle:
             if version:
                 fields["version"] = version
             await self._add_episode(keys=[self.keys.episodes], args=[x for kv in fields.items() for x in kv])
+        async with self.store.guard():
             await self._mark_published(keys=[self.keys.rollout(rollout_id)])
             async with self.store.redis.pipeline(transaction=False) as pipe:
                 pipe.zrem(self.keys.outbox, intent)
@@ -162,10 +172,11 @@ class EpisodeLifecycle:
         """Attach an intermediate reward r_t to call `index` (webhook, or AIR when `automatic`) of an open
         rollout; `RolloutNotOpen` once it is closed (the learner may have read it already)."""
         target = self.keys.air(rollout_id) if automatic else self.keys.rewards(rollout_id)
-        async with self.store.guard():
+        async with self.store.durable_guard():
             reply = await self._set_call_reward(
                 keys=[self.keys.rollout(rollout_id), self.keys.calls(rollout_id), target],
                 args=[index, canonical_reward(reward)],
+                wrote=lambda r: r[0] == b"ok",
             )
         outcome = _text(reply[0])
         if outcome == "no_call":

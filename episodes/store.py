@@ -191,9 +191,16 @@ class EpisodeStore:
         """A Lua script for writes a caller is told are done (a reward closing an episode, its stream entry):
         with `wait_replicas`, it runs over pipelined connections of its own (`_batch`) and answers only once
         that many replicas hold what it wrote (else `redis.exceptions.TimeoutError`), as a recorded call
-        does; without, it is redis-py's registered script. Called as `script(keys=[...], args=[...])`."""
+        does; without, it is redis-py's registered script. Called as `script(keys=[...], args=[...])`, with
+        `wrote=` (a reply -> bool) to wait only for replies that tell of a write. Callers bound it with
+        `durable_guard`."""
         if not self.wait_replicas:
-            return self.redis.register_script(source)
+            registered = self.redis.register_script(source)
+
+            async def script(keys: list[str], args: list[Any], wrote: Any = None) -> Any:
+                return await registered(keys=keys, args=args)
+
+            return script
         batcher = self._durable.get(source)
         if batcher is None:
             batcher = self._durable[source] = ScriptBatcher(
@@ -237,6 +244,11 @@ class EpisodeStore:
         """`async with store.guard():` bounds a Redis operation (by the store's timeout plus `extra_s`, for
         blocking reads) and translates its failures into `StoreUnavailable`."""
         return _guard(self.timeout_s + extra_s)
+
+    def durable_guard(self) -> Any:
+        """`guard` for operations that run durable scripts: with `wait_replicas`, one may take two WAITs
+        (half the timeout each) and a script load besides, so the bound is twice the timeout."""
+        return self.guard(self.timeout_s if self.wait_replicas else 0.0)
 
     def record_stats(self) -> dict[str, int]:
         """The record connection's counters (`_batch.Pipeline.stats`), for the gateway's metrics."""

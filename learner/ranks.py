@@ -34,11 +34,14 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import structlog
 import torch
 import torch.distributed as dist
 
 from learner.samples import MicroBatch, Sample, collate
 from learner.settings import LearnerSettings
+
+log = structlog.get_logger("rlgate.learner")
 
 
 class RanksMisconfigured(ValueError):
@@ -171,10 +174,19 @@ class Ranks:
         """Where rank 0 sends "stop" and where the others receive it: wait for every rank, then tear the
         process groups down. A process that exits with them up can abort on its way out ("terminate called
         without an active exception": gloo's threads still running while the interpreter's teardown runs).
-        Not after a failure: a dead peer would never reach the barrier."""
-        if self.size > 1 and dist.is_initialized():
+        Never raises: a peer that died after "stop" only costs a warning, so the caller's own outcome (the
+        run's end, a refused resume) stands."""
+        if self.size == 1 or not dist.is_initialized():
+            return
+        try:
             self.barrier()
-            dist.destroy_process_group()
+        except RankFailed as exc:  # a peer gone after "stop": nothing left to agree on; the exit stands
+            log.warning("ranks_close_barrier_failed", rank=self.rank, error=str(exc))
+        finally:
+            try:
+                dist.destroy_process_group()
+            except (RuntimeError, ValueError, dist.DistError) as exc:
+                log.warning("ranks_teardown_failed", rank=self.rank, error=str(exc))
 
     def sum(self, values: list[float]) -> list[float]:
         """Element-wise sums over the ranks (float64)."""

@@ -541,37 +541,42 @@ def test_waiting_for_a_stalled_replica_is_bounded_and_cancellation_is_per_caller
 
 
 def test_a_reward_is_answered_only_once_the_replicas_hold_it(cluster: Cluster):
-    """With `?wait_replicas=1` closing an episode answers only once a replica holds the close and its stream
-    entry: with the replica of the rollout's master stopped the close is not confirmed, with the replica
-    of the stream's master stopped its entry is not; either way the sender hears 503's StoreUnavailable
-    (and retries), and the sweeper's outbox repair puts the episode on the stream."""
-    prefix = f"c{uuid.uuid4().hex[:6]}"
-    keys = Keys(prefix)
-    stream_master = cluster.master_of(key_slot(keys.episodes.encode()))
+    """With `?wait_replicas=1` a reward is answered only once replicas hold the closer's outbox intent, the
+    close and its stream entry (an intermediate reward: its write): with the replica of the outbox's
+    master stopped nothing is closed; with the replica of the rollout's master stopped the close (and an
+    intermediate reward) is not confirmed; with the replica of the stream's master stopped the entry is
+    not. Each time the sender hears 503's StoreUnavailable and retries; a closed episode whose entry was
+    not confirmed reaches the stream through the sweeper's outbox repair (at least once)."""
 
-    def replica_of(master: int) -> int:
-        master_id = next(n["id"] for n in cluster.nodes() if int(n["port"]) == master)
+    def master(key: str) -> int:
+        return cluster.master_of(key_slot(key.encode()))
+
+    while True:  # the outbox and the stream on masters of their own, so each phase stops one thing
+        keys = Keys(f"c{uuid.uuid4().hex[:6]}")
+        if master(keys.outbox) != master(keys.episodes):
+            break
+
+    def replica_of(port: int) -> int:
+        master_id = next(n["id"] for n in cluster.nodes() if int(n["port"]) == port)
         return next(int(n["port"]) for n in cluster.nodes() if n["master_id"] == master_id)
 
-    def rollout_off_the_streams_master() -> str:
+    globals_ = {master(keys.episodes), master(keys.outbox)}
+
+    def rollout_off(ports: set[int]) -> str:
         while True:
             rid = f"d-{uuid.uuid4().hex[:6]}"
-            if cluster.master_of(key_slot(keys.rollout(rid).encode())) != stream_master:
+            if master(keys.rollout(rid)) not in ports:
                 return rid
 
-    first, second = rollout_off_the_streams_master(), rollout_off_the_streams_master()
-    stopped = [
-        replica_of(cluster.master_of(key_slot(keys.rollout(first).encode()))),
-        replica_of(stream_master),
-    ]
-    store = EpisodeStore.from_url(f"{cluster.url}/?wait_replicas=1", prefix=prefix, timeout_s=2)
+    store = EpisodeStore.from_url(f"{cluster.url}/?wait_replicas=1", prefix=keys.prefix, timeout_s=2)
     lifecycle = EpisodeLifecycle(store)
 
-    async def with_replica_stopped(port: int, work: Any) -> Any:
+    async def with_replica_stopped(port: int, *work: Any) -> None:
         os.kill(cluster.procs[port].pid, signal.SIGSTOP)
         try:
-            with pytest.raises(StoreUnavailable):
-                await work
+            for job in work:
+                with pytest.raises(StoreUnavailable):
+                    await job()
         finally:
             os.kill(cluster.procs[port].pid, signal.SIGCONT)
         await asyncio.to_thread(cluster.wait_healthy)
@@ -579,29 +584,57 @@ def test_a_reward_is_answered_only_once_the_replicas_hold_it(cluster: Cluster):
     def stream() -> list[str]:
         return [f[b"rollout_id"].decode() for _, f in cluster.client().xrange(keys.episodes)]
 
+    async def status(rid: str) -> str:
+        rollout = await store.get_rollout(rid)
+        assert rollout is not None
+        return rollout.status.value
+
     async def main() -> None:
+        # the outbox's master's replica stopped: the intent is not confirmed, nothing is closed
+        quiet = rollout_off(globals_)
+        await store.record_calls(quiet, "t", [_record(quiet)])
+        await with_replica_stopped(replica_of(master(keys.outbox)), lambda: lifecycle.close(quiet, 1.0))
+        assert await status(quiet) == "open"
+        assert (await lifecycle.close(quiet, 1.0)).outcome == "closed"
+        first, second = rollout_off(globals_), rollout_off(globals_)
         for rid in (first, second):
             await store.record_calls(rid, "t", [_record(rid)])
-        await with_replica_stopped(stopped[0], lifecycle.close(first, 1.0))  # the close unconfirmed
-        assert stream() == []
+        # the rollout's master's replica stopped: the intermediate reward and the close unconfirmed
+        await with_replica_stopped(
+            replica_of(master(keys.rollout(first))),
+            lambda: lifecycle.set_call_reward(first, 0, 0.5),
+            lambda: lifecycle.close(first, 1.0),
+        )
+        assert first not in stream()
         assert (await lifecycle.close(first, 1.0)).outcome == "unchanged"  # the sender's retry
-        await with_replica_stopped(stopped[1], lifecycle.close(second, 0.5))  # the stream entry unconfirmed
-        assert stream() == [second]  # on the master, not known to be on its replica
+        # the stream's master's replica stopped: the close confirmed, its stream entry not
+        await with_replica_stopped(replica_of(master(keys.episodes)), lambda: lifecycle.close(second, 0.5))
+        assert second in stream()  # on the master, not known to be on its replica
+        assert (await lifecycle.close(second, 0.5)).outcome == "unchanged"
         assert sorted(await lifecycle.repair_outbox(grace_s=0)) == sorted([first, second])
-        assert sorted(stream()) == sorted([first, second, second])  # at least once: the learner dedupes
+        assert sorted(r for r in stream() if r in (first, second)) == sorted(
+            [first, second, second]
+        )  # at least once
+        view = await store.get_rollout_view(first)
+        assert view is not None and view.calls[0].reward == 0.5  # written, though not confirmed then
         # with the replicas up a close answers at once, and a replica holds it when it does
-        third = rollout_off_the_streams_master()
+        third = rollout_off(set())
         await store.record_calls(third, "t", [_record(third)])
         assert (await lifecycle.close(third, 0.25)).outcome == "closed"
-        replica = redis.Redis(
-            port=replica_of(cluster.master_of(key_slot(keys.rollout(third).encode()))),
-            single_connection_client=True,
-        )
-        replica.execute_command("READONLY")
-        assert replica.hget(keys.rollout(third), "status") == b"closed"
-        await store.aclose()
+        replica = redis.Redis(port=replica_of(master(keys.rollout(third))), single_connection_client=True)
+        try:
+            replica.execute_command("READONLY")
+            assert replica.hget(keys.rollout(third), "status") == b"closed"
+        finally:
+            replica.close()
 
-    asyncio.run(main())
+    async def run() -> None:
+        try:
+            await main()
+        finally:
+            await store.aclose()
+
+    asyncio.run(run())
 
 
 @pytest.mark.slow
