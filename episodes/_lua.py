@@ -145,6 +145,9 @@ end
 if status == 'closed' or status == 'consumed' then
   local reward = redis.call('HGET', KEYS[1], 'reward')
   if reward == ARGV[1] then
+    -- written again, unchanged: a WAIT after this reply covers the replication of the close however
+    -- long ago and over whichever connection it happened (WAIT counts the caller's own writes only)
+    redis.call('HSET', KEYS[1], 'reward', reward)
     return {'same', redis.call('HGET', KEYS[1], 'published') or '1'}
   end
   return {'conflict', reward}

@@ -106,9 +106,9 @@ class EpisodeLifecycle:
         except TypeError as exc:
             raise ValueError(f"metadata is not JSON (integers must fit in 64 bits): {exc}") from exc
         intent = _intent(rollout_id)
-        async with self.store.durable_guard():  # the intent first: the sweeper's way to the stream
+        async with self.store.durable_guard(scripts=2):
+            # the intent first (the sweeper's way to the stream if this closer dies or its entry is lost)
             await self._outbox_add(keys=[self.keys.outbox], args=[repr(time.time()), intent])
-        async with self.store.durable_guard():
             reply = await self._close(
                 keys=[self.keys.rollout(rollout_id)],
                 args=[value, metadata_json, repr(time.time())],
@@ -156,7 +156,6 @@ class EpisodeLifecycle:
             if version:
                 fields["version"] = version
             await self._add_episode(keys=[self.keys.episodes], args=[x for kv in fields.items() for x in kv])
-        async with self.store.guard():
             await self._mark_published(keys=[self.keys.rollout(rollout_id)])
             async with self.store.redis.pipeline(transaction=False) as pipe:
                 pipe.zrem(self.keys.outbox, intent)

@@ -245,10 +245,11 @@ class EpisodeStore:
         blocking reads) and translates its failures into `StoreUnavailable`."""
         return _guard(self.timeout_s + extra_s)
 
-    def durable_guard(self) -> Any:
-        """`guard` for operations that run durable scripts: with `wait_replicas`, one may take two WAITs
-        (half the timeout each) and a script load besides, so the bound is twice the timeout."""
-        return self.guard(self.timeout_s if self.wait_replicas else 0.0)
+    def durable_guard(self, scripts: int = 1) -> Any:
+        """`guard` for an operation that runs `scripts` durable scripts: with `wait_replicas` each may take
+        two WAITs (half the timeout each) and a script load besides, so each adds twice the timeout to the
+        bound; without, the bound is `guard`'s."""
+        return self.guard(2 * scripts * self.timeout_s if self.wait_replicas else 0.0)
 
     def record_stats(self) -> dict[str, int]:
         """The record connection's counters (`_batch.Pipeline.stats`), for the gateway's metrics."""
