@@ -182,9 +182,8 @@ class EpisodeStore:
         # recorded calls wait for this many replicas (`_batch`; `?wait_replicas=N` in the URL)
         self.wait_replicas = wait_replicas
         self._record = ScriptBatcher(redis, _lua.RECORD_CALLS, timeout_s, wait_replicas)
-        self._durable: dict[
-            str, ScriptBatcher
-        ] = {}  # by script: one set of connections each, however many users
+        # durable scripts (`durable_script`) by source: one set of connections each, however many users
+        self._durable: dict[str, ScriptBatcher] = {}
         self._append_event = redis.register_script(_lua.APPEND_EVENT)
 
     def durable_script(self, source: str) -> Any:

@@ -3,6 +3,7 @@ chunks, and assembling the complete call from the deltas."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -280,25 +281,15 @@ class StreamAssembler:
             if function.get("arguments"):
                 slot["function"]["arguments"] += function["arguments"]
 
-    def _logprobs(self, state: _Choice) -> list[float] | None:
+    def _joined(self, state: _Choice, read: Callable[[Endpoint, Any], list[Any] | None]) -> list[Any] | None:
+        """What `read` (`sampled_logprobs`, `sampled_tokens`) finds in each chunk's `logprobs`, joined in
+        order; None when no chunk had any."""
         if state.logprobs is None:
             return None
-        out: list[float] = []
+        out: list[Any] = []
         found = False
         for logprobs in state.logprobs:
-            values = sampled_logprobs(self.endpoint, logprobs)
-            if values is not None:
-                out.extend(values)
-                found = True
-        return out if found else None
-
-    def _tokens(self, state: _Choice) -> list[str] | None:
-        if not self.token_text or state.logprobs is None:
-            return None
-        out: list[str] = []
-        found = False
-        for logprobs in state.logprobs:
-            values = sampled_tokens(self.endpoint, logprobs)
+            values = read(self.endpoint, logprobs)
             if values is not None:
                 out.extend(values)
                 found = True
@@ -337,11 +328,9 @@ class StreamAssembler:
                     usage=self.usage,
                 )
                 prompt_ids = state.prompt_token_ids
-            out.append(
-                Transition(
-                    index, response, prompt_ids, state.token_ids, self._logprobs(state), self._tokens(state)
-                )
-            )
+            logprobs = self._joined(state, sampled_logprobs)
+            texts = self._joined(state, sampled_tokens) if self.token_text else None
+            out.append(Transition(index, response, prompt_ids, state.token_ids, logprobs, texts))
         return out
 
 

@@ -68,19 +68,6 @@ class Tally:
             row[1] += success
             row[2] += reward
 
-    def merge(self, other: Tally) -> Tally:
-        """This tally with `other`'s counts added (a new one; neither changes)."""
-        out = Tally(self.success_threshold, self.episodes, self.reward_sum, self.successes)
-        out.by_version = {v: list(row) for v, row in self.by_version.items()}
-        out.episodes += other.episodes
-        out.reward_sum += other.reward_sum
-        out.successes += other.successes
-        for v, row in other.by_version.items():
-            mine = out.by_version.setdefault(v, [0, 0, 0.0])
-            for i, value in enumerate(row):
-                mine[i] += value
-        return out
-
     def versions(self) -> dict[str, list[float]]:
         """`by_version` as JSON keeps it (string keys), in version order."""
         return {str(v): list(self.by_version[v]) for v in sorted(self.by_version)}

@@ -218,24 +218,23 @@ class Learner:
         await self._ack(entries)
         self.episodes_trained += len(entries)
 
-        val, uniform = self.collector.validation, self.collector.uniform
+        val, train = self.collector.validation, self.collector.uniform
         self.collector.validation = Tally(s.success_threshold)
         self.collector.uniform = Tally(s.success_threshold)
-        # the step's episodes: those trained and those of uniform groups dropped for it (dynamic filtering)
-        trained = Tally(s.success_threshold)
+        # the step's episodes: those of uniform groups dropped for it (dynamic filtering) and those trained
+        dropped_uniform = train.episodes
         for v in (v for g in views for v in g):  # (recorded before the hash kept it: read from the calls)
             first = v.first_version
-            trained.add(
+            train.add(
                 v.reward,
                 first if first is not None else min((c.policy_version for c in v.calls), default=None),
             )
-        train = trained.merge(uniform)
         metrics = {
             "step": self.step,
             "time": time.time(),
             "policy_version": self.version,
             "ranks": self.ranks.size,
-            "episodes": len(entries) + uniform.episodes,
+            "episodes": len(entries) + dropped_uniform,
             "groups": len(views),
             "reward_mean": train.reward_sum / train.episodes if train.episodes else math.nan,
             "success_rate": train.successes / train.episodes if train.episodes else math.nan,
@@ -261,7 +260,7 @@ class Learner:
             "claimed_elsewhere": read_counts["claimed_elsewhere"],
             "claims_lost": lost,
             "dropped_singleton": counts["singleton_episodes"] + self.collector.dropped_singletons,
-            "dropped_uniform": uniform.episodes,
+            "dropped_uniform": dropped_uniform,
             "already_trained": read_counts["already_trained"],
             "staleness_mean": counts["staleness_sum"] / max(1, counts["trained"]),
             **{k: v for k, v in asdict(stats).items() if k not in ("samples", "tokens")},
