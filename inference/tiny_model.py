@@ -195,7 +195,7 @@ def build_tiny_model(
     seed: int = 0,
     hidden_size: int = 64,
     num_layers: int = 2,
-    num_heads: int = 4,
+    num_heads: int = 2,
     num_kv_heads: int | None = None,
     intermediate_size: int | None = None,
     max_position_embeddings: int = MAX_POSITIONS,
@@ -205,7 +205,9 @@ def build_tiny_model(
     """Write a randomly initialised tiny Qwen2 model and its tokenizer to `path`; return `path`.
 
     `num_kv_heads` defaults to `num_heads` (no grouped-query attention), `intermediate_size` to
-    `4 * hidden_size`. `vocab_corpus` and `merges`: a tokenizer with learned merges (`build_tokenizer`). The same arguments give byte-identical files. `path` is created if missing and
+    `4 * hidden_size`. The default head width, `hidden_size / num_heads` = 32, is the smallest vLLM's CPU
+    attention serves (`VLLM_CPU_HEAD_SIZES`); a narrower one passes vLLM's `/health` and then kills its
+    engine on the first request. `vocab_corpus` and `merges`: a tokenizer with learned merges (`build_tokenizer`). The same arguments give byte-identical files. `path` is created if missing and
     must be empty, so a folder is never a mix of two builds. Raises `FileExistsError` otherwise.
     """
     path = Path(path)

