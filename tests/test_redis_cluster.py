@@ -127,15 +127,20 @@ class Cluster:
     def _view(self, port: int) -> frozenset[tuple[str, str, str, str, bool]]:
         """What the node on `port` says of every node: (port, role, master id, slots, failing). A slot being
         migrated (`[slot->-id]`, only in its owner's view) is left out."""
-        text = redis.Redis(port=port, socket_timeout=1).execute_command("CLUSTER NODES")
-        if isinstance(text, bytes):
-            text = text.decode()
+        nodes = redis.Redis(port=port, socket_timeout=1).cluster("NODES")  # redis-py parses it
         view = set()
-        for line in (text if isinstance(text, str) else "").splitlines():
-            fields = line.split()
-            role = "master" if "master" in fields[2] else "replica"
-            slots = " ".join(f for f in fields[8:] if not f.startswith("["))
-            view.add((fields[1].split("@")[0].rsplit(":", 1)[1], role, fields[3], slots, "fail" in fields[2]))
+        for address, node in nodes.items():
+            role = "master" if "master" in node["flags"] else "replica"
+            slots = " ".join("-".join(map(str, span)) for span in node["slots"])  # migrations apart
+            view.add(
+                (
+                    address.split("@")[0].rsplit(":", 1)[1],
+                    role,
+                    node["master_id"],
+                    slots,
+                    "fail" in node["flags"],
+                )
+            )
         return frozenset(view)
 
     def wait_healthy(self, timeout_s: float = 30) -> None:
