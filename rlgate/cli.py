@@ -639,6 +639,7 @@ class DemoCommand(SharedSettings):
         raise ValueError("must be auto, vllm, rlgate-serve or a server's http(s) URL")
 
     def cli_cmd(self) -> None:
+        from demo.engines import choose
         from demo.run import DemoConfig, run
         from rlgate.vllm_server import VllmUnavailable
 
@@ -660,6 +661,7 @@ class DemoCommand(SharedSettings):
             vllm_python=self.vllm_python,
         )
         try:
+            choose(self.inference, self.vllm_python)  # before anything starts: vLLM asked for and missing
             summary = run(cfg)
         except VllmUnavailable as exc:
             raise UsageError(f"--inference {self.inference}: {exc}") from None

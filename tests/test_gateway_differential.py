@@ -246,9 +246,8 @@ def merged_responses(answer: Any) -> Any:
         event = {k: v for k, v in event.items() if k != "sequence_number"}
         last = events[-1] if events else {}
         part = ("output_index", "content_index")
-        if (
-            event.get("type") == last.get("type") == "response.output_text.delta"
-            and all(event.get(k) == last.get(k) for k in part)
+        if event.get("type") == last.get("type") == "response.output_text.delta" and all(
+            event.get(k) == last.get(k) for k in part
         ):
             last["delta"] += event["delta"]
         else:
