@@ -135,8 +135,26 @@ def start_gateway(
     wait_healthy: bool = True,
     **settings: str,
 ) -> Proc:
-    """`rlgate gateway` as a real process, configured through RLGATE_* variables."""
-    port = port or free_port()
+    """`rlgate gateway` as a real process, configured through RLGATE_* variables. A port that another
+    process took between `free_port` and the gateway's bind is replaced by another (twice at most)."""
+    for attempt in range(3):
+        try:
+            return _start_gateway(
+                tmp_path, upstream_url, redis_url, port or free_port(), wait_healthy, settings
+            )
+        except PortTaken:
+            if port is not None or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+class PortTaken(AssertionError):
+    """The process could not listen: its port was taken meanwhile."""
+
+
+def _start_gateway(
+    tmp_path: Path, upstream_url: str, redis_url: str, port: int, wait_healthy: bool, settings: dict[str, str]
+) -> Proc:
     env = {
         **os.environ,
         "RLGATE_UPSTREAM_URL": upstream_url,
@@ -156,7 +174,9 @@ def start_gateway(
     proc = Proc(process, f"http://127.0.0.1:{port}", log_path)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        assert process.poll() is None, f"gateway exited:\n{proc.log()}"
+        if process.poll() is not None:
+            exited = PortTaken if "Address already in use" in proc.log() else AssertionError
+            raise exited(f"gateway exited:\n{proc.log()}")
         try:
             response = httpx.get(f"{proc.url}/healthz", timeout=2)
             if response.status_code == 200 or not wait_healthy:
