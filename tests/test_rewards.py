@@ -163,6 +163,68 @@ def test_math_answer(answer, truth, params, expected):
     assert score("math_answer", answer, truth, **params) == expected
 
 
+# Answers an optimizer could find that must score 0 against the ground truth beside them: each reads a number
+# that is not the truth (the exponent belongs to the number), or no number at all.
+HOSTILE_MATH_ANSWERS = [
+    ("1e999999999", "1"),  # scored 1.0: only what stood before the e was read
+    ("1e999999999x", "1"),
+    ("1E+999999999", 1),
+    ("1e-999999999", 1),
+    ("1/1e999999", 1),  # a denominator's exponent too
+    ("1e1", 1),
+    ("5e0e7", 5),  # "e7" is a word after 5e0: the number is 5... see the test below
+    ("inf", 1),
+    ("Infinity", 1),
+    ("nan", 0),
+    ("NaN", 0),
+    ("-0", 1),
+    ("\u0661", 1),  # Arabic-Indic digit one: not read as a number (NFKC keeps it)
+    ("1" * 1001, 1),  # longer than any answer: no number
+    ("\\boxed{}1", 1),  # a boxed answer without a number does not fall back to the text around it
+]
+
+
+@pytest.mark.parametrize("answer, truth", HOSTILE_MATH_ANSWERS)
+def test_math_answer_scores_hostile_answers_zero(answer, truth):
+    if answer == "5e0e7":  # 5e0 is 5: a correct answer written strangely still scores
+        assert score("math_answer", answer, truth) == 1.0
+        return
+    assert score("math_answer", answer, truth) == 0.0
+
+
+def test_math_answer_reads_scientific_notation_as_python_does():
+    """Property: a number in scientific notation, with any sign, mantissa and exponent within the bound,
+    is read exactly as `fractions.Fraction` reads the same literal (the reference), and scores 1.0
+    against that value only; an exponent beyond the bound reads as no number."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from reward_hooks.rewards.math import MAX_EXPONENT, final_number
+
+    @settings(max_examples=300, deadline=None)
+    @given(
+        sign=st.sampled_from(["", "-", "+"]),
+        whole=st.integers(0, 10**12),
+        fraction=st.one_of(st.just(""), st.integers(0, 10**6).map(lambda d: f".{d}")),
+        e=st.sampled_from("eE"),
+        exp_sign=st.sampled_from(["", "-", "+"]),
+        power=st.integers(0, 2 * MAX_EXPONENT),
+        before=st.sampled_from(["", "x = ", "The answer is ", "#### "]),
+        after=st.sampled_from(["", ".", " apples", "!", "x"]),
+    )
+    def check(sign, whole, fraction, e, exp_sign, power, before, after):
+        literal = f"{whole}{fraction}{e}{exp_sign}{power}"
+        text = f"{before}{sign if sign != '+' else ''}{literal}{after}"
+        readings = final_number(text)
+        if power > MAX_EXPONENT:
+            assert readings == []
+            return
+        expected = Fraction(("-" if sign == "-" else "") + literal)
+        assert readings == [expected]
+
+    check()
+
+
 @pytest.mark.parametrize(
     "truth, params",
     [

@@ -17,12 +17,14 @@ if TYPE_CHECKING:
 
 DEFAULT_REL_TOL = 1e-6
 MAX_NUMBER_CHARS = 1000  # digits and separators of a number read as an answer
+MAX_EXPONENT = 1000  # |e| of a number in scientific notation read as an answer (1e999999999 is no answer)
 
 _NUMBER = re.compile(
     r"(?<![0-9A-Za-z_.])"  # not the tail of a word, a number or a decimal ("H2O", "v1.2" hold none)
     r"([-\u2212]?)"  # sign: hyphen-minus or the Unicode minus
     r"([0-9]{1,3}(?:,[0-9]{3})+(?:\.[0-9]+)?|[0-9]+(?:\.[0-9]+)?|\.[0-9]+)(?![0-9])"  # 1,234.5 | 12.5 | .5
-    r"(?:[/\u2044]([-\u2212]?[0-9]+(?:\.[0-9]+)?))?"  # optional denominator: 3/4, 1⁄2
+    r"(?:[eE]([-+\u2212]?[0-9]+))?"  # optional exponent: 1e5, 2.5E-3 ("2em" is 2; "1e9x" is 1e9, not 1)
+    r"(?:[/\u2044]([-\u2212]?[0-9]+(?:\.[0-9]+)?)(?![0-9])(?:[eE]([-+\u2212]?[0-9]+))?)?"  # 3/4, 1⁄2, 1/2e3
     r"(\s?%)?"  # optional percent sign
 )
 _LATEX_FRAC = re.compile(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
@@ -35,7 +37,9 @@ def final_number(text: str) -> list[Fraction]:
     matched, so `\\boxed{\\frac{3}{4}}` works); else the text after the last `####` (GSM8K); else the
     whole text. Within it, after NFKC normalization and LaTeX clean-up (`\\frac{a}{b}` -> `a/b`,
     `{,}` -> `,`, `\\%` -> `%`, thin spaces `\\,` `\\!` removed), the last number counts: an integer or
-    decimal, optionally signed, with optional thousands separators (`1,234,567.5`), optionally a fraction
+    decimal, optionally signed, with optional thousands separators (`1,234,567.5`), optionally in scientific
+    notation (`2.5e-3`, `1E+6`: the exponent is part of the number, so `1e999999999` is not 1; an exponent
+    beyond `MAX_EXPONENT` makes it no number), optionally a fraction
     `a/b` (a zero denominator is no number), optionally followed by `%`. A `%` gives two readings, 50% being
     50 or 0.5. A boxed answer without a number yields `[]`: the declared answer is not searched around, and
     so does a final number written with more than `MAX_NUMBER_CHARS` characters (no answer needs them; Python
@@ -49,19 +53,33 @@ def final_number(text: str) -> list[Fraction]:
     for latex, plain in (("{,}", ","), ("\\%", "%"), ("\\,", ""), ("\\!", "")):
         segment = segment.replace(latex, plain)
     for match in reversed(list(_NUMBER.finditer(segment))):
-        sign, number, denominator, percent = match.groups()
+        sign, number, exponent, denominator, denominator_exponent, percent = match.groups()
         if len(number) > MAX_NUMBER_CHARS or len(denominator or "") > MAX_NUMBER_CHARS:
             return []
-        value = Fraction(number.replace(",", ""))
+        value = _scaled(Fraction(number.replace(",", "")), exponent)
         if denominator is not None:
-            divisor = Fraction(denominator.replace("\u2212", "-"))
+            divisor = _scaled(Fraction(denominator.replace("\u2212", "-")), denominator_exponent)
+            if divisor is None or value is None:
+                return []
             if divisor == 0:
                 continue
             value /= divisor
+        if value is None:
+            return []
         if sign:
             value = -value
         return [value, value / 100] if percent else [value]
     return []
+
+
+def _scaled(value: Fraction, exponent: str | None) -> Fraction | None:
+    """`value * 10**exponent`, or None for an exponent beyond `MAX_EXPONENT` (no answer needs one)."""
+    if exponent is None:
+        return value
+    power = int(exponent.replace("\u2212", "-")) if len(exponent) <= 8 else MAX_EXPONENT + 1
+    if abs(power) > MAX_EXPONENT:
+        return None
+    return value * Fraction(10) ** power
 
 
 def _last_boxed(text: str) -> str | None:
