@@ -313,6 +313,28 @@ def test_finish_runs_a_reward_job_on_a_real_worker(gateway: Proc, redis_client: 
     assert error["param"] == "reward_fn"
 
 
+def test_a_ground_truth_without_a_number_fails_the_reward_job_at_once(
+    fake_vllm: Proc, tmp_path, redis_client: redis.Redis
+):
+    """`math_answer` against the ground truth "nan": the same input fails the same way again, so the job is
+    not retried (it was, for about 40 s, with the default retries and backoff)."""
+    proc = start_gateway(tmp_path, fake_vllm.url, reward_job_retries="3", reward_job_backoff_s="[30]")
+    try:
+        rid = uuid.uuid4().hex
+        agent_call(proc, rid)
+        body = {"reward_fn": "math_answer", "ground_truth": "nan"}
+        assert httpx.post(f"{proc.url}/rollouts/{rid}/finish", json=body).status_code == 202
+        run_worker(redis_client)
+        stored = rollout(proc, rid)
+        assert stored["status"] == "failed", stored
+        assert stored["error"] == "RewardInputError: ground_truth has no number: 'nan'"
+        queue = Queue("rlgate-rewards", connection=redis_client, serializer=JSONSerializer)
+        [job_id] = queue.failed_job_registry.get_job_ids()
+        assert queue.fetch_job(job_id).retries_left == 0
+    finally:
+        proc.kill()
+
+
 def test_a_reward_job_that_keeps_raising_fails_the_episode(
     fake_vllm: Proc, tmp_path, redis_client: redis.Redis
 ):

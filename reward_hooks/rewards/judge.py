@@ -8,6 +8,8 @@ import os
 import re
 from typing import TYPE_CHECKING, Any
 
+from reward_hooks.rewards.errors import RewardInputError
+
 if TYPE_CHECKING:
     from reward_hooks.rewards.registry import RewardInput
 
@@ -66,10 +68,12 @@ def llm_judge(inp: RewardInput) -> float:
     params = inp.params
     model = params.get("model")
     if not isinstance(model, str) or not model:
-        raise ValueError(f"params.model must name the judge model (a litellm model name), got {model!r}")
+        raise RewardInputError(
+            f"params.model must name the judge model (a litellm model name), got {model!r}"
+        )
     rubric = params.get("rubric", DEFAULT_RUBRIC)
     if not isinstance(rubric, str) or not rubric.strip():
-        raise ValueError(f"params.rubric must be a non-empty string, got {rubric!r}")
+        raise RewardInputError(f"params.rubric must be a non-empty string, got {rubric!r}")
     options: dict[str, Any] = {k: params[k] for k in ("api_base", "api_key") if params.get(k) is not None}
 
     # litellm otherwise fetches its model-cost map from the internet at import; the copy it ships is enough.

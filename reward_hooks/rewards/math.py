@@ -12,6 +12,8 @@ import unicodedata
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
+from reward_hooks.rewards.errors import RewardInputError
+
 if TYPE_CHECKING:
     from reward_hooks.rewards.registry import RewardInput
 
@@ -103,7 +105,7 @@ def _truth_values(ground_truth: Any) -> list[Fraction]:
     """Every acceptable value of a ground truth: an int, a finite float, a string (read like an answer,
     so a whole GSM8K solution ending in `#### 72` works), or a non-empty list of these."""
     if isinstance(ground_truth, bool):
-        raise ValueError(f"ground_truth must be a number, not a boolean: {ground_truth!r}")
+        raise RewardInputError(f"ground_truth must be a number, not a boolean: {ground_truth!r}")
     if isinstance(ground_truth, int):
         return [Fraction(ground_truth)]
     if isinstance(ground_truth, float) and math.isfinite(ground_truth):
@@ -112,7 +114,7 @@ def _truth_values(ground_truth: Any) -> list[Fraction]:
         return values
     if isinstance(ground_truth, list | tuple) and ground_truth:
         return [value for item in ground_truth for value in _truth_values(item)]
-    raise ValueError(f"ground_truth has no number: {ground_truth!r}")
+    raise RewardInputError(f"ground_truth has no number: {ground_truth!r}")
 
 
 def math_answer(inp: RewardInput) -> float:
@@ -122,11 +124,11 @@ def math_answer(inp: RewardInput) -> float:
     the score is 1.0 if some pair has `|a - g| <= rel_tol * max(|a|, |g|)` (computed exactly in
     fractions; `math.isclose` with `abs_tol=0`, so a ground truth of 0 needs exactly 0). `rel_tol` is
     `params["rel_tol"]`, default 1e-6. An answer with no number scores 0.0; a ground truth with no
-    number, or a bad `rel_tol`, raises ValueError.
+    number, or a bad `rel_tol`, raises `RewardInputError` (a reward job fails at once: a retry cannot help).
     """
     rel_tol = inp.params.get("rel_tol", DEFAULT_REL_TOL)
     if isinstance(rel_tol, bool) or not isinstance(rel_tol, int | float) or not 0 <= rel_tol < math.inf:
-        raise ValueError(f"params.rel_tol must be a finite number >= 0, got {rel_tol!r}")
+        raise RewardInputError(f"params.rel_tol must be a finite number >= 0, got {rel_tol!r}")
     tolerance = Fraction(rel_tol)
     truths = _truth_values(inp.ground_truth)
     return float(
