@@ -57,6 +57,47 @@ def is_true(value: Any) -> bool:
     return isinstance(value, str) and value.strip().lower() in _TRUE_STRINGS
 
 
+_FALSE_STRINGS = frozenset({"0", "false", "f", "no", "n", "off"})
+# The boolean fields the gateway reads itself (to stream, to inject, to restore the answer), per endpoint.
+_READ_BOOLEANS: dict[str, tuple[str, ...]] = {
+    "chat.completions": ("stream", "return_token_ids", "logprobs"),
+    "completions": ("stream", "return_token_ids", "echo"),
+    "responses": ("stream", "enable_response_messages"),
+}
+
+
+class InvalidField(ValueError):
+    """A request field the gateway reads itself has a value vLLM would refuse (400 before forwarding)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def check_read_fields(endpoint: Endpoint, body: dict[str, Any]) -> None:
+    """Refuse, as vLLM's pydantic models would, a value the gateway would otherwise read its own way: a
+    boolean it reads (`stream`, ...) must be one pydantic's lax mode takes (true/false, 0/1, "yes"/"no",
+    ...; null is unset), and `model` a string. Without this, `"stream": [null, null]` was read as false
+    while the upstream streamed."""
+    for name in _READ_BOOLEANS.get(endpoint, ()):
+        value = body.get(name)
+        if value is None or value is True or value is False:
+            continue
+        if isinstance(value, int | float) and value in (0, 1):
+            continue
+        if isinstance(value, str) and value.strip().lower() in _TRUE_STRINGS | _FALSE_STRINGS:
+            continue
+        raise InvalidField(name, f"{name}: Input should be a valid boolean, got {_short(value)}")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise InvalidField("model", f"model: Input should be a valid string, got {_short(model)}")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def inject(endpoint: Endpoint, body: dict[str, Any]) -> tuple[dict[str, Any], Injected]:
     """The body to send a vLLM upstream (a shallow copy when changed) and what was added to it."""
     injected = Injected()

@@ -196,6 +196,10 @@ class Proxy:
         ):
             await self._after_backlog(endpoint)
         body = await read_json(receive, self.settings.max_body_bytes)
+        try:
+            capture.check_read_fields(endpoint, body)
+        except capture.InvalidField as exc:
+            raise errors.BadRequest(str(exc), param=exc.param, code="invalid_value") from exc
         policy = self.policy  # one read: the version tag and the adapter the call goes to agree
         if policy.draining:
             policy = await self._after_push()

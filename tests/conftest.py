@@ -38,7 +38,7 @@ class Proc:
     process: subprocess.Popen
     url: str
     log_path: Path
-    engine: str = ""  # "vllm" for real vLLM, whose stream chunk boundaries depend on timing
+    engine: str = ""  # "vllm" (real vLLM: its stream chunks are cut by timing), "fake" (tests/fake_vllm.py)
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         if self.process.poll() is None:
@@ -117,7 +117,7 @@ def start_fake_vllm(tmp_path: Path, *args: str, port: int | None = None) -> Proc
     )
     line = process.stdout.readline()
     assert line.startswith("READY"), f"fake vLLM did not start: {line!r} {log_path.read_text()}"
-    return Proc(process, f"http://127.0.0.1:{port}/v1", log_path)
+    return Proc(process, f"http://127.0.0.1:{port}/v1", log_path, engine="fake")
 
 
 @pytest.fixture(scope="session")

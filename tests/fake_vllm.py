@@ -131,6 +131,24 @@ class ApiError(Exception):
         self.body = {"error": {"message": message, "type": etype, "param": param, "code": status}}
 
 
+def lax_bool(value: object, name: str) -> bool:
+    """A boolean request field as pydantic's lax mode reads it (vLLM's request models); else a 400."""
+    if value is True or value is False:
+        return value
+    if isinstance(value, int | float) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in ("1", "true", "t", "yes", "y", "on"):
+            return True
+        if text in ("0", "false", "f", "no", "n", "off"):
+            return False
+    raise validation_error(
+        f"{{'type': 'bool_parsing', 'loc': ('body', '{name}'), 'msg': 'Input should be a valid boolean'}}",
+        f"body.{name}",
+    )
+
+
 def validation_error(detail: str, param: str | None) -> ApiError:
     """What vLLM's RequestValidationError handler answers (FastAPI-level failures)."""
     return ApiError(400, f"1 validation error:\n  {detail}", "Bad Request", param)
@@ -384,6 +402,11 @@ class FakeVLLM:
                 ) from None
             if not isinstance(body, dict):
                 raise validation_error("Input should be a valid dictionary", "body")
+            booleans = ("stream", "return_token_ids", "echo", "enable_response_messages")
+            booleans += ("logprobs",) if kind == "chat" else ()
+            for name in booleans:  # pydantic's lax booleans, as vLLM's request models read them
+                if name in body and body[name] is not None:
+                    body[name] = lax_bool(body[name], name)
             code = body.get("fake_status")
             if isinstance(code, int) and not isinstance(code, bool) and code >= 400:
                 raise ApiError(code, f"fake_status {code} requested")

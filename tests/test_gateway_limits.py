@@ -30,6 +30,38 @@ def test_a_completion_request_nested_too_deeply_is_400_and_not_sent(gateway: Pro
     assert not redis_client.exists(f"rlgate:rollout:{{{rid}}}")
 
 
+def test_a_field_the_gateway_reads_itself_is_validated_as_vllm_would_before_forwarding(
+    upstream: tuple[Proc, Proc], redis_client: redis.Redis
+):
+    """`"stream": [null, null]` was read as false by the gateway while the upstream streamed (a 502); such
+    values are 400s naming the field, not sent, nothing recorded, as vLLM's own models refuse them (the
+    same bodies sent to real vLLM or rlgate serve directly are 400s too). Lax values vLLM takes still pass."""
+    gateway, server = upstream
+    chat = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2, "seed": 1}
+    cases = [
+        ("chat/completions", {**chat, "stream": [None, None]}, "stream"),
+        ("chat/completions", {**chat, "stream": {"x": 1}}, "stream"),
+        ("chat/completions", {**chat, "return_token_ids": "maybe"}, "return_token_ids"),
+        ("chat/completions", {**chat, "logprobs": 2}, "logprobs"),
+        ("chat/completions", {**chat, "model": ["a"]}, "model"),
+        ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "echo": [1]}, "echo"),
+        ("responses", {"model": MODEL, "input": "hi", "stream": "sometimes"}, "stream"),
+    ]
+    for path, body, param in cases:
+        rid = uuid.uuid4().hex
+        error = assert_openai_error(httpx.post(f"{gateway.url}/rollouts/{rid}/v1/{path}", json=body), 400)
+        assert error["param"] == param and error["code"] == "invalid_value", (body, error)
+        assert not redis_client.exists(f"rlgate:rollout:{{{rid}}}")
+        if server.engine != "fake":  # the fake does not validate these fields
+            assert httpx.post(f"{server.url}/{path}", json=body, timeout=30).status_code == 400, body
+    for lax in ("true", 1, "no", 0, None):  # pydantic's lax booleans pass, as in vLLM
+        rid = uuid.uuid4().hex
+        response = httpx.post(
+            f"{gateway.url}/rollouts/{rid}/v1/chat/completions", json={**chat, "stream": lax}, timeout=30
+        )
+        assert response.status_code == 200, (lax, response.text)
+
+
 def test_rollout_metadata_that_cannot_be_stored_is_422(gateway: Proc, redis_client: redis.Redis):
     cases = {
         "deep": f'{{"metadata": {{"x": {nested(300)}}}}}',
