@@ -9,7 +9,8 @@
 
 Whichever it is serves the model under `MODEL_NAME` with runtime LoRA and the log-probs of the
 distribution it samples from, as the learner needs. `Engine` says which it is, its version, how long it
-took to answer its first request and how much memory it holds; the summary carries that.
+took to answer its first request and how much memory it holds; the summary carries that. The port of a
+vLLM that failed is not reused by the fallback (`rlgate serve` takes a fresh one).
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ def choose(requested: str, vllm_python: Path | None) -> tuple[str, str | None]:
     """(what to run, why vLLM is not used): `auto` becomes `vllm` where vLLM is installed, else
     `rlgate-serve` with the reason. Raises `VllmUnavailable` for `vllm` where it cannot run."""
     if requested == "auto":
-        try:
-            vllm_server.find_python(vllm_python)
+        try:  # installed and importable as a distribution (a venv whose install failed has no metadata)
+            vllm_server.engine_version(vllm_server.find_python(vllm_python))
             return "vllm", None
         except vllm_server.VllmUnavailable as exc:
             return "rlgate-serve", str(exc)
@@ -58,32 +59,48 @@ def start(
     spawn: Any,
     port: int,
     vllm_python: Path | None = None,
-) -> tuple[Engine, Any]:
-    """Start (or find) the inference server on `model`; returns it and a handle `stop` takes (None for an
-    external server, or for `rlgate serve`, which `spawn` registered with the demo's processes)."""
+    servers: list[Any] | None = None,
+) -> Engine:
+    """Start (or find) the inference server on `model`. A vLLM it starts is appended to `servers` as soon
+    as its process exists (the demo stops it with the rest); `rlgate serve` is started through `spawn`,
+    which registers it with the demo's processes. With `auto`, a vLLM that is installed but cannot serve
+    this model falls back to `rlgate serve` too, saying why."""
     import time
+
+    import httpx
 
     kind, reason = choose(requested, vllm_python)
     if kind.startswith(("http://", "https://")):
         url = kind.rstrip("/").removesuffix("/v1")
-        return Engine("external", f"vLLM at {url}", url), None
+        try:
+            served = [m["id"] for m in httpx.get(f"{url}/v1/models", timeout=10).json()["data"]]
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            raise vllm_server.VllmUnavailable(f"{url}/v1/models does not answer as vLLM does: {exc}") from exc
+        if model_name not in served:
+            raise vllm_server.VllmUnavailable(f"{url} serves {served}, not {model_name!r}")
+        return Engine("external", f"vLLM at {url}", url)
     if kind == "vllm":
-        python = vllm_server.find_python(vllm_python)
-        server = vllm_server.start(
-            python,
-            model,
-            workdir / "logs" / "vllm.log",
-            port=port,
-            served_model_names=(model_name,),
-        )
-        engine = Engine(
-            "vllm",
-            f"vLLM ({server.version})",
-            server.url,
-            start_seconds=server.start_seconds,
-            rss_mb=round(server.rss_bytes() / 2**20),
-        )
-        return engine, server
+        try:
+            server = vllm_server.start(
+                vllm_server.find_python(vllm_python),
+                model,
+                workdir / "logs" / "vllm.log",
+                port=port,
+                served_model_names=(model_name,),
+                on_start=(servers if servers is not None else []).append,
+            )
+        except vllm_server.VllmUnavailable as exc:
+            if requested != "auto":
+                raise
+            kind, reason = "rlgate-serve", str(exc)
+        else:
+            return Engine(
+                "vllm",
+                f"vLLM ({server.version})",
+                server.url,
+                start_seconds=server.start_seconds,
+                rss_mb=round(server.rss_bytes() / 2**20),
+            )
     started = time.monotonic()
     serve = spawn(
         "serve",
@@ -107,7 +124,7 @@ def start(
         start_seconds=round(time.monotonic() - started, 1),
         rss_mb=rss,
         fallback_reason=reason,
-    ), None
+    )
 
 
 def _rss_mb(pid: int) -> float | None:

@@ -168,6 +168,13 @@ def _wait_group(cfg: DemoConfig, redis_url: str, stream: str, group: str, timeou
     raise RuntimeError("the learner did not start reading episodes")
 
 
+def _current_tiny_model(model: Path) -> bool:
+    """The cached demo model has today's default shape (`build_tiny_model`'s heads, `DEFAULT_NUM_HEADS`)."""
+    from inference.tiny_model import DEFAULT_NUM_HEADS
+
+    return json.loads((model / "config.json").read_text()).get("num_attention_heads") == DEFAULT_NUM_HEADS
+
+
 def stop_named(cfg: DemoConfig, names: tuple[str, ...]) -> None:
     """Stop these processes (SIGTERM, then SIGKILL after 20 s) and forget them."""
     for name in names:
@@ -203,6 +210,8 @@ def start(cfg: DemoConfig) -> dict[str, Any]:
         model, cfg.warm_start = warm_policy(cfg, redis_url, helpers)
     else:
         model = cfg.workdir / "model"
+        if (model / "config.json").is_file() and not _current_tiny_model(model):
+            shutil.rmtree(model)  # built by an older rlgate (4 heads: a width vLLM's CPU build cannot serve)
         if not (model / "config.json").is_file():
             build_tiny_model(model, seed=cfg.seed)
     prefix = f"demo-{int(time.time())}-{os.getpid()}"  # a fresh key space per run, on whatever Redis this is
@@ -210,7 +219,7 @@ def start(cfg: DemoConfig) -> dict[str, Any]:
 
     from demo import engines
 
-    cfg.engine, server = engines.start(
+    cfg.engine = engines.start(
         cfg.inference,
         model,
         MODEL_NAME,
@@ -218,9 +227,8 @@ def start(cfg: DemoConfig) -> dict[str, Any]:
         lambda name, args, stdout=None: _spawn(cfg, name, args, stdout=stdout),
         free_port(),
         cfg.vllm_python,
+        cfg.servers,
     )
-    if server is not None:
-        cfg.servers.append(server)
     print(engines.describe(cfg.engine), flush=True)
     serve_url = cfg.engine.url
 
@@ -393,6 +401,9 @@ def watch(cfg: DemoConfig, where: dict[str, Any], started: float) -> list[dict[s
                 raise RuntimeError(
                     f"{name} exited (code {process.returncode}); see {cfg.workdir / 'logs' / (name + '.log')}"
                 )
+        for server in cfg.servers:  # vLLM
+            if server.process.poll() is not None:
+                raise RuntimeError(f"vLLM exited (code {server.process.returncode}); see {server.log_path}")
         steps = read_steps(where["steps"])
         now = time.monotonic()
         if len(steps) > shown or now - last_line >= 5:
@@ -531,6 +542,7 @@ def sigterm_as_interrupt() -> Any:
     started runs (Python's default for SIGTERM ends the process at once, its children left running)."""
 
     def interrupt(signum: int, frame: Any) -> None:  # noqa: ARG001
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the cleanup short
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, interrupt)

@@ -52,6 +52,7 @@ ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
     (TOOL_CALL_END, False),
 )
 MAX_POSITIONS = 2048
+DEFAULT_NUM_HEADS = 2  # head width 64 / 2 = 32: the smallest vLLM's CPU attention serves
 
 # ChatML with Hermes-style tools, laid out as Qwen2.5 renders them, except that no default system
 # message is invented when none is given. Tools (OpenAI `{"type": "function", "function": {...}}`
@@ -195,7 +196,7 @@ def build_tiny_model(
     seed: int = 0,
     hidden_size: int = 64,
     num_layers: int = 2,
-    num_heads: int = 2,
+    num_heads: int = DEFAULT_NUM_HEADS,
     num_kv_heads: int | None = None,
     intermediate_size: int | None = None,
     max_position_embeddings: int = MAX_POSITIONS,

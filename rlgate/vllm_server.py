@@ -31,6 +31,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,7 +80,10 @@ def engine_version(python: Path) -> str:
         "else:\n"
         "    raise SystemExit('vLLM is not installed')\n"
     )
-    result = subprocess.run([str(python), "-c", script], capture_output=True, text=True, timeout=60)
+    try:
+        result = subprocess.run([str(python), "-c", script], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise VllmUnavailable(f"{python}: {exc}") from exc
     if result.returncode != 0:
         lines = result.stderr.strip().splitlines()
         raise VllmUnavailable(f"{python}: {lines[-1] if lines else 'vLLM does not import'}")
@@ -178,24 +182,32 @@ def start(
     timeout_s: float = 300,
     max_model_len: int | None = None,
     kv_cache_gib: int = 1,
+    on_start: Callable[[VllmServer], None] | None = None,
 ) -> VllmServer:
     """Start vLLM on `model` and return once `/health` answers and one completion was served (the first
     request warms the engine up: about 2 s). Its output goes to `log_path`. Raises `VllmUnavailable` with
-    the log's last line if it exits or does not come up within `timeout_s`."""
+    the log's last line if it exits or does not come up within `timeout_s` (the server stopped then).
+    `on_start` gets the server as soon as its process exists (a caller that is interrupted meanwhile can
+    still stop it). The server gets SIGTERM when the process that started it dies, even by SIGKILL."""
     import httpx
 
     check_model(model)
     version = engine_version(python)
     started = time.monotonic()
-    log = log_path.open("ab")
-    process = subprocess.Popen(
-        command(python, model, port=port, served_model_names=served_model_names, max_model_len=max_model_len),
-        env={**os.environ, **environment(kv_cache_gib)},
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,  # its own process group: stopped as a whole (the engine core included)
-    )
+    with log_path.open("ab") as log:
+        process = subprocess.Popen(
+            command(
+                python, model, port=port, served_model_names=served_model_names, max_model_len=max_model_len
+            ),
+            env={**os.environ, **environment(kv_cache_gib)},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: stopped as a whole (the engine core included)
+            preexec_fn=_die_with_parent,
+        )
     server = VllmServer(process, f"http://127.0.0.1:{port}", version, 0.0, log_path)
+    if on_start is not None:
+        on_start(server)  # the caller can stop it from now on, whatever happens below
     deadline = started + timeout_s
     try:
         while time.monotonic() < deadline:
@@ -208,12 +220,19 @@ def start(
                 pass
             time.sleep(0.2)
         else:
-            raise VllmUnavailable(f"vLLM did not answer /health within {timeout_s:.0f} s: {_last_line(log_path)}")
-        warm = httpx.post(
-            f"{server.url}/v1/completions",
-            json={"model": served_model_names[0], "prompt": "warm", "max_tokens": 1},
-            timeout=max(5.0, deadline - time.monotonic()),
-        )
+            raise VllmUnavailable(
+                f"vLLM did not answer /health within {timeout_s:.0f} s: {_last_line(log_path)}"
+            )
+        try:
+            warm = httpx.post(
+                f"{server.url}/v1/completions",
+                json={"model": served_model_names[0], "prompt": "warm", "max_tokens": 1},
+                timeout=max(5.0, deadline - time.monotonic()),
+            )
+        except httpx.HTTPError as exc:
+            raise VllmUnavailable(
+                f"vLLM's first completion failed ({exc!r}): {_last_line(log_path)}"
+            ) from exc
         if warm.status_code != 200:
             raise VllmUnavailable(f"vLLM's first completion failed ({warm.status_code}): {warm.text[:200]}")
     except BaseException:
@@ -221,6 +240,17 @@ def start(
         raise
     server.start_seconds = round(time.monotonic() - started, 1)
     return server
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the parent dies (Linux prctl PR_SET_PDEATHSIG), so a vLLM of
+    2-3 GB never outlives a test run or a demo killed with SIGKILL (its own session escapes killpg)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
 
 def _last_line(path: Path) -> str:

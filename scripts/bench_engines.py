@@ -93,7 +93,9 @@ def start_engine(engine: str, model: Path, log_dir: Path) -> tuple[str, object]:
         stderr=(log_dir / "serve.log").open("wb"),
         text=True,
     )
-    assert process.stdout.readline().startswith("READY"), (log_dir / "serve.log").read_text()
+    if not process.stdout.readline().startswith("READY"):
+        process.kill()
+        raise SystemExit(f"rlgate serve did not start: {(log_dir / 'serve.log').read_text()[-2000:]}")
     return f"http://127.0.0.1:{port}", process
 
 
@@ -116,23 +118,28 @@ def start_gateway(upstream: str, redis_url: str, log_dir: Path) -> tuple[str, su
     )
     url = f"http://127.0.0.1:{port}"
     for _ in range(300):
+        if process.poll() is not None:
+            break
         try:
             if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
                 return url, process
         except httpx.TransportError:
-            time.sleep(0.1)
-    raise SystemExit("the gateway did not start")
+            pass
+        time.sleep(0.1)
+    process.kill()
+    raise SystemExit(f"the gateway did not start; see {log_dir / 'gateway.log'}")
 
 
 def latency(engine: str, model: Path, redis_url: str, work: Path, requests: int, max_tokens: int) -> dict:
     log_dir = work / f"latency-{engine}"
     log_dir.mkdir()
-    upstream, handle = start_engine(engine, model, log_dir)
-    gateway, gateway_process = start_gateway(upstream, redis_url, log_dir)
     body = {"model": "tiny", "messages": [{"role": "user", "content": "What is 17 + 25?"}]}
     body |= {"max_tokens": max_tokens, "temperature": 1.0}
     direct, via = [], []
+    upstream, handle = start_engine(engine, model, log_dir)
+    gateway_process = None
     try:
+        gateway, gateway_process = start_gateway(upstream, redis_url, log_dir)
         with httpx.Client(timeout=60) as client:
             for i in range(requests + 20):
                 for url, into in ((f"{upstream}/v1", direct), (f"{gateway}/rollouts/bench-{i}/v1", via)):
@@ -143,8 +150,9 @@ def latency(engine: str, model: Path, redis_url: str, work: Path, requests: int,
                     if i >= 20:  # warm-up
                         into.append(took * 1000)
     finally:
-        gateway_process.terminate()
-        gateway_process.wait(timeout=30)
+        if gateway_process is not None:
+            gateway_process.terminate()
+            gateway_process.wait(timeout=30)
         if isinstance(handle, vllm_server.VllmServer):
             handle.stop()
         else:
@@ -178,9 +186,17 @@ def main() -> None:
         work = Path(tmp)
         model = build_tiny_model(work / "tiny", seed=0)
         demos = {} if args.skip_demo else {e: demo(e, work, args.redis_url) for e in ENGINES}
-        latencies = {
-            e: latency(e, model, args.redis_url, work, args.requests, args.max_tokens) for e in ENGINES
-        }
+        try:
+            latencies = {
+                e: latency(e, model, args.redis_url, work, args.requests, args.max_tokens) for e in ENGINES
+            }
+        finally:  # the gateways' records
+            import redis
+
+            client = redis.Redis.from_url(args.redis_url)
+            keys = list(client.scan_iter(match=f"bench-engines-{os.getpid()}:*", count=1000))
+            if keys:
+                client.unlink(*keys)
 
     def fmt(value: float | None, spec: str) -> str:
         return "-" if value is None else format(value, spec)

@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -19,8 +20,9 @@ import redis
 
 ROOT = Path(__file__).resolve().parent.parent
 # CI (`.ci/run`) sets this: a test that skips is a failure, unless it is marked `gpu`. Every outside program
-# a test needs (vLLM, chromium and its driver, node and the harness CLIs, docker, redis-server) is installed
-# by scripts/test, so a skip there means the install broke, and the suite must not pass quietly without it.
+# a test needs (real vLLM, chromium and its driver, redis-server and redis-cli) is installed by scripts/test,
+# and docker by scripts/compose-up-cpu, so a skip there means an install broke: the suite must not pass
+# quietly without it.
 NO_SKIP = os.environ.get("RLGATE_TEST_NO_SKIP", "") not in ("", "0")
 REDIS_BASE = os.environ.get("RLGATE_TEST_REDIS_URL", "redis://127.0.0.1:6379").rstrip("/")
 REDIS_DB = 11  # the gateway tests' own database, flushed before each test
@@ -87,14 +89,27 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):  # noqa
         report.longrepr = f"skipped under RLGATE_TEST_NO_SKIP=1 (CI must run it): {_skip_reason(report)}"
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_make_collect_report(collector: pytest.Collector):  # noqa: ARG001
-    """Under `NO_SKIP`, a module that skips itself at import (`importorskip`, a module-level skip) fails."""
-    outcome = yield
-    report = outcome.get_result()
+_COLLECTION_SKIPS: list[str] = []
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    """Under `NO_SKIP`, a module that skips itself at import (`importorskip`, a module-level skip) is noted;
+    the session then fails (`pytest_sessionfinish`) after running everything else. (Reported as a failed
+    collection, it would stop the whole session before any test ran.)"""
     if NO_SKIP and report.skipped:
-        report.outcome = "failed"
-        report.longrepr = f"skipped under RLGATE_TEST_NO_SKIP=1 (CI must run it): {_skip_reason(report)}"
+        _COLLECTION_SKIPS.append(f"{report.nodeid}: {_skip_reason(report)}")
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if _COLLECTION_SKIPS:
+        terminalreporter.section("skipped under RLGATE_TEST_NO_SKIP=1 (CI must run them)", red=True)
+        for line in _COLLECTION_SKIPS:
+            terminalreporter.line(line)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _COLLECTION_SKIPS and exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture

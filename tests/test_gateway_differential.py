@@ -76,22 +76,41 @@ def expected_records(endpoint: str, full: Any, stream: bool) -> dict[int, dict]:
 def merged(events: list[Any]) -> dict[str, Any]:
     """A chat or completions stream as what it says, whatever its chunk boundaries: real vLLM sends the
     tokens made between two turns of its output loop in one chunk, so the same seeded request streams the
-    same tokens cut differently (docs/vllm-wire-format.md). Per choice: the text, the tool calls' text, the
-    log-prob entries, token ids and finish reason; and the last usage and the `[DONE]`."""
-    out: dict[str, Any] = {"choices": {}, "usage": None, "done": events[-1:] == ["[DONE]"], "rest": []}
+    same tokens cut differently (docs/vllm-wire-format.md). Per choice: the text, the tool calls' names,
+    types and arguments, the log-prob entries, token ids, roles, finish and stop reasons; and the last
+    usage, the `[DONE]`, and the shapes of the chunks (object, model, the keys of chunks, choices and
+    deltas), so a field dropped or added on the way shows."""
+    out: dict[str, Any] = {"choices": {}, "usage": None, "done": events[-1:] == ["[DONE]"], "shapes": set()}
     for event in events:
         if not isinstance(event, dict):
             continue
         if event.get("usage"):
             out["usage"] = event["usage"]
+        # what every chunk says besides its tokens: object, model, keys, and per choice its keys and role
+        out["shapes"].add((event.get("object"), event.get("model"), tuple(event)))
         for choice in event.get("choices") or ():
             slot = out["choices"].setdefault(
-                choice["index"], {"text": "", "tools": {}, "logprobs": [], "ids": [], "finish": None}
+                choice["index"],
+                {
+                    "text": "",
+                    "tools": {},
+                    "logprobs": [],
+                    "ids": [],
+                    "finish": None,
+                    "stop": None,
+                    "roles": [],
+                },
             )
             delta = choice.get("delta") or {}
+            out["shapes"].add((tuple(choice), tuple(delta)))
+            if "role" in delta:
+                slot["roles"].append(delta["role"])
+            slot["stop"] = choice.get("stop_reason", slot["stop"])
             slot["text"] += delta.get("content") or choice.get("text") or ""
             for call in delta.get("tool_calls") or ():
-                tool = slot["tools"].setdefault(call["index"], {"name": "", "arguments": ""})
+                tool = slot["tools"].setdefault(
+                    call["index"], {"name": "", "arguments": "", "type": call.get("type")}
+                )
                 tool["name"] += (call.get("function") or {}).get("name") or ""
                 tool["arguments"] += (call.get("function") or {}).get("arguments") or ""
             logprobs = choice.get("logprobs") or {}

@@ -155,6 +155,8 @@ class Cluster:
         while time.monotonic() < deadline:
             try:
                 live = [p for p in self.ports if self.procs[p].poll() is None]
+                if not live:
+                    raise AssertionError("no node of the cluster is running")
                 views = {port: self._view(port) for port in live}
                 problems = []
                 for port in live:
@@ -175,7 +177,7 @@ class Cluster:
                 if not problems:
                     return
                 last = "; ".join(problems)
-            except redis.ConnectionError as exc:
+            except redis.RedisError as exc:  # a node slow to answer (just after SIGCONT) is asked again
                 last = repr(exc)
             time.sleep(0.1)
         raise AssertionError(f"the cluster did not settle: {last}")

@@ -1,6 +1,7 @@
 """Real vLLM as rlgate starts it (`rlgate/vllm_server.py`): the default tiny model is one its CPU attention
 serves, a model it cannot serve is refused before it starts, the demo says plainly when vLLM is not there,
-and the engine answers with the flags the learner needs (runtime LoRA, processed log-probs, hermes tools)."""
+and the engine answers with what the learner needs (the served name, runtime LoRA, dev mode's RL routes;
+processed log-probs and hermes tool calls are judged by the `upstream` tests and the demo's first step)."""
 
 from __future__ import annotations
 
@@ -81,7 +82,7 @@ def test_an_unknown_inference_choice_is_a_usage_error(tmp_path: Path):
 
 def test_real_vllm_serves_the_learners_routes(vllm: Proc, vllm_model: Path, tmp_path: Path):
     """The flags `rlgate.vllm_server` starts vLLM with: the served name, runtime LoRA (an adapter of the
-    model loads, serves, and changes the log-probs), processed log-probs, and the RL routes of dev mode."""
+    model loads, serves, and changes the log-probs), and the RL routes of dev mode."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
