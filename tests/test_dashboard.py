@@ -513,6 +513,19 @@ def test_who_may_see_the_dashboard(loop: Loop):
         assert client.get(ui, headers={"authorization": "Bearer not-the-token-at-all"}).status_code == 401
         assert client.post(f"{ui}/login", data={"token": "wrong-token-wrong-token"}).status_code == 401
         assert client.post(f"{ui}/login", content="a=1&b=2&c=3&d=4&e=5").status_code == 400
+        # a form posted from another site (login CSRF, logging the operator out) is refused
+        host = loop.control.removeprefix("http://")
+        for headers in (
+            {"origin": "http://evil.example"},
+            {"origin": "null", "sec-fetch-site": "cross-site"},  # a sandboxed frame elsewhere
+            {"sec-fetch-site": "cross-site"},
+            {"sec-fetch-site": "same-site", "origin": f"http://{host}"},
+        ):
+            for route in ("login", "logout"):
+                answer = client.post(f"{ui}/{route}", data={"token": OPERATOR}, headers=headers)
+                assert answer.status_code == 403 and "set-cookie" not in answer.headers, (route, headers)
+        same = {"origin": f"http://{host}", "sec-fetch-site": "same-origin"}
+        assert client.post(f"{ui}/logout", headers=same).status_code == 303
         # ?token= sets the cookie and sends the browser on without the token in its address
         answer = client.get(f"{ui}/rollouts", params={"token": OPERATOR, "status": "open"})
         assert answer.status_code == 303 and answer.headers["location"] == "/ui/rollouts?status=open"

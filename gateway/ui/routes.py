@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 from importlib import resources
 from typing import TYPE_CHECKING, Any
-from urllib.parse import parse_qs, urlencode
+from urllib.parse import parse_qs, urlencode, urlsplit
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -187,8 +187,25 @@ async def login_form(request: Request) -> Response:
     return _login_page(request.query_params.get("next") or "/ui")
 
 
+def _cross_site(request: Request) -> Response | None:
+    """A 403 page for a form posted from another site (the state-changing routes: login and logout), else
+    None. The browser says where a request comes from: `Sec-Fetch-Site` (same-origin, or none when the user
+    typed it) and `Origin`, whose host must be the one the request was sent to (our pages' `no-referrer`
+    policy makes a browser send `Origin: null` for their own forms, so that one says nothing). A request
+    with neither (a script, curl) is let through: it cannot carry the operator's browser session."""
+    site = request.headers.get("sec-fetch-site")
+    if site is not None and site not in ("same-origin", "none"):
+        return _message_page(403, "Forbidden", f"a form posted from another site ({site}) is refused")
+    origin = request.headers.get("origin")  # "null" from our own pages too (their referrer policy)
+    if origin not in (None, "null") and urlsplit(origin).netloc != request.headers.get("host"):
+        return _message_page(403, "Forbidden", "a form posted from another origin is refused")
+    return None
+
+
 @router.post("/login")
 async def login(request: Request) -> Response:
+    if (refused := _cross_site(request)) is not None:
+        return refused
     d = dashboard(request)
     try:
         form = parse_qs((await request.body()).decode("utf-8", "replace"), max_num_fields=4)
@@ -205,6 +222,8 @@ async def login(request: Request) -> Response:
 
 @router.post("/logout")
 async def logout(request: Request) -> Response:
+    if (refused := _cross_site(request)) is not None:
+        return refused
     cookie = session.clear_cookie(_secure(request))
     return Response(status_code=303, headers={**_HEADERS, "location": "/ui/login", "set-cookie": cookie})
 
