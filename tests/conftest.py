@@ -330,13 +330,10 @@ def vllm_gateway(vllm: Proc, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     proc.kill(signal.SIGTERM)
 
 
-@pytest.fixture(params=["fake_vllm", "rlgate_serve", "vllm"])
+@pytest.fixture(params=["fake_vllm", "rlgate_serve"])
 def upstream(request: pytest.FixtureRequest) -> tuple[Proc, Proc]:
-    """(gateway, upstream): the fake vLLM, `rlgate serve` running a real (tiny) model, or real vLLM on the
-    same model. Tests that take it run against all three; they pass a seed, so the same request gives the
-    same answer."""
+    """(gateway, upstream): the fake vLLM, or `rlgate serve` running a real (tiny) model. Tests that take
+    it run against both; they pass a seed, so the same request gives the same answer."""
     if request.param == "fake_vllm":
         return request.getfixturevalue("gateway"), request.getfixturevalue("fake_vllm")
-    if request.param == "vllm":
-        return request.getfixturevalue("vllm_gateway"), request.getfixturevalue("vllm")
     return request.getfixturevalue("serve_gateway"), request.getfixturevalue("rlgate_serve")

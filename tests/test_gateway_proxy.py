@@ -144,7 +144,9 @@ def test_chat_streaming_header_form(upstream: tuple[Proc, Proc], redis_client):
         f"{fake_vllm.url}/chat/completions", {**body, "return_token_ids": True, "logprobs": True}
     )
     assert via[-1] == "[DONE]" and via_lines[-1] == "data: [DONE]"
-    assert normalize(via) == normalize(plain)
+    from test_gateway_differential import same_answer  # real vLLM's chunks are cut by timing
+
+    same_answer(fake_vllm, via, plain)
     assert all(
         c.get("prompt_token_ids") is None and all(ch.get("token_ids") is None for ch in c["choices"])
         for c in via[:-1]
