@@ -2,9 +2,9 @@
 upstream sends a plain request, and the records hold exactly what the upstream sends when asked for token
 ids and log-probs. Streams are also cut into small TCP writes, so events arrive split across reads (by the
 fake). Every case runs twice: in front of the fake vLLM and in front of `rlgate serve` on the tiny model
-(seeded, so the same request gives the same answer). Real vLLM's branches (`server.engine == "vllm"`) are
-for when `upstream` serves it again: its seeded answers were not reproducible enough here (about one case
-in 200 differed between two equal requests: batch-dependent sums, the prefix cache), see the session note."""
+(seeded, so the same request gives the same answer). Real vLLM is not among them: its seeded answers were
+not reproducible enough here (about one case in 200 differed between two equal requests: batch-dependent
+CPU sums, the prefix cache; docs/vllm-wire-format.md)."""
 
 from __future__ import annotations
 
@@ -75,104 +75,19 @@ def expected_records(endpoint: str, full: Any, stream: bool) -> dict[int, dict]:
     return out
 
 
-def merged(events: list[Any]) -> dict[str, Any]:
-    """A chat or completions stream as what it says, whatever its chunk boundaries: real vLLM sends the
-    tokens made between two turns of its output loop in one chunk, so the same seeded request streams the
-    same tokens cut differently (docs/vllm-wire-format.md). Per choice: the text, the tool calls' names,
-    types and arguments, the log-prob entries, token ids, roles, finish and stop reasons; and the last
-    usage, the `[DONE]`, and the shapes of the chunks (object, model, the keys of chunks, choices and
-    deltas), so a field dropped or added on the way shows."""
-    out: dict[str, Any] = {"choices": {}, "usage": None, "done": events[-1:] == ["[DONE]"], "shapes": set()}
-    for event in events:
-        if not isinstance(event, dict):
-            continue
-        if event.get("usage"):
-            out["usage"] = event["usage"]
-        # what every chunk says besides its tokens: object, model, keys, and per choice its keys and role
-        out["shapes"].add((event.get("object"), event.get("model"), tuple(event)))
-        for choice in event.get("choices") or ():
-            slot = out["choices"].setdefault(
-                choice["index"],
-                {
-                    "text": "",
-                    "tools": {},
-                    "logprobs": [],
-                    "ids": [],
-                    "finish": None,
-                    "stop": None,
-                    "roles": [],
-                },
-            )
-            delta = choice.get("delta") or {}
-            out["shapes"].add((tuple(choice), tuple(delta)))
-            if "role" in delta:
-                slot["roles"].append(delta["role"])
-            slot["stop"] = choice.get("stop_reason", slot["stop"])
-            slot["text"] += delta.get("content") or choice.get("text") or ""
-            for call in delta.get("tool_calls") or ():
-                tool = slot["tools"].setdefault(
-                    call["index"], {"name": "", "arguments": "", "type": call.get("type")}
-                )
-                tool["name"] += (call.get("function") or {}).get("name") or ""
-                tool["arguments"] += (call.get("function") or {}).get("arguments") or ""
-            logprobs = choice.get("logprobs") or {}
-            if "content" in logprobs:
-                slot["logprobs"] += logprobs["content"] or []
-            elif logprobs:
-                for key in ("tokens", "token_logprobs", "top_logprobs"):
-                    slot.setdefault(key, []).extend(logprobs.get(key) or [])
-            slot["ids"] += choice.get("token_ids") or []
-            slot["finish"] = choice.get("finish_reason") or slot["finish"]
-            if choice.get("prompt_token_ids"):
-                slot["prompt"] = choice["prompt_token_ids"]
-        if event.get("prompt_token_ids"):
-            out["prompt"] = event["prompt_token_ids"]
-    return out
-
-
-def same_answer(server: Proc, via: Any, direct: Any) -> None:
-    """The agent got what a plain request gets: byte for byte (ids aside) from the fake and `rlgate serve`;
-    from real vLLM the same streamed content, however its chunks were cut."""
-    if server.engine == "vllm" and isinstance(direct, list):
-        assert merged(normalize(via)) == merged(normalize(direct))
-    else:
-        assert normalize(via) == normalize(direct)
-
-
 def check(gateway: Proc, server: Proc, endpoint: str, body: dict, full_extra: dict) -> None:
     path = "/chat/completions" if endpoint == "chat.completions" else "/completions"
     rid = uuid.uuid4().hex
     status, via = answer(f"{gateway.url}/rollouts/{rid}/v1{path}", body)
     direct_status, direct = answer(f"{server.url}{path}", body)
     assert status == direct_status
-    # real vLLM: two equal seeded requests can differ (its CPU kernels' sums depend on the batch the engine
-    # formed and on its prefix cache), so its records are checked against the call's own answer where the
-    # agent asked for ids or log-probs, and by shape otherwise (docs/vllm-wire-format.md)
-    batched = server.engine == "vllm"
-    if not batched:
-        same_answer(server, via, direct)
+    assert normalize(via) == normalize(direct)
     calls = rollout(gateway, rid)["calls"]
     if status != 200:
         assert [c["error"]["status"] for c in calls] == [status]
         return
     _, full = answer(f"{server.url}{path}", {**body, **full_extra})
     expected = expected_records(endpoint, full, bool(body.get("stream")))
-    if batched:
-        seen = expected_records(endpoint, via, bool(body.get("stream")))  # what vLLM sent this call
-        assert len(calls) == (body.get("n") or 1) * (
-            len(body["prompt"]) if isinstance(body.get("prompt"), list) else 1
-        )
-        for call in calls:
-            mine = seen.get(call["choice_index"]) or {"ids": [], "logprobs": []}
-            assert call["prompt_token_ids"] == expected[call["choice_index"]]["prompt"]  # the same prompt
-            assert len(call["completion_logprobs"]) == len(call["completion_token_ids"]) > 0
-            if body.get("stream"):  # (a stream's records by shape only: not yet reliable against vLLM)
-                continue
-            if mine["ids"]:  # the agent asked for token ids: the record holds exactly those
-                assert call["completion_token_ids"] == mine["ids"]
-            if mine["logprobs"]:
-                assert call["completion_logprobs"] == mine["logprobs"]
-        return
     assert [c["choice_index"] for c in calls] == sorted(expected)
     for call in calls:
         want = expected[call["choice_index"]]
@@ -265,52 +180,6 @@ def normalize_responses(obj: Any) -> Any:
     return obj
 
 
-def merged_responses(answer: Any) -> Any:
-    """A Responses answer from real vLLM as what it says: consecutive text deltas of one part joined
-    (their chunks are cut by timing, as in `merged`), sequence numbers and the deltas' log-probs dropped
-    with them, and the prefix
-    cache's share of the usage dropped (the second of two equal requests finds its prompt cached)."""
-
-    def drop_cache(obj: Any) -> Any:
-        if isinstance(obj, dict):
-            return {
-                k: drop_cache(v) for k, v in obj.items() if k not in ("cached_tokens", "cache_write_tokens")
-            }
-        if isinstance(obj, list):
-            return [drop_cache(v) for v in obj]
-        return obj
-
-    answer = drop_cache(normalize_responses(answer))
-    if not isinstance(answer, list):
-        return answer
-    events: list[dict] = []
-    for event in answer:
-        event = {k: v for k, v in event.items() if k != "sequence_number"}
-        last = events[-1] if events else {}
-        part = ("output_index", "content_index")
-        if event.get("type") == last.get("type") == "response.output_text.delta" and all(
-            event.get(k) == last.get(k) for k in part
-        ):
-            last["delta"] += event["delta"]
-        else:
-            events.append(event)
-        if event.get("type") == "response.output_text.delta":
-            # vLLM 0.32 keeps the log-probs of only some of the tokens a merged delta holds, so they
-            # depend on the cut too (docs/vllm-wire-format.md), and so do the ones the stream's final
-            # items and `response.completed` carry
-            events[-1].pop("logprobs", None)
-        for part in _text_parts(event):
-            part.pop("logprobs", None)
-    return events
-
-
-def _text_parts(event: dict) -> list[dict]:
-    """The output_text parts a stream event carries (in its item, its part, or its whole response)."""
-    items = [event.get("item") or {}] + list((event.get("response") or {}).get("output") or ())
-    parts = [p for item in items for p in item.get("content") or () if isinstance(p, dict)]
-    return parts + ([event["part"]] if isinstance(event.get("part"), dict) else [])
-
-
 @pytest.mark.parametrize("stream,tools,ask", RESPONSES_CASES)
 def test_responses(upstream: tuple[Proc, Proc], redis_client, stream, tools, ask):
     gateway, server = upstream
@@ -329,11 +198,7 @@ def test_responses(upstream: tuple[Proc, Proc], redis_client, stream, tools, ask
     status, via = answer(f"{gateway.url}/rollouts/{rid}/v1/responses", body)
     direct_status, direct = answer(f"{server.url}/responses", body)
     assert status == direct_status == 200
-    if server.engine == "vllm":  # by shape: the event types in order, text deltas joined per part
-        shape = [(e.get("type"), e.get("output_index")) for e in merged_responses(via)] if stream else None
-        assert shape is None or shape[0][0] == "response.created" and shape[-1][0] == "response.completed"
-    else:
-        assert normalize_responses(via) == normalize_responses(direct)
+    assert normalize_responses(via) == normalize_responses(direct)
     _, full = answer(
         f"{server.url}/responses",
         {**body, "enable_response_messages": True, "include": ["message.output_text.logprobs"]},
@@ -341,15 +206,6 @@ def test_responses(upstream: tuple[Proc, Proc], redis_client, stream, tools, ask
     final = full[-1]["response"] if stream else full
     [call] = rollout(gateway, rid)["calls"]
     assert call["prompt_token_ids"] == final["input_messages"][0]["tokens"]
-    if server.engine == "vllm":  # not reproducible (above): against this call's own answer
-        own = via[-1]["response"] if stream else via
-        if own.get("output_messages"):
-            assert call["completion_token_ids"] == own["output_messages"][0]["tokens"]
-        assert call["completion_token_ids"] and (
-            call["completion_logprobs"] is None
-            or len(call["completion_logprobs"]) == len(call["completion_token_ids"])
-        )
-        return
     assert call["completion_token_ids"] == final["output_messages"][0]["tokens"]
     text_logprobs = [
         e["logprob"]
@@ -361,12 +217,7 @@ def test_responses(upstream: tuple[Proc, Proc], redis_client, stream, tools, ask
     # kept when they cover every generated token: vLLM gives none for tool calls only, and in streams none
     # for tokens without text (tool-call markup, EOS); the learner then takes its own
     covered = len(text_logprobs) == len(call["completion_token_ids"])
-    if server.engine == "vllm" and stream:  # how many a stream carries depends on how vLLM cut it
-        assert call["completion_logprobs"] is None or len(call["completion_logprobs"]) == len(
-            call["completion_token_ids"]
-        )
-    else:
-        assert call["completion_logprobs"] == (text_logprobs if covered else None)
-        assert covered == (not stream and not (tools and not text_logprobs))
+    assert call["completion_logprobs"] == (text_logprobs if covered else None)
+    assert covered == (not stream and not (tools and not text_logprobs))
     seen = via[-1]["response"] if stream else via  # the record holds what the agent saw
     assert normalize_responses(call["response"]["output"]) == normalize_responses(seen["output"])
