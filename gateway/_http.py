@@ -42,11 +42,31 @@ class HTTPError(Exception):
     """The connection failed, broke, or carried something that is not HTTP."""
 
 
+class BodyTooLarge(Exception):
+    """`Response.read(limit)`: the body is over `limit` bytes (by its Content-Length, or as it arrived);
+    its connection is closed, what had arrived is dropped."""
+
+    def __init__(self, limit: int, size: int | None = None) -> None:
+        super().__init__(f"the answer is over {limit} bytes" + (f" ({size} announced)" if size else ""))
+        self.limit = limit
+        self.size = size
+
+
 class Response:
     """An answer whose status line and headers have arrived; its body is read with `read()` or
     `chunks()`."""
 
-    __slots__ = ("status", "headers", "_conn", "_buffer", "_buffered", "_complete", "_error", "_whole")
+    __slots__ = (
+        "status",
+        "headers",
+        "_conn",
+        "_buffer",
+        "_buffered",
+        "_complete",
+        "_error",
+        "_whole",
+        "_limit",
+    )
 
     def __init__(self, conn: _Connection) -> None:
         self.status = 0
@@ -57,10 +77,20 @@ class Response:
         self._complete = False
         self._error: BaseException | None = None
         self._whole = False  # read() wants the whole body: reading never pauses for it
+        self._limit: int | None = None  # read(limit): the most bytes the body may have
 
-    async def read(self) -> bytes:
-        """The whole body."""
+    async def read(self, limit: int | None = None) -> bytes:
+        """The whole body; with `limit`, `BodyTooLarge` as soon as it is known to be longer (the bytes
+        past it are never read into memory)."""
         self._whole = True
+        if limit is not None:
+            announced = self.headers.get("content-length", "")
+            if announced.isdigit() and int(announced) > limit:
+                self._conn.close()
+                raise BodyTooLarge(limit, int(announced))
+            if self._buffered > limit:
+                self._drop(limit)
+            self._limit = limit
         self._conn.resume(force=True)
         while not self._complete:
             await self._wait()
@@ -68,6 +98,12 @@ class Response:
         self._buffer.clear()
         self._buffered = 0
         return data
+
+    def _drop(self, limit: int) -> None:
+        self._buffer.clear()
+        self._buffered = 0
+        self._conn._fail(BodyTooLarge(limit))
+        self._conn.close()
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """The body as it arrives: everything buffered so far, each time."""
@@ -154,8 +190,13 @@ class _Connection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         response = self.response
         assert response is not None
+        if response._error is not None:  # over its limit already: the rest is not kept
+            return
         response._buffer.append(body)
         response._buffered += len(body)
+        if response._limit is not None and response._buffered > response._limit:
+            response._drop(response._limit)
+            return
         if (
             response._buffered > _HIGH_WATER
             and not response._whole

@@ -93,6 +93,47 @@ def check_read_fields(endpoint: Endpoint, body: dict[str, Any]) -> None:
         raise InvalidField("model", f"model: Input should be a valid string, got {_short(model)}")
 
 
+# The fields that bound how long each choice of an answer can be, per endpoint (vLLM serves
+# max_completion_tokens, else max_tokens; `min_tokens`, vLLM's own, forces at least that many).
+_TOKEN_FIELDS: dict[str, tuple[str, ...]] = {
+    "chat.completions": ("max_completion_tokens", "max_tokens", "min_tokens"),
+    "completions": ("max_tokens", "min_tokens"),
+    "responses": ("max_output_tokens",),
+}
+_LAX_INT: Any = None
+
+
+def _lax_int(name: str, value: Any) -> int:
+    """An integer field as vLLM's pydantic models read it (lax: 3, 3.0, "3"); `InvalidField` otherwise."""
+    global _LAX_INT
+    if type(value) is int:
+        return value
+    if _LAX_INT is None:
+        from pydantic import TypeAdapter
+
+        _LAX_INT = TypeAdapter(int)
+    try:
+        return int(_LAX_INT.validate_python(value))
+    except ValueError:
+        raise InvalidField(name, f"{name}: Input should be a valid integer, got {_short(value)}") from None
+
+
+def answer_bounds(endpoint: Endpoint, body: dict[str, Any]) -> tuple[int, int | None, str | None]:
+    """What a request lets its answer grow to: (choices, tokens per choice or None where the request names
+    no bound, the field that names it). Raises `InvalidField` for a value vLLM would refuse as no integer."""
+    n = body.get("n")
+    choices = 1 if n is None or endpoint == "responses" else _lax_int("n", n)
+    tokens, field = None, None
+    for name in _TOKEN_FIELDS.get(endpoint, ()):
+        value = body.get(name)
+        if value is None:
+            continue
+        value = _lax_int(name, value)
+        if tokens is None or value > tokens:  # the largest one named (both checked, as vLLM checks both)
+            tokens, field = value, name
+    return choices, tokens, field
+
+
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."

@@ -13,7 +13,7 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import orjson
 import structlog
@@ -22,6 +22,7 @@ import episodes
 from episodes import CallError, CallRecord, Endpoint, EpisodeStore
 from gateway import capture, errors
 from gateway._asgi import disconnected, error_event, read_json, send_body
+from gateway._http import BodyTooLarge
 from gateway.air import AutomaticRewards
 from gateway.auth import Credentials
 from gateway.metrics import GatewayMetrics
@@ -198,6 +199,7 @@ class Proxy:
         body = await read_json(receive, self.settings.max_body_bytes)
         try:
             capture.check_read_fields(endpoint, body)
+            self._admit(endpoint, body)
         except capture.InvalidField as exc:
             raise errors.BadRequest(str(exc), param=exc.param, code="invalid_value") from exc
         policy = self.policy  # one read: the version tag and the adapter the call goes to agree
@@ -265,6 +267,30 @@ class Proxy:
         finally:
             disconnect.cancel()
 
+    def _admit(self, endpoint: Endpoint, body: dict[str, Any]) -> None:
+        """Refuse (400 limit_exceeded, before the upstream is called) a call whose answer could grow past
+        the gateway's bounds: `max_n` choices, `max_tokens_per_choice`, `max_tokens_per_call` together."""
+        choices, tokens, field = capture.answer_bounds(endpoint, body)
+        settings = self.settings
+        problem = param = None
+        if choices > settings.max_n:
+            problem, param = f"n is {choices}: at most {settings.max_n} choices per call (RLGATE_MAX_N)", "n"
+        elif tokens is not None and tokens > settings.max_tokens_per_choice:
+            problem, param = (
+                f"{field} is {tokens}: at most {settings.max_tokens_per_choice} tokens per choice "
+                "(RLGATE_MAX_TOKENS_PER_CHOICE)",
+                field,
+            )
+        elif tokens is not None and choices * tokens > settings.max_tokens_per_call:
+            problem, param = (
+                f"n x {field} is {choices} x {tokens} = {choices * tokens}: at most "
+                f"{settings.max_tokens_per_call} tokens per call (RLGATE_MAX_TOKENS_PER_CALL)",
+                field,
+            )
+        if problem is not None:
+            self.metrics.calls.labels(endpoint, "limit_exceeded").inc()
+            raise errors.BadRequest(problem, param=param, code="limit_exceeded")
+
     async def _rollout_exists(self, rollout_id: str) -> bool:
         try:
             return await self.store.rollout_exists(rollout_id)
@@ -320,9 +346,14 @@ class Proxy:
         send: Any,
         disconnect: asyncio.Future[None],
     ) -> None:
-        async with self.upstream.request("POST", UPSTREAM_PATHS[call.endpoint], upstream_body) as response:
-            raw = await response.read()
-            status = response.status
+        try:
+            async with self.upstream.request(
+                "POST", UPSTREAM_PATHS[call.endpoint], upstream_body
+            ) as response:
+                raw = await response.read(limit=self.settings.max_record_bytes)
+                status = response.status
+        except BodyTooLarge as exc:
+            await self._answer_too_large(call, exc.limit, None)
         latency_ms = (time.perf_counter() - call.t0) * 1000
         if status != 200:
             await self._upstream_failed(call, status, raw, send)
@@ -358,6 +389,20 @@ class Proxy:
         await send_body(send, 200, raw, [_JSON, call.rollout_header])
         self._log_call(call, records, *logged)  # after the answer: off the agent's latency
 
+    async def _answer_too_large(self, call: Call, limit: int, ttfb_ms: float | None) -> NoReturn:
+        """The upstream's answer passed `max_record_bytes` while it was read: reading stopped there (the
+        connection closed: a stream is aborted upstream), the call is recorded as failed, the agent gets 413."""
+        message = (
+            f"the inference server's answer is over {limit} bytes, more than a call's record may be "
+            "(max_record_bytes): ask for fewer choices (n) or fewer tokens (max_tokens)"
+        )
+        error = CallError(status=413, type="invalid_request_error", message=message, code="record_too_large")
+        latency_ms = (time.perf_counter() - call.t0) * 1000
+        await self._commit(
+            call, self._records(call, [], error, latency_ms, ttfb_ms), "record_too_large", limit=False
+        )
+        raise errors.PayloadTooLarge(message, code="record_too_large")
+
     async def _upstream_failed(self, call: Call, status: int, raw: bytes, send: Any) -> None:
         """An upstream error answer: recorded as a failed call, passed on with its status."""
         payload = errors.upstream_error_payload(status, raw)
@@ -387,6 +432,7 @@ class Proxy:
         assembler = relay.assembler
         failure: CallError | None = None  # what went wrong on our side of the stream, if anything
         ttfb_ms = None
+        too_large = False  # the answer passed max_record_bytes: its reading stopped there
         async with self.upstream.request("POST", UPSTREAM_PATHS[endpoint], upstream_body) as response:
             if response.status != 200:
                 await self._upstream_failed(call, response.status, await response.read(), send)
@@ -399,12 +445,17 @@ class Proxy:
                     "headers": [(b"content-type", content_type), call.rollout_header],
                 }
             )
+            limit, received = self.settings.max_record_bytes, 0
             try:
                 async for data in self.upstream.chunks(response):
                     if disconnect.done():
                         break  # leaving the block closes the upstream connection: vLLM aborts the request
                     if ttfb_ms is None:
                         ttfb_ms = (time.perf_counter() - call.t0) * 1000
+                    received += len(data)
+                    if received > limit:  # its record could not be kept: stop here, vLLM aborts it
+                        too_large = True
+                        break
                     out = relay.relay(data)
                     if out:
                         await send({"type": "http.response.body", "body": out, "more_body": True})
@@ -417,6 +468,15 @@ class Proxy:
                     message=f"malformed stream chunk from upstream: {str(exc)[:300]}",
                 )
         client_gone = disconnect.done()
+        if too_large and not client_gone:
+            try:
+                await self._answer_too_large(call, self.settings.max_record_bytes, ttfb_ms)
+            except errors.GatewayError as exc:  # the agent has part of the content: it sees the error last
+                tail = error_event(endpoint, exc.status, exc.type, exc.message, exc.code)
+                if endpoint != "responses":
+                    tail += DONE + b"\n\n"
+                await send({"type": "http.response.body", "body": tail})
+                return
         if client_gone:
             assembler.error = _client_gone()
         elif failure is None and relay.held is None and assembler.error is None:

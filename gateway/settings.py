@@ -154,13 +154,35 @@ class GatewaySettings(SharedSettings):
         description="Most later attempts one rollout may have through Agent Lightning's proxy URLs "
         "(/attempt/N/, each an episode of its own, ROLLOUT~N); one more is 409 too_many_attempts.",
     )
+    max_n: int = Field(
+        16,
+        ge=1,
+        description="Most choices one call may ask for (`n`, chat and completions). More is 400 "
+        "limit_exceeded before the upstream is called.",
+    )
+    max_tokens_per_choice: int = Field(
+        65_536,
+        ge=1,
+        description="The largest token bound one choice may name (max_tokens, max_completion_tokens, "
+        "min_tokens, the Responses API's max_output_tokens). More is 400 limit_exceeded before the "
+        "upstream is called. A request that names none is bounded by the model's context and by "
+        "max_record_bytes.",
+    )
+    max_tokens_per_call: int = Field(
+        262_144,
+        ge=1,
+        description="The most tokens one call's answer may have asked for: n x the token bound it names. "
+        "More is 400 limit_exceeded before the upstream is called.",
+    )
     max_record_bytes: int = Field(
         32 * 1024 * 1024,
         ge=1024,
         description="Largest record of one call kept in Redis: its request, stored "
         "once, plus every choice's answer, token ids and log-probs. A request already above it is 413 before "
         "the upstream is called; an answer that takes the record above it is dropped, the call recorded as "
-        "failed and the agent told 413 (code record_too_large).",
+        "failed and the agent told 413 (code record_too_large). The upstream's answer itself (with the "
+        "log-probs and ids the gateway asks for) is read up to this many bytes: past them the gateway stops "
+        "reading (a stream is aborted upstream), so no answer takes more of its memory.",
     )
     policy_poll_s: float = Field(
         0.2,

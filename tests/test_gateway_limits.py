@@ -4,6 +4,9 @@ nesting in a completion request and in a rollout's metadata, lone UTF-16 surroga
 from __future__ import annotations
 
 import json
+import socket
+import threading
+import time
 import uuid
 
 import httpx
@@ -150,13 +153,15 @@ def test_a_calls_record_and_a_rollouts_calls_are_bounded(
 ):
     """`max_record_bytes` bounds what one call may write to Redis: a request above it never reaches the
     upstream; an answer that takes the record above it is dropped, the call kept as failed (small), and the
-    agent told 413 (a stream: an error event in place of its end). `max_calls_per_rollout` bounds how many
+    agent told 413 (a stream: an error event, then its end, as vLLM ends a stream that failed). `max_calls_per_rollout` bounds how many
     records one rollout holds: above it, 409 and nothing written."""
     from conftest import start_gateway
     from test_gateway_auth import CountingUpstream
 
     counting = CountingUpstream(fake_vllm.url)
-    proc = start_gateway(tmp_path, counting.url, max_record_bytes="16384", max_calls_per_rollout="5")
+    proc = start_gateway(
+        tmp_path, counting.url, max_record_bytes="16384", max_calls_per_rollout="5", max_n="64"
+    )
     try:
         rid = uuid.uuid4().hex
         url = f"{proc.url}/rollouts/{rid}/v1/chat/completions"
@@ -170,7 +175,7 @@ def test_a_calls_record_and_a_rollouts_calls_are_bounded(
         assert error["code"] == "record_too_large" and counting.posts == 1
         with httpx.stream("POST", url, json={**many, "stream": True}, timeout=30) as stream:
             lines = [line for line in stream.iter_lines() if line.startswith("data:")]
-        assert "data: [DONE]" not in lines and "max_record_bytes" in lines[-1]
+        assert "max_record_bytes" in lines[-2] and lines[-1] == "data: [DONE]"  # vLLM's way to end on an error
         assert (
             httpx.post(url, json={"model": MODEL, "messages": MESSAGES, "max_tokens": 4}).status_code == 200
         )
@@ -197,3 +202,183 @@ def test_a_calls_record_and_a_rollouts_calls_are_bounded(
     finally:
         proc.kill()
         counting.close()
+
+
+def test_a_call_whose_answer_could_outgrow_the_bounds_is_400_before_the_upstream_is_called(
+    fake_vllm: Proc, tmp_path, redis_client: redis.Redis
+):
+    """`n: 128, max_tokens: 1000000` once reached the upstream, whose 13 MB answer took the gateway from 75 MB
+    to 1.9 GB. n, the token bound per choice and their product are checked first (defaults: 16, 65,536 and
+    262,144): 400 limit_exceeded naming the field and the setting, nothing sent, nothing recorded. A value
+    vLLM would not read as an integer is its 400 too; lax integers vLLM takes pass."""
+    from conftest import start_gateway
+    from test_gateway_auth import CountingUpstream
+
+    counting = CountingUpstream(fake_vllm.url)
+    proc = start_gateway(tmp_path, counting.url)
+    chat = {"model": MODEL, "messages": MESSAGES}
+    cases = [
+        ("chat/completions", {**chat, "n": 128, "max_tokens": 4}, "n", "RLGATE_MAX_N"),
+        ("chat/completions", {**chat, "max_tokens": 1_000_000}, "max_tokens", "RLGATE_MAX_TOKENS_PER_CHOICE"),
+        ("chat/completions", {**chat, "max_completion_tokens": "70000"}, "max_completion_tokens", "CHOICE"),
+        ("chat/completions", {**chat, "max_tokens": 4, "min_tokens": 100_000}, "min_tokens", "CHOICE"),
+        (
+            "chat/completions",
+            {**chat, "n": 16, "max_tokens": 65_536},
+            "max_tokens",
+            "RLGATE_MAX_TOKENS_PER_CALL",
+        ),
+        ("completions", {"model": MODEL, "prompt": "hi", "n": 17}, "n", "RLGATE_MAX_N"),
+        ("completions", {"model": MODEL, "prompt": "hi", "n": 8, "max_tokens": 40_000}, "max_tokens", "CALL"),
+        (
+            "responses",
+            {"model": MODEL, "input": "hi", "max_output_tokens": 10**9},
+            "max_output_tokens",
+            "CHOICE",
+        ),
+    ]
+    try:
+        for path, body, param, setting in cases:
+            rid = uuid.uuid4().hex
+            response = httpx.post(f"{proc.url}/rollouts/{rid}/v1/{path}", json=body, timeout=30)
+            error = assert_openai_error(response, 400)
+            assert error["code"] == "limit_exceeded" and error["param"] == param, (body, error)
+            assert setting in error["message"], error
+            assert not redis_client.exists(f"rlgate:rollout:{{{rid}}}")
+        for bad in ("many", 2.5, [2]):  # not an integer to vLLM either
+            response = httpx.post(f"{proc.url}/v1/chat/completions", json={**chat, "n": bad, "max_tokens": 2})
+            assert assert_openai_error(response, 400)["param"] == "n", bad
+        assert counting.posts == 0
+        for n, max_tokens in ((16, 2), (2, 3)):  # within the bounds
+            body = {**chat, "n": n, "max_tokens": max_tokens, "temperature": 1.0}
+            assert httpx.post(f"{proc.url}/v1/chat/completions", json=body, timeout=30).status_code == 200
+        assert counting.posts == 2
+    finally:
+        proc.kill()
+        counting.close()
+
+
+class EndlessUpstream:
+    """An upstream that never stops answering (what vLLM does for `ignore_eos` with a huge max_tokens, or a
+    broken server): a chat completion body of unbounded length, chunked or with a Content-Length it never
+    reaches, or an SSE stream with no end. Counts the bytes it wrote before the gateway hung up."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.sent = 0
+        self.closed = threading.Event()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}/v1"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            head = b""
+            while b"\r\n\r\n" not in head:
+                data = conn.recv(65536)
+                if not data:
+                    return
+                head += data
+            if head.startswith(b"GET"):
+                body = b'{"object":"list","data":[{"id":"%s","object":"model"}]}' % MODEL.encode()
+                conn.sendall(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                    b"connection: close\r\n\r\n%s" % (len(body), body)
+                )
+                return
+            length = (
+                int(head.lower().split(b"content-length:", 1)[1].split(b"\r\n", 1)[0])
+                if b"content-length:" in head.lower()
+                else 0
+            )
+            rest = head.split(b"\r\n\r\n", 1)[1]
+            while len(rest) < length:
+                rest += conn.recv(65536)
+            piece = b'{"token":"x","logprob":-0.5,"bytes":[120],"top_logprobs":[]},' * 1000
+            try:
+                if self.mode == "sse":
+                    conn.sendall(
+                        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                        b"transfer-encoding: chunked\r\n\r\n"
+                    )
+                    event = (
+                        b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m",'
+                        b'"choices":[{"index":0,"delta":{"content":"x"},"finish_reason":null}]}\n\n'
+                    )
+                    frame = b"%x\r\n%s\r\n" % (len(event) * 200, event * 200)
+                    while True:
+                        conn.sendall(frame)
+                        self.sent += len(frame)
+                elif self.mode == "announced":  # a Content-Length of 1 GiB, then bytes slowly
+                    conn.sendall(
+                        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                        b"content-length: 1073741824\r\n\r\n"
+                    )
+                    while True:
+                        conn.sendall(piece)
+                        self.sent += len(piece)
+                        time.sleep(0.05)
+                else:  # chunked, without end
+                    conn.sendall(
+                        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                        b"transfer-encoding: chunked\r\n\r\n"
+                    )
+                    frame = b"%x\r\n%s\r\n" % (len(piece), piece)
+                    while True:
+                        conn.sendall(frame)
+                        self.sent += len(frame)
+            except OSError:
+                self.closed.set()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_an_answer_is_read_only_up_to_the_record_limit_then_cut_off(tmp_path, redis_client: redis.Redis):
+    """The gateway read a whole answer before checking its size (3.4 GB of memory for one call). Now it
+    stops reading at max_record_bytes: an announced Content-Length above it is refused at the headers, a
+    body or stream that grows past it is cut there (its connection closed: vLLM aborts the request); the
+    agent gets 413 record_too_large (a stream: an error event last), the call is recorded as failed and
+    small."""
+    from conftest import start_gateway
+
+    limit = 1 << 20
+    for mode, stream in (("chunked", False), ("announced", False), ("sse", True)):
+        upstream = EndlessUpstream(mode)
+        proc = start_gateway(tmp_path, upstream.url, max_record_bytes=str(limit), upstream_timeout_s="60")
+        try:
+            rid = uuid.uuid4().hex
+            url = f"{proc.url}/rollouts/{rid}/v1/chat/completions"
+            body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 8, "stream": stream}
+            t0 = time.monotonic()
+            if stream:
+                with httpx.stream("POST", url, json=body, timeout=60) as response:
+                    assert response.status_code == 200
+                    lines = [line for line in response.iter_lines() if line.startswith("data:")]
+                error = json.loads(lines[-2].removeprefix("data: "))["error"]
+                assert error["code"] == 413 and "max_record_bytes" in error["message"], lines[-2:]
+                assert lines[-1] == "data: [DONE]"
+            else:
+                response = httpx.post(url, json=body, timeout=60)
+                assert assert_openai_error(response, 413)["code"] == "record_too_large", mode
+            assert time.monotonic() - t0 < 20, mode
+            assert upstream.closed.wait(10), mode  # the gateway hung up
+            assert upstream.sent < limit + (8 << 20), (mode, upstream.sent)  # at most the socket buffers more
+            calls = httpx.get(f"{proc.url}/rollouts/{rid}").json()["calls"]
+            assert [c["error"]["code"] for c in calls] == ["record_too_large"], mode
+            assert calls[0]["response"] is None and calls[0]["completion_token_ids"] is None
+            stored = sum(len(item) for item in redis_client.lrange(f"rlgate:rollout:{{{rid}}}:calls", 0, -1))
+            assert stored < 8192, mode
+            ok = httpx.get(f"{proc.url}/healthz").json()  # the gateway itself is fine
+            assert ok["status"] in ("ok", "degraded"), ok
+        finally:
+            proc.kill()
+            upstream.close()
