@@ -175,7 +175,8 @@ def test_a_calls_record_and_a_rollouts_calls_are_bounded(
         assert error["code"] == "record_too_large" and counting.posts == 1
         with httpx.stream("POST", url, json={**many, "stream": True}, timeout=30) as stream:
             lines = [line for line in stream.iter_lines() if line.startswith("data:")]
-        assert "max_record_bytes" in lines[-2] and lines[-1] == "data: [DONE]"  # vLLM's way to end on an error
+        # an error event, then the stream's end: vLLM's way to end a stream that failed
+        assert "max_record_bytes" in lines[-2] and lines[-1] == "data: [DONE]"
         assert (
             httpx.post(url, json={"model": MODEL, "messages": MESSAGES, "max_tokens": 4}).status_code == 200
         )
