@@ -22,7 +22,9 @@ return 1
 # with a rollout key: POST /rollouts made it, so a missing hash means Redis lost it), ARGV[7] the most
 # records a rollout may hold ('0': no limit), ARGV[8] the mode the call asks for ('' any; a rollout created
 # here gets 'train' then), ARGV[9] the most attempts a rollout may have, ARGV[10] the calling agent's name
-# ('' for none), ARGV[11] the policy version that served the records, ARGV[12..] call records (JSON)
+# ('' for none), ARGV[11] the policy version that served the records, ARGV[12] the records' bytes,
+# ARGV[13] the most bytes the rollout may hold, its attempts' and events' included ('0': no limit),
+# ARGV[14..] call records (JSON)
 # The rollout hash keeps what a listing shows without reading records: `agent_name` (the first named
 # agent's), `first_version` and `last_version` (the lowest and highest policy version that served it).
 # An attempt is created only while its rollout exists and is open or failed, with the rollout's task and
@@ -31,15 +33,25 @@ return 1
 # {2, task_id} when the call names another task than the rollout's, {3} when it (an attempt: its
 # rollout) must exist and does not, {4, records held} when these records would take it above its limit,
 # {5, mode} when the rollout is of another mode than the call asks for, {6, status} when an attempt's
-# rollout is closed, {7, limit} when the rollout has had its most attempts.
+# rollout is closed, {7, limit} when the rollout has had its most attempts, {8, bytes held} when these
+# records would take the rollout (an attempt: the rollout it is an attempt of) above its byte budget.
+# The rollout's hash counts what it holds in `bytes` (an attempt's in its rollout's).
 RECORD_CALLS = """
-local n_records = #ARGV - 11
+local n_records = #ARGV - 13
 local status = redis.call('HGET', KEYS[1], 'status')
 local limit = tonumber(ARGV[7])
 if limit > 0 and (status == false or status == 'open') then
   local held = redis.call('LLEN', KEYS[2])
   if held + n_records > limit then
     return {4, held}
+  end
+end
+local root = KEYS[3] or KEYS[1]
+local budget = tonumber(ARGV[13])
+if budget > 0 and (status == false or status == 'open') then
+  local held = tonumber(redis.call('HGET', root, 'bytes') or '0')
+  if held + tonumber(ARGV[12]) > budget then
+    return {8, held}
   end
 end
 local created = 0
@@ -106,10 +118,11 @@ if version > (tonumber(seen[3]) or -1) then
   changed[#changed + 1] = 'last_version'
   changed[#changed + 1] = ARGV[11]
 end
-local n = redis.call('RPUSH', KEYS[2], unpack(ARGV, 12))
+local n = redis.call('RPUSH', KEYS[2], unpack(ARGV, 14))
 if #changed > 0 then
   redis.call('HSET', KEYS[1], unpack(changed))
 end
+redis.call('HINCRBY', root, 'bytes', ARGV[12])
 return {0, n - n_records, created}
 """
 
@@ -296,8 +309,10 @@ return 1
 """
 
 # Keeps an event an agent posted (Agent Lightning's event route) with its open rollout.
-# KEYS[1] rollout hash, KEYS[2] events list; ARGV[1] the event (JSON), ARGV[2] the most events kept
-# Returns {0, index}, {1, status} when the rollout is not open ('' when missing), {2} when it holds the most.
+# KEYS[1] rollout hash, KEYS[2] events list, KEYS[3] (an attempt only) its rollout's hash; ARGV[1] the
+# event (JSON), ARGV[2] the most events kept, ARGV[3] the rollout's byte budget ('0': none; RECORD_CALLS)
+# Returns {0, index}, {1, status} when the rollout is not open ('' when missing), {2} when it holds the most,
+# {3, bytes held} when the event would take the rollout above its byte budget.
 APPEND_EVENT = """
 local status = redis.call('HGET', KEYS[1], 'status')
 if status ~= 'open' then
@@ -306,6 +321,12 @@ end
 if redis.call('LLEN', KEYS[2]) >= tonumber(ARGV[2]) then
   return {2}
 end
+local root = KEYS[3] or KEYS[1]
+local held = tonumber(redis.call('HGET', root, 'bytes') or '0')
+if tonumber(ARGV[3]) > 0 and held + #ARGV[1] > tonumber(ARGV[3]) then
+  return {3, held}
+end
+redis.call('HINCRBY', root, 'bytes', #ARGV[1])
 return {0, redis.call('RPUSH', KEYS[2], ARGV[1]) - 1}
 """
 

@@ -43,14 +43,22 @@ class RolloutMissing(StoreError):
 
 
 class RolloutFull(StoreError):
-    """The rollout already holds the most call records (`max_calls`) or events it may; nothing written."""
+    """The rollout already holds the most call records (`max_calls`), events or bytes
+    (`EpisodeStore.rollout_max_bytes`, its attempts' included) it may; nothing written."""
 
     def __init__(self, rollout_id: str, held: int, limit: int, what: str = "calls") -> None:
-        setting = "max_calls_per_rollout" if what == "calls" else "a fixed limit"
-        super().__init__(
-            f"rollout {rollout_id!r} holds {held} {what}; at most {limit} are kept per rollout "
-            f"({setting}): close it and start a new one"
-        )
+        if what == "bytes":
+            message = (
+                f"rollout {rollout_id!r} holds {held} bytes of records and events, its attempts' included; "
+                f"this would take it over {limit} (max_rollout_bytes): close it and start a new one"
+            )
+        else:
+            setting = "max_calls_per_rollout" if what == "calls" else "a fixed limit"
+            message = (
+                f"rollout {rollout_id!r} holds {held} {what}; at most {limit} are kept per rollout "
+                f"({setting}): close it and start a new one"
+            )
+        super().__init__(message)
         self.rollout_id = rollout_id
         self.held = held
         self.limit = limit

@@ -176,6 +176,8 @@ class EpisodeStore:
         # closed-episode entries every consumer group acknowledged stay on the stream this long (0: forever)
         self.retention_s = retention_s
         self.index_max = INDEX_MAX  # the listing index is trimmed to this many (the newest) rollouts
+        # the most bytes of records and events one rollout may hold, its attempts' included (0: no limit)
+        self.rollout_max_bytes = 0
         # rq's reward-job queue, when it is not in this Redis (`use_queue_redis`); on a cluster it never is
         self.queue_redis: aioredis.Redis | None = None
         self._create = redis.register_script(_lua.CREATE_ROLLOUT)
@@ -353,10 +355,9 @@ class EpisodeStore:
         now = time.time()
         expires_at = now + self.rollout_ttl_s
         encoded = [record.model_dump_json().encode() for record in records]
-        if max_bytes is not None:
-            size = sum(map(len, encoded))
-            if size > max_bytes:
-                raise RecordTooLarge(size, max_bytes)
+        size = sum(map(len, encoded))
+        if max_bytes is not None and size > max_bytes:
+            raise RecordTooLarge(size, max_bytes)
         args: list[Any] = [
             rollout_id,
             task_id or "",
@@ -369,6 +370,8 @@ class EpisodeStore:
             str(max_attempts),
             records[0].agent_name or "",  # one request's choices: one agent, one version
             records[0].policy_version,
+            size,
+            self.rollout_max_bytes,
             *encoded,
         ]
         keys = [self.keys.rollout(rollout_id), self.keys.calls(rollout_id)]
@@ -392,6 +395,8 @@ class EpisodeStore:
             raise RolloutNotOpen(parent or rollout_id, _text(value))
         if code == 7:
             raise TooManyAttempts(parent or rollout_id, int(value))
+        if code == 8:
+            raise RolloutFull(parent or rollout_id, int(value), self.rollout_max_bytes, what="bytes")
         if code == 0 and created[0]:  # a rollout born with its first call: schedule its expiry
             try:
                 async with _guard(self.timeout_s):
@@ -579,14 +584,19 @@ class EpisodeStore:
         """Keep an event the agent posted with its open rollout; returns its index. Raises
         `RolloutNotFound`, `RolloutNotOpen`, or `RolloutFull` when it holds `EVENTS_MAX` already."""
         async with _guard(self.timeout_s):
+            keys = [self.keys.rollout(rollout_id), self.keys.events(rollout_id)]
+            parent = parent_of(rollout_id)
+            if parent is not None:
+                keys.append(self.keys.rollout(parent))
             reply = await self._append_event(
-                keys=[self.keys.rollout(rollout_id), self.keys.events(rollout_id)],
-                args=[event.model_dump_json(), EVENTS_MAX],
+                keys=keys, args=[event.model_dump_json(), EVENTS_MAX, self.rollout_max_bytes]
             )
         if reply[0] == 0:
             return int(reply[1])
         if reply[0] == 2:
             raise RolloutFull(rollout_id, EVENTS_MAX, EVENTS_MAX, what="events")
+        if reply[0] == 3:
+            raise RolloutFull(parent or rollout_id, int(reply[1]), self.rollout_max_bytes, what="bytes")
         status = _text(reply[1])
         if not status:
             raise RolloutNotFound(f"no rollout {rollout_id!r}")
@@ -651,6 +661,22 @@ class EpisodeStore:
         async with _guard(self.timeout_s):
             await self.redis.set(self.keys.health, repr(time.time()), px=60_000)
 
+    async def memory(self) -> tuple[int, int]:
+        """Redis's (used_memory, maxmemory) in bytes, maxmemory 0 where none is set; on a cluster, the
+        primary closest to its maxmemory."""
+        async with _guard(self.timeout_s):
+            if self.cluster:
+                replies = await self.redis.info("memory", target_nodes=RedisCluster.PRIMARIES)
+                infos = (
+                    list(replies.values())
+                    if isinstance(replies, dict) and "used_memory" not in replies
+                    else [replies]
+                )
+            else:
+                infos = [await self.redis.info("memory")]
+        pairs = [(int(i.get("used_memory", 0)), int(i.get("maxmemory", 0))) for i in infos]
+        return max(pairs, key=lambda p: p[0] / p[1] if p[1] else 0.0, default=(0, 0))
+
     async def rollout_exists(self, rollout_id: str) -> bool:
         async with _guard(self.timeout_s):
             return bool(await self.redis.exists(self.keys.rollout(rollout_id)))
@@ -676,7 +702,7 @@ class EpisodeStore:
 
 
 _JSON_FIELDS = ("metadata", "reward_metadata", "finish")
-_INTERNAL_FIELDS = ("published", "claimed_by", "claimed_until_ms", "attempts")
+_INTERNAL_FIELDS = ("published", "claimed_by", "claimed_until_ms", "attempts", "bytes")
 
 
 def _parse_cursor(cursor: str) -> tuple[float, int]:

@@ -151,6 +151,7 @@ class Gateway:
             retention_s=settings.retention_s,
         )
         self.store.index_max = settings.rollout_index_max
+        self.store.rollout_max_bytes = settings.max_rollout_bytes
         self.store.use_queue_redis(settings.queue_redis_url)  # the backlog counts reward jobs where they wait
         self.upstream = Upstream(settings)
         self.metrics.watch(self.upstream.connections, self.store.record_stats)

@@ -190,11 +190,7 @@ class Proxy:
         if watch.lost and rollout_id in watch.lost:
             self.metrics.calls.labels(endpoint, "rollout_data_lost").inc()
             watch.refuse_lost(rollout_id)
-        if (
-            watch.over_backlog
-            and rollout_id not in watch.recent
-            and not await self._rollout_exists(rollout_id)
-        ):
+        if watch.holding and rollout_id not in watch.recent and not await self._rollout_exists(rollout_id):
             await self._after_backlog(endpoint)
         body = await read_json(receive, self.settings.max_body_bytes)
         try:
@@ -300,8 +296,9 @@ class Proxy:
             ) from exc
 
     async def _after_backlog(self, endpoint: str) -> None:
-        """A new rollout while the backlog is over `max_backlog`: held until it drops (up to
-        `backlog_wait_s`), then 429 with Retry-After. Calls of rollouts under way are never held."""
+        """A new rollout while new rollouts are held (the backlog over `max_backlog`, Redis's memory above
+        `redis_memory_high`): held until that ends (up to `backlog_wait_s`), then 429 with Retry-After.
+        Calls of rollouts under way are never held."""
         self.metrics.calls.labels(endpoint, "held_for_backlog").inc()
         try:
             await asyncio.wait_for(self.watch.backlog_clear.wait(), self.settings.backlog_wait_s)
@@ -350,7 +347,7 @@ class Proxy:
             async with self.upstream.request(
                 "POST", UPSTREAM_PATHS[call.endpoint], upstream_body
             ) as response:
-                raw = await response.read(limit=self.settings.max_record_bytes)
+                raw = await response.read(limit=self.settings.max_answer_bytes)
                 status = response.status
         except BodyTooLarge as exc:
             await self._answer_too_large(call, exc.limit, None)
@@ -390,11 +387,11 @@ class Proxy:
         self._log_call(call, records, *logged)  # after the answer: off the agent's latency
 
     async def _answer_too_large(self, call: Call, limit: int, ttfb_ms: float | None) -> NoReturn:
-        """The upstream's answer passed `max_record_bytes` while it was read: reading stopped there (the
+        """The upstream's answer passed `max_answer_bytes` while it was read: reading stopped there (the
         connection closed: a stream is aborted upstream), the call is recorded as failed, the agent gets 413."""
         message = (
-            f"the inference server's answer is over {limit} bytes, more than a call's record may be "
-            "(max_record_bytes): ask for fewer choices (n) or fewer tokens (max_tokens)"
+            f"the inference server's answer is over {limit} bytes, more than the gateway reads of one "
+            "(max_answer_bytes): ask for fewer choices (n) or fewer tokens (max_tokens)"
         )
         error = CallError(status=413, type="invalid_request_error", message=message, code="record_too_large")
         latency_ms = (time.perf_counter() - call.t0) * 1000
@@ -432,10 +429,15 @@ class Proxy:
         assembler = relay.assembler
         failure: CallError | None = None  # what went wrong on our side of the stream, if anything
         ttfb_ms = None
-        too_large = False  # the answer passed max_record_bytes: its reading stopped there
+        too_large = False  # the answer passed max_answer_bytes: its reading stopped there
+        limit, received = self.settings.max_answer_bytes, 0
         async with self.upstream.request("POST", UPSTREAM_PATHS[endpoint], upstream_body) as response:
             if response.status != 200:
-                await self._upstream_failed(call, response.status, await response.read(), send)
+                try:
+                    raw = await response.read(limit=limit)
+                except BodyTooLarge as exc:
+                    await self._answer_too_large(call, exc.limit, None)
+                await self._upstream_failed(call, response.status, raw, send)
                 return
             content_type = response.headers.get("content-type", "text/event-stream").encode()
             await send(
@@ -445,7 +447,6 @@ class Proxy:
                     "headers": [(b"content-type", content_type), call.rollout_header],
                 }
             )
-            limit, received = self.settings.max_record_bytes, 0
             try:
                 async for data in self.upstream.chunks(response):
                     if disconnect.done():
@@ -453,7 +454,7 @@ class Proxy:
                     if ttfb_ms is None:
                         ttfb_ms = (time.perf_counter() - call.t0) * 1000
                     received += len(data)
-                    if received > limit:  # its record could not be kept: stop here, vLLM aborts it
+                    if received > limit:  # more than is read of an answer: stop here, vLLM aborts it
                         too_large = True
                         break
                     out = relay.relay(data)
@@ -470,7 +471,7 @@ class Proxy:
         client_gone = disconnect.done()
         if too_large and not client_gone:
             try:
-                await self._answer_too_large(call, self.settings.max_record_bytes, ttfb_ms)
+                await self._answer_too_large(call, limit, ttfb_ms)
             except errors.GatewayError as exc:  # the agent has part of the content: it sees the error last
                 tail = error_event(endpoint, exc.status, exc.type, exc.message, exc.code)
                 if endpoint != "responses":

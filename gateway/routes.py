@@ -131,7 +131,7 @@ def build_api(gateway: Gateway) -> FastAPI:
         rollout_id = body.rollout_id or uuid.uuid4().hex
         watch = gateway.proxy.watch
         watch.refuse_lost(rollout_id)
-        if watch.over_backlog:  # as a new rollout's first call would be held (`max_backlog`)
+        if watch.holding:  # as a new rollout's first call would be held (`max_backlog`, Redis memory)
             raise watch.backlog_full()
         try:
             rollout = await store.create_rollout(rollout_id, body.task_id, body.metadata, body.mode)
@@ -229,7 +229,8 @@ def build_api(gateway: Gateway) -> FastAPI:
                     **checks,
                     "policy_version": gateway.proxy.policy_version,
                     "backlog": watch.backlog,
-                    "holding_new_rollouts": watch.over_backlog,
+                    "holding_new_rollouts": watch.holding,
+                    "redis_memory": {"used": watch.memory[0], "max": watch.memory[1]},
                     "problems": dict(watch.problems),
                 }
             ),

@@ -180,9 +180,32 @@ class GatewaySettings(SharedSettings):
         description="Largest record of one call kept in Redis: its request, stored "
         "once, plus every choice's answer, token ids and log-probs. A request already above it is 413 before "
         "the upstream is called; an answer that takes the record above it is dropped, the call recorded as "
-        "failed and the agent told 413 (code record_too_large). The upstream's answer itself (with the "
-        "log-probs and ids the gateway asks for) is read up to this many bytes: past them the gateway stops "
-        "reading (a stream is aborted upstream), so no answer takes more of its memory.",
+        "failed and the agent told 413 (code record_too_large).",
+    )
+    max_answer_bytes: int = Field(
+        128 * 1024 * 1024,
+        ge=1024,
+        description="The most bytes of one upstream answer the gateway reads (JSON or event stream, with "
+        "the log-probs and token ids it asks for, which the record keeps more compactly: an answer is "
+        "about 2-4 times its record). Past them it stops reading and closes the connection (vLLM aborts the "
+        "request), records the call as failed and tells the agent 413 record_too_large, so no answer takes "
+        "more of the gateway's memory. An announced Content-Length above it is refused at the headers.",
+    )
+    max_rollout_bytes: int = Field(
+        256 * 1024 * 1024,
+        ge=0,
+        description="The most bytes of call records and events one rollout may hold in Redis, all its "
+        "attempts' included (kept in the record script, so every gateway process counts together). A call "
+        "that would take it above is 409 rollout_full, its answer dropped and nothing written. 0: no limit.",
+    )
+    redis_memory_high: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="Hold new rollouts back (as for max_backlog: held up to backlog_wait_s, then 429 with "
+        "Retry-After) while Redis uses more than this share of its maxmemory, before it refuses writes; "
+        "calls of rollouts under way go on. Read with the backlog; without a maxmemory set there is "
+        "nothing to compare with (docs/deployment.md: set one, with maxmemory-policy noeviction).",
     )
     policy_poll_s: float = Field(
         0.2,

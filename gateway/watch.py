@@ -9,6 +9,10 @@
 - **The backlog** (`EpisodeStore.backlog`): episodes closed and not yet acknowledged by the learners'
   consumer group (`learner_group`) plus reward jobs queued. Above `max_backlog`, new rollouts are held back (`Proxy`): agents never outrun the
   rewards and the training, so what the learner trains on stays fresh.
+- **Redis's memory** (`EpisodeStore.memory`: used_memory against maxmemory; on a cluster, the fullest
+  primary). Above `redis_memory_high` of maxmemory, new rollouts are held back as for the backlog (429
+  `redis_memory_high` after `backlog_wait_s`), before Redis itself refuses writes (and so every call);
+  rollouts under way go on, each within `max_rollout_bytes`.
 - **The store's epoch marker** (`EpisodeStore.epoch`): a random value the first gateway writes. When it
   disappears or changes, Redis lost its data (restarted without persistence, flushed, failed over to an
   empty replica). The gateway counts it (`rlgate_gateway_store_data_lost`), logs `store_data_lost`,
@@ -42,6 +46,8 @@ class StoreWatch:
         self.policy = episodes.Policy()
         self.backlog = 0
         self.over_backlog = False
+        self.memory: tuple[int, int] = (0, 0)  # Redis's (used_memory, maxmemory); 0: no maxmemory
+        self.memory_high = False  # used_memory above redis_memory_high of maxmemory
         self.backlog_clear = asyncio.Event()  # set while new rollouts may start (held calls wait on it)
         self.backlog_clear.set()
         self.epoch: str | None = None
@@ -59,8 +65,22 @@ class StoreWatch:
                 code="rollout_data_lost",
             )
 
+    @property
+    def holding(self) -> bool:
+        """Whether new rollouts are held back: the backlog is over `max_backlog`, or Redis's memory is high."""
+        return self.over_backlog or self.memory_high
+
     def backlog_full(self) -> errors.BacklogFull:
-        """The 429 for a new rollout while the backlog is over `max_backlog`."""
+        """The 429 for a new rollout while new rollouts are held (`holding`)."""
+        if self.memory_high and not self.over_backlog:
+            used, most = self.memory
+            return errors.BacklogFull(
+                f"Redis holds {used} of its {most} bytes (maxmemory; new rollouts wait above "
+                f"redis_memory_high {self.settings.redis_memory_high}): new rollouts are held back; retry "
+                "shortly",
+                code="redis_memory_high",
+                headers={"retry-after": str(max(1, round(self.settings.backlog_wait_s / 4)))},
+            )
         return errors.BacklogFull(
             f"{self.backlog} episodes wait for rewards or training (max_backlog {self.settings.max_backlog}): "
             "new rollouts are held back; retry shortly",
@@ -82,6 +102,7 @@ class StoreWatch:
                 ("epoch", self._check_epoch),
                 ("policy", self._check_policy),
                 ("backlog", self._check_backlog),
+                ("memory", self._check_memory),
             ):
                 try:  # each on its own: a corrupted pointer must not stop the backlog check
                     await check()
@@ -128,10 +149,26 @@ class StoreWatch:
                     max_backlog=self.settings.max_backlog,
                 )
             self.over_backlog = over
-            if over:
-                self.backlog_clear.clear()
-            else:
-                self.backlog_clear.set()
+            self._hold()
+
+    async def _check_memory(self) -> None:
+        used, most = self.memory = await self.store.memory()
+        high = most > 0 and used > self.settings.redis_memory_high * most
+        if high != self.memory_high:
+            log.warning(
+                "redis_memory_high_holding_new_rollouts" if high else "redis_memory_released",
+                used_memory=used,
+                maxmemory=most,
+                redis_memory_high=self.settings.redis_memory_high,
+            )
+        self.memory_high = high
+        self._hold()
+
+    def _hold(self) -> None:
+        if self.holding:
+            self.backlog_clear.clear()
+        else:
+            self.backlog_clear.set()
 
     async def _check_epoch(self) -> None:
         epoch = await self.store.epoch(create=True)

@@ -232,10 +232,13 @@ def test_healthz_reports_a_redis_that_refuses_writes(fake_vllm: Proc, tmp_path):
         gateway = start_gateway(tmp_path, fake_vllm.url, redis_url=f"redis://127.0.0.1:{port}/0")
         try:
             assert health(gateway)["status"] == "ok"
+            rid = uuid.uuid4().hex
+            assert chat(gateway, rid).status_code == 200
             client.config_set("maxmemory", "1")  # noeviction: every write is refused, reads still work
             response = httpx.get(f"{gateway.url}/healthz", timeout=10)
             assert response.status_code == 503 and "maxmemory" in response.json()["redis"]
-            error = assert_openai_error(chat(gateway, uuid.uuid4().hex), 503)
+            # (a new rollout would be held back for Redis's memory: one under way is refused)
+            error = assert_openai_error(chat(gateway, rid), 503)
             assert error["code"] == "store_unavailable"
             client.config_set("maxmemory", "0")
             assert httpx.get(f"{gateway.url}/healthz", timeout=10).status_code == 200
@@ -251,3 +254,50 @@ def _pings(client: redis.Redis) -> bool:
         return bool(client.ping())
     except redis.ConnectionError:
         return False
+
+
+def test_new_rollouts_are_held_back_while_redis_is_nearly_full(fake_vllm: Proc, tmp_path):
+    """Redis refusing writes at maxmemory fails every call, those of rollouts under way too. Above
+    redis_memory_high of maxmemory the gateway holds new rollouts back first (429 redis_memory_high with
+    Retry-After, after backlog_wait_s), while rollouts under way go on; when memory is free again, new
+    rollouts start."""
+    port = free_port()
+    server = subprocess.Popen(
+        ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+    )
+    client = redis.Redis(port=port)
+    try:
+        wait_for(lambda: _pings(client))
+        gateway = start_gateway(
+            tmp_path,
+            fake_vllm.url,
+            redis_url=f"redis://127.0.0.1:{port}/0",
+            redis_memory_high="0.5",
+            backlog_wait_s="1",
+            policy_poll_s="0.05",
+        )
+        try:
+            under_way = uuid.uuid4().hex
+            assert chat(gateway, under_way).status_code == 200
+            assert health(gateway)["redis_memory"]["max"] == 0  # none set: never held for memory
+            client.config_set("maxmemory", str(64 << 20))
+            client.mset({f"junk{i}": b"x" * (1 << 20) for i in range(40)})  # 40 of 64 MiB: over half
+            wait_for(lambda: health(gateway)["holding_new_rollouts"])
+            state = health(gateway)
+            assert state["redis_memory"]["max"] == 64 << 20 and state["redis_memory"]["used"] > 40 << 20
+            refused = chat(gateway, uuid.uuid4().hex)
+            error = assert_openai_error(refused, 429)
+            assert error["code"] == "redis_memory_high" and "maxmemory" in error["message"]
+            assert int(refused.headers["retry-after"]) >= 1
+            created = httpx.post(f"{gateway.url}/rollouts", json={"task_id": "t"}, timeout=10)
+            assert assert_openai_error(created, 429)["code"] == "redis_memory_high"
+            assert chat(gateway, under_way).status_code == 200  # a rollout under way goes on
+            client.delete(*(f"junk{i}" for i in range(40)))
+            wait_for(lambda: not health(gateway)["holding_new_rollouts"])
+            assert chat(gateway, uuid.uuid4().hex).status_code == 200
+        finally:
+            gateway.kill()
+    finally:
+        server.kill()
+        server.wait()

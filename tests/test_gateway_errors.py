@@ -10,6 +10,7 @@ import httpx
 import openai
 import pytest
 from conftest import Proc, free_port, start_gateway
+from fake_vllm import MAX_MODEL_LEN
 from test_gateway_proxy import MESSAGES, MODEL, rollout
 
 
@@ -78,11 +79,13 @@ def test_upstream_errors_keep_status_and_are_recorded(gateway: Proc, fake_vllm: 
     )
     assert not_found.value.response.json() == direct.json()
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10**7)
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=MAX_MODEL_LEN + 1)
     with pytest.raises(openai.InternalServerError):
         client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body={"fake_status": 500})
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True, max_tokens=10**7)
+        client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, stream=True, max_tokens=MAX_MODEL_LEN + 1
+        )
     calls = rollout(gateway, rid)["calls"]
     assert [c["error"]["status"] for c in calls] == [404, 400, 500, 400]
     assert all(c["completion_token_ids"] is None and c["response"] is None for c in calls)

@@ -153,7 +153,7 @@ def test_a_calls_record_and_a_rollouts_calls_are_bounded(
 ):
     """`max_record_bytes` bounds what one call may write to Redis: a request above it never reaches the
     upstream; an answer that takes the record above it is dropped, the call kept as failed (small), and the
-    agent told 413 (a stream: an error event, then its end, as vLLM ends a stream that failed). `max_calls_per_rollout` bounds how many
+    agent told 413 (a stream: an error event in place of its end). `max_calls_per_rollout` bounds how many
     records one rollout holds: above it, 409 and nothing written."""
     from conftest import start_gateway
     from test_gateway_auth import CountingUpstream
@@ -175,8 +175,8 @@ def test_a_calls_record_and_a_rollouts_calls_are_bounded(
         assert error["code"] == "record_too_large" and counting.posts == 1
         with httpx.stream("POST", url, json={**many, "stream": True}, timeout=30) as stream:
             lines = [line for line in stream.iter_lines() if line.startswith("data:")]
-        # an error event, then the stream's end: vLLM's way to end a stream that failed
-        assert "max_record_bytes" in lines[-2] and lines[-1] == "data: [DONE]"
+        # the record could not be kept: the agent sees an error last, never the stream's end
+        assert "max_record_bytes" in lines[-1] and "data: [DONE]" not in lines
         assert (
             httpx.post(url, json={"model": MODEL, "messages": MESSAGES, "max_tokens": 4}).status_code == 200
         )
@@ -327,10 +327,11 @@ class EndlessUpstream:
                         conn.sendall(piece)
                         self.sent += len(piece)
                         time.sleep(0.05)
-                else:  # chunked, without end
+                else:  # chunked, without end (an error answer: "error" mode)
+                    status = b"500 Internal Server Error" if self.mode == "error" else b"200 OK"
                     conn.sendall(
-                        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
-                        b"transfer-encoding: chunked\r\n\r\n"
+                        b"HTTP/1.1 %s\r\ncontent-type: application/json\r\n" % status
+                        + b"transfer-encoding: chunked\r\n\r\n"
                     )
                     frame = b"%x\r\n%s\r\n" % (len(piece), piece)
                     while True:
@@ -343,29 +344,29 @@ class EndlessUpstream:
         self.listener.close()
 
 
-def test_an_answer_is_read_only_up_to_the_record_limit_then_cut_off(tmp_path, redis_client: redis.Redis):
+def test_an_answer_is_read_only_up_to_its_limit_then_cut_off(tmp_path, redis_client: redis.Redis):
     """The gateway read a whole answer before checking its size (3.4 GB of memory for one call). Now it
-    stops reading at max_record_bytes: an announced Content-Length above it is refused at the headers, a
+    stops reading at max_answer_bytes: an announced Content-Length above it is refused at the headers, a
     body or stream that grows past it is cut there (its connection closed: vLLM aborts the request); the
-    agent gets 413 record_too_large (a stream: an error event last), the call is recorded as failed and
-    small."""
+    agent gets 413 record_too_large (a stream: an error event last; an endless error answer to a stream:
+    413 before the stream starts), the call is recorded as failed and small."""
     from conftest import start_gateway
 
     limit = 1 << 20
-    for mode, stream in (("chunked", False), ("announced", False), ("sse", True)):
+    for mode, stream in (("chunked", False), ("announced", False), ("sse", True), ("error", True)):
         upstream = EndlessUpstream(mode)
-        proc = start_gateway(tmp_path, upstream.url, max_record_bytes=str(limit), upstream_timeout_s="60")
+        proc = start_gateway(tmp_path, upstream.url, max_answer_bytes=str(limit), upstream_timeout_s="60")
         try:
             rid = uuid.uuid4().hex
             url = f"{proc.url}/rollouts/{rid}/v1/chat/completions"
             body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 8, "stream": stream}
             t0 = time.monotonic()
-            if stream:
+            if mode == "sse":
                 with httpx.stream("POST", url, json=body, timeout=60) as response:
                     assert response.status_code == 200
                     lines = [line for line in response.iter_lines() if line.startswith("data:")]
                 error = json.loads(lines[-2].removeprefix("data: "))["error"]
-                assert error["code"] == 413 and "max_record_bytes" in error["message"], lines[-2:]
+                assert error["code"] == 413 and "max_answer_bytes" in error["message"], lines[-2:]
                 assert lines[-1] == "data: [DONE]"
             else:
                 response = httpx.post(url, json=body, timeout=60)
@@ -383,3 +384,60 @@ def test_an_answer_is_read_only_up_to_the_record_limit_then_cut_off(tmp_path, re
         finally:
             proc.kill()
             upstream.close()
+
+
+def test_a_rollout_holds_at_most_max_rollout_bytes_its_attempts_and_events_included(
+    fake_vllm: Proc, tmp_path, redis_client: redis.Redis
+):
+    """max_calls_per_rollout x max_record_bytes was the only bound of one rollout (32 GiB by default).
+    Now the record script counts the bytes a rollout holds, its attempts' calls and its events included,
+    and refuses (409 rollout_full, naming max_rollout_bytes, nothing written, no attempt created) what
+    would take it above max_rollout_bytes."""
+    from conftest import start_gateway
+
+    budget = 100_000
+    proc = start_gateway(tmp_path, fake_vllm.url, max_rollout_bytes=str(budget))
+    padded = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2, "pad": "x" * 30_000}
+    try:
+        rid = uuid.uuid4().hex
+        url = f"{proc.url}/rollouts/{rid}/v1/chat/completions"
+        assert [httpx.post(url, json=padded).status_code for _ in range(3)] == [200, 200, 200]
+        error = assert_openai_error(httpx.post(url, json=padded), 409)
+        assert error["code"] == "rollout_full" and "max_rollout_bytes" in error["message"], error
+        assert redis_client.llen(f"rlgate:rollout:{{{rid}}}:calls") == 3
+        small = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2}
+        assert httpx.post(url, json=small).status_code == 200  # what still fits is taken
+
+        # Agent Lightning's attempts and events count toward their rollout's budget
+        agl = uuid.uuid4().hex
+        assert httpx.post(f"{proc.url}/rollouts", json={"rollout_id": agl, "task_id": "t"}).status_code == 201
+
+        def attempt(n: int) -> httpx.Response:
+            return httpx.post(
+                f"{proc.url}/proxy/rollout/{agl}/attempt/{n}/mode/train/openai/v1/chat/completions",
+                json=padded,
+            )
+
+        def event() -> httpx.Response:
+            return httpx.post(
+                f"{proc.url}/api/rollouts/{agl}/attempt/0/events",
+                json={"event_type": "note", "data": {"text": "y" * 15_000}},
+            )
+
+        assert attempt(1).status_code == 200 and attempt(2).status_code == 200
+        statuses = [event().status_code for _ in range(4)]
+        assert statuses[0] == 200 and statuses[-1] == 409, statuses
+        assert attempt(1).status_code == 409
+        error = assert_openai_error(attempt(3), 409)
+        assert error["code"] == "rollout_full" and "max_rollout_bytes" in error["message"]
+        assert not redis_client.exists(f"rlgate:rollout:{{{agl}}}~3")  # no attempt made
+        held = int(redis_client.hget(f"rlgate:rollout:{{{agl}}}", "bytes"))
+        stored = sum(
+            len(item)
+            for key in (f"rlgate:rollout:{{{agl}}}~1:calls", f"rlgate:rollout:{{{agl}}}~2:calls")
+            for item in redis_client.lrange(key, 0, -1)
+        ) + sum(len(item) for item in redis_client.lrange(f"rlgate:rollout:{{{agl}}}:events", 0, -1))
+        assert stored == held <= budget, (stored, held)
+        assert httpx.get(f"{proc.url}/rollouts/{agl}").status_code == 200  # the counter is not shown
+    finally:
+        proc.kill()

@@ -273,7 +273,7 @@ async def overview_page(request: Request) -> Response:
         )
         watch = d.gateway.proxy.watch
         snap = overview.Snapshot(
-            counts, steps, calls, errors, rates, recent.rollouts, watch.backlog, watch.over_backlog
+            counts, steps, calls, errors, rates, recent.rollouts, watch.backlog, watch.holding
         )
         if fragment:
             return _html((await asyncio.to_thread(overview.live, snap)).encode())
