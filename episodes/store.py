@@ -126,6 +126,11 @@ def _unavailable(exc: Exception) -> StoreUnavailable:
         return StoreUnavailable(f"redis unavailable: {exc}")
     if isinstance(exc, redis_exc.RedisClusterException):  # not a RedisError: no node answers, say
         return StoreUnavailable(f"redis cluster unavailable: {exc}")
+    if isinstance(exc, (redis_exc.AskError, redis_exc.ClusterDownError)):  # MOVED is an AskError
+        return StoreUnavailable(
+            f"redis answered {str(exc)[:200]!r}: it is a Redis Cluster node, named by a redis:// URL; name "
+            "the cluster with redis+cluster://HOST:PORT (RLGATE_REDIS_URL)"
+        )
     return StoreUnavailable(f"redis error: {exc}")
 
 
@@ -284,6 +289,15 @@ class EpisodeStore:
     async def ping(self) -> None:
         async with _guard(self.timeout_s):
             await self.redis.ping()
+
+    async def is_cluster_node(self) -> bool:
+        """Whether a standalone client (a redis:// URL) was pointed at a node of a Redis Cluster: its
+        calls would be answered MOVED for most keys. Always False on a cluster client."""
+        if self.cluster:
+            return False
+        async with _guard(self.timeout_s):
+            info = await self.redis.info("cluster")
+        return str(info.get("cluster_enabled", 0)) == "1"
 
     async def create_rollout(
         self,

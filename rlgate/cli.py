@@ -78,8 +78,17 @@ async def _check_redis(url: str, prefix: str, timeout_s: float) -> None:
     store = EpisodeStore.from_url(url, prefix=prefix, timeout_s=timeout_s)
     try:
         await store.ping()
+        if await store.is_cluster_node():
+            raise UsageError(_cluster_node(url))
     finally:
         await store.aclose()
+
+
+def _cluster_node(url: str) -> str:
+    return (
+        f"{_redact(url)} is a node of a Redis Cluster: a redis:// URL would be answered MOVED for most keys; "
+        "name the cluster with redis+cluster://HOST:PORT (RLGATE_REDIS_URL)"
+    )
 
 
 class GatewayCommand(GatewaySettings, RewardSettings):
@@ -172,7 +181,7 @@ class WorkerCommand(SharedSettings):
         from rq import SimpleWorker, Worker
         from rq.serializers import JSONSerializer
 
-        from reward_hooks.queue import connect
+        from reward_hooks.queue import connect, queue_url
 
         configure_logging(self.log_level, self.log_format)
         settings = RewardSettings.model_validate(self.model_dump(include=set(RewardSettings.model_fields)))
@@ -189,6 +198,11 @@ class WorkerCommand(SharedSettings):
         except ValueError as exc:
             raise UsageError(str(exc)) from exc
         connection.ping()  # Redis down: one line now rather than rq's retries
+        if str(connection.info("cluster").get("cluster_enabled", 0)) == "1":  # rq's queue: standalone only
+            raise UsageError(_cluster_node(queue_url(settings) or settings.redis_url))
+        import asyncio
+
+        asyncio.run(_check_redis(settings.redis_url, settings.key_prefix, settings.redis_timeout_s))
         worker = (Worker if self.fork else SimpleWorker)(
             [self.reward_queue], connection=connection, serializer=JSONSerializer
         )

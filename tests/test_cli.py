@@ -207,6 +207,35 @@ def test_redis_down_at_every_command_that_needs_it(tmp_path, fake_vllm: Proc):
         proc.kill()
 
 
+def test_a_redis_url_naming_a_cluster_node_is_one_line_that_names_redis_cluster(tmp_path, fake_vllm: Proc):
+    """A redis:// URL to a node of a Redis Cluster connected, pinged, then failed each call with MOVED or
+    CLUSTERDOWN, told to agents as a bare Redis error. Now every command that uses Redis refuses it at start
+    and names redis+cluster://."""
+    port = free_port()
+    node = subprocess.Popen(
+        ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"]
+        + ["--cluster-enabled", "yes", "--cluster-config-file", str(tmp_path / "nodes.conf")],
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        client = redis.Redis(port=port)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        url = f"redis://127.0.0.1:{port}/0"
+        env = {"RLGATE_REDIS_URL": url, "RLGATE_UPSTREAM_URL": fake_vllm.url}
+        for args in (["gateway"], ["worker", "--burst"], ["learner"]):
+            one_line_mistake(rlgate(*args, env=env, timeout=60), "Redis Cluster", "redis+cluster://")
+    finally:
+        node.kill()
+        node.wait()
+
+
 def test_a_bad_setting_names_the_option_not_the_value():
     one_line_mistake(
         rlgate("learner", "--tasks-per-step", "many"),
