@@ -122,7 +122,9 @@ local n = redis.call('RPUSH', KEYS[2], unpack(ARGV, 14))
 if #changed > 0 then
   redis.call('HSET', KEYS[1], unpack(changed))
 end
-redis.call('HINCRBY', root, 'bytes', ARGV[12])
+if root == KEYS[1] or redis.call('EXISTS', root) == 1 then  -- a parent gone (expired) is not remade
+  redis.call('HINCRBY', root, 'bytes', ARGV[12])
+end
 return {0, n - n_records, created}
 """
 
@@ -326,7 +328,9 @@ local held = tonumber(redis.call('HGET', root, 'bytes') or '0')
 if tonumber(ARGV[3]) > 0 and held + #ARGV[1] > tonumber(ARGV[3]) then
   return {3, held}
 end
-redis.call('HINCRBY', root, 'bytes', #ARGV[1])
+if root == KEYS[1] or redis.call('EXISTS', root) == 1 then  -- a parent gone (expired) is not remade
+  redis.call('HINCRBY', root, 'bytes', #ARGV[1])
+end
 return {0, redis.call('RPUSH', KEYS[2], ARGV[1]) - 1}
 """
 

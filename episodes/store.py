@@ -126,11 +126,15 @@ def _unavailable(exc: Exception) -> StoreUnavailable:
         return StoreUnavailable(f"redis unavailable: {exc}")
     if isinstance(exc, redis_exc.RedisClusterException):  # not a RedisError: no node answers, say
         return StoreUnavailable(f"redis cluster unavailable: {exc}")
-    if isinstance(exc, (redis_exc.AskError, redis_exc.ClusterDownError)):  # MOVED is an AskError
+    text = str(exc)
+    # (matched by text: the batcher's replies are plain ResponseErrors)
+    if text.startswith(("MOVED ", "ASK ")):  # a cluster client follows these itself: this is a redis:// one
         return StoreUnavailable(
-            f"redis answered {str(exc)[:200]!r}: it is a Redis Cluster node, named by a redis:// URL; name "
+            f"redis answered {text[:200]!r}: it is a Redis Cluster node, named by a redis:// URL; name "
             "the cluster with redis+cluster://HOST:PORT (RLGATE_REDIS_URL)"
         )
+    if text.startswith("CLUSTERDOWN"):
+        return StoreUnavailable(f"the Redis Cluster is down or failing over ({text[:200]!r}); retry later")
     return StoreUnavailable(f"redis error: {exc}")
 
 
@@ -295,8 +299,13 @@ class EpisodeStore:
         calls would be answered MOVED for most keys. Always False on a cluster client."""
         if self.cluster:
             return False
-        async with _guard(self.timeout_s):
-            info = await self.redis.info("cluster")
+        try:
+            async with _guard(self.timeout_s):
+                info = await self.redis.info("cluster")
+        except StoreUnavailable as exc:
+            if isinstance(exc.__cause__, redis_exc.ResponseError):  # INFO forbidden (an ACL) or renamed
+                return False  # unknown: a cluster node would still be told by its MOVED replies
+            raise
         return str(info.get("cluster_enabled", 0)) == "1"
 
     async def create_rollout(

@@ -88,8 +88,9 @@ class Response:
             if announced.isdigit() and int(announced) > limit:
                 self._conn.close()
                 raise BodyTooLarge(limit, int(announced))
-            if self._buffered > limit:
+            if self._buffered > limit:  # already in (even all of it): refused all the same
                 self._drop(limit)
+                raise BodyTooLarge(limit)
             self._limit = limit
         self._conn.resume(force=True)
         while not self._complete:

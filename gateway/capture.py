@@ -118,11 +118,22 @@ def _lax_int(name: str, value: Any) -> int:
         raise InvalidField(name, f"{name}: Input should be a valid integer, got {_short(value)}") from None
 
 
-def answer_bounds(endpoint: Endpoint, body: dict[str, Any]) -> tuple[int, int | None, str | None]:
-    """What a request lets its answer grow to: (choices, tokens per choice or None where the request names
-    no bound, the field that names it). Raises `InvalidField` for a value vLLM would refuse as no integer."""
+def prompt_count(body: dict[str, Any]) -> int:
+    """How many prompts a completions request holds: vLLM answers `n` choices for each of a list of
+    strings or of token-id lists; one string or one token-id list is one prompt."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        return len(prompt)
+    return 1
+
+
+def answer_bounds(endpoint: Endpoint, body: dict[str, Any]) -> tuple[int, int, int | None, str | None]:
+    """What a request lets its answer grow to: (n, prompts: each gets n choices, tokens per choice or None
+    where the request names no bound, the field that names it). Raises `InvalidField` for a value vLLM
+    would refuse as no integer."""
     n = body.get("n")
     choices = 1 if n is None or endpoint == "responses" else _lax_int("n", n)
+    prompts = prompt_count(body) if endpoint == "completions" else 1
     tokens, field = None, None
     for name in _TOKEN_FIELDS.get(endpoint, ()):
         value = body.get(name)
@@ -131,7 +142,9 @@ def answer_bounds(endpoint: Endpoint, body: dict[str, Any]) -> tuple[int, int | 
         value = _lax_int(name, value)
         if tokens is None or value > tokens:  # the largest one named (both checked, as vLLM checks both)
             tokens, field = value, name
-    return choices, tokens, field
+    if tokens is None and endpoint == "completions":  # the completions API's default (null too)
+        tokens, field = 16, "max_tokens"
+    return choices, prompts, tokens, field
 
 
 def _short(value: Any) -> str:

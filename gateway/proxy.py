@@ -122,9 +122,14 @@ class Proxy:
             self.credentials.authorize_agent(
                 next((v for k, v in headers if k == b"authorization"), b""), rollout_id
             )[0]
-        async with self.upstream.request("GET", "/models") as response:
-            body = await response.read()
-            status = response.status
+        try:
+            async with self.upstream.request("GET", "/models") as response:
+                body = await response.read(limit=self.settings.max_answer_bytes)
+                status = response.status
+        except BodyTooLarge as exc:
+            raise errors.BadUpstreamAnswer(
+                f"the inference server's model list is over {exc.limit} bytes (max_answer_bytes)"
+            ) from exc
         if status != 200:
             body = orjson.dumps({"error": errors.upstream_error_payload(status, body)})
         await send_body(send, status, body, [_JSON])
@@ -266,11 +271,13 @@ class Proxy:
     def _admit(self, endpoint: Endpoint, body: dict[str, Any]) -> None:
         """Refuse (400 limit_exceeded, before the upstream is called) a call whose answer could grow past
         the gateway's bounds: `max_n` choices, `max_tokens_per_choice`, `max_tokens_per_call` together."""
-        choices, tokens, field = capture.answer_bounds(endpoint, body)
+        n, prompts, tokens, field = capture.answer_bounds(endpoint, body)
+        choices = n * prompts
+        what = "n" if prompts == 1 else f"n x prompts ({n} x {prompts})"
         settings = self.settings
         problem = param = None
-        if choices > settings.max_n:
-            problem, param = f"n is {choices}: at most {settings.max_n} choices per call (RLGATE_MAX_N)", "n"
+        if n > settings.max_n:
+            problem, param = f"n is {n}: at most {settings.max_n} choices per call (RLGATE_MAX_N)", "n"
         elif tokens is not None and tokens > settings.max_tokens_per_choice:
             problem, param = (
                 f"{field} is {tokens}: at most {settings.max_tokens_per_choice} tokens per choice "
@@ -279,7 +286,7 @@ class Proxy:
             )
         elif tokens is not None and choices * tokens > settings.max_tokens_per_call:
             problem, param = (
-                f"n x {field} is {choices} x {tokens} = {choices * tokens}: at most "
+                f"{what} x {field} is {choices} x {tokens} = {choices * tokens}: at most "
                 f"{settings.max_tokens_per_call} tokens per call (RLGATE_MAX_TOKENS_PER_CALL)",
                 field,
             )

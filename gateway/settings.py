@@ -157,7 +157,8 @@ class GatewaySettings(SharedSettings):
     max_n: int = Field(
         16,
         ge=1,
-        description="Most choices one call may ask for (`n`, chat and completions). More is 400 "
+        description="Most choices one call may ask for (`n`, chat and completions; a completions request "
+        "gets n for each of its prompts, bounded together by max_tokens_per_call). More is 400 "
         "limit_exceeded before the upstream is called.",
     )
     max_tokens_per_choice: int = Field(
@@ -171,8 +172,9 @@ class GatewaySettings(SharedSettings):
     max_tokens_per_call: int = Field(
         262_144,
         ge=1,
-        description="The most tokens one call's answer may have asked for: n x the token bound it names. "
-        "More is 400 limit_exceeded before the upstream is called.",
+        description="The most tokens one call's answer may have asked for: n x the token bound it names "
+        "(x the prompts of a batched completions request, whose token bound is 16 unless named). More is "
+        "400 limit_exceeded before the upstream is called.",
     )
     max_record_bytes: int = Field(
         32 * 1024 * 1024,
@@ -194,9 +196,11 @@ class GatewaySettings(SharedSettings):
     max_rollout_bytes: int = Field(
         256 * 1024 * 1024,
         ge=0,
-        description="The most bytes of call records and events one rollout may hold in Redis, all its "
-        "attempts' included (kept in the record script, so every gateway process counts together). A call "
-        "that would take it above is 409 rollout_full, its answer dropped and nothing written. 0: no limit.",
+        description="The most bytes of call records and events one rollout may write to Redis over its "
+        "life, all its attempts' included (counted in the record script, so every gateway process counts "
+        "together; an attempt's bytes stay counted after it ends). A call that would take it above is 409 "
+        "rollout_full, its answer dropped and nothing written; the check is made when the answer is "
+        "recorded, so the upstream has done the work. 0: no limit.",
     )
     redis_memory_high: float = Field(
         0.9,
@@ -205,7 +209,8 @@ class GatewaySettings(SharedSettings):
         description="Hold new rollouts back (as for max_backlog: held up to backlog_wait_s, then 429 with "
         "Retry-After) while Redis uses more than this share of its maxmemory, before it refuses writes; "
         "calls of rollouts under way go on. Read with the backlog; without a maxmemory set there is "
-        "nothing to compare with (docs/deployment.md: set one, with maxmemory-policy noeviction).",
+        "nothing to compare with (docs/deployment.md: set one, with maxmemory-policy noeviction). Released "
+        "once it is 0.05 below again.",
     )
     policy_poll_s: float = Field(
         0.2,

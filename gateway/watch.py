@@ -152,8 +152,15 @@ class StoreWatch:
             self._hold()
 
     async def _check_memory(self) -> None:
-        used, most = self.memory = await self.store.memory()
-        high = most > 0 and used > self.settings.redis_memory_high * most
+        try:
+            used, most = self.memory = await self.store.memory()
+        except Exception:  # unknown (INFO refused, Redis down): not a reason to hold rollouts back
+            self.memory, self.memory_high = (0, 0), False
+            self._hold()
+            raise
+        # held above redis_memory_high, released 5 points below it: no flapping at the line
+        line = self.settings.redis_memory_high - (0.05 if self.memory_high else 0.0)
+        high = most > 0 and used > line * most
         if high != self.memory_high:
             log.warning(
                 "redis_memory_high_holding_new_rollouts" if high else "redis_memory_released",

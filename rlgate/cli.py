@@ -178,6 +178,7 @@ class WorkerCommand(SharedSettings):
     log_format: Literal["auto", "json", "console"] = Field("auto", description="auto, json or console.")
 
     def cli_cmd(self) -> None:
+        import redis
         from rq import SimpleWorker, Worker
         from rq.serializers import JSONSerializer
 
@@ -198,7 +199,11 @@ class WorkerCommand(SharedSettings):
         except ValueError as exc:
             raise UsageError(str(exc)) from exc
         connection.ping()  # Redis down: one line now rather than rq's retries
-        if str(connection.info("cluster").get("cluster_enabled", 0)) == "1":  # rq's queue: standalone only
+        try:
+            cluster_node = str(connection.info("cluster").get("cluster_enabled", 0)) == "1"
+        except redis.ResponseError:  # INFO forbidden (an ACL) or renamed: unknown, go on
+            cluster_node = False
+        if cluster_node:  # rq's queue: standalone only
             raise UsageError(_cluster_node(queue_url(settings) or settings.redis_url))
         import asyncio
 

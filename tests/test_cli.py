@@ -211,7 +211,9 @@ def test_a_redis_url_naming_a_cluster_node_is_one_line_that_names_redis_cluster(
     """A redis:// URL to a node of a Redis Cluster connected, pinged, then failed each call with MOVED or
     CLUSTERDOWN, told to agents as a bare Redis error. Now every command that uses Redis refuses it at start
     and names redis+cluster://."""
-    port = free_port()
+    from redis_servers import cluster_ports
+
+    [port] = cluster_ports(1)  # its bus port (port + 10000) free too
     node = subprocess.Popen(
         ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"]
         + ["--cluster-enabled", "yes", "--cluster-config-file", str(tmp_path / "nodes.conf")],
@@ -225,7 +227,7 @@ def test_a_redis_url_naming_a_cluster_node_is_one_line_that_names_redis_cluster(
                 client.ping()
                 break
             except redis.ConnectionError:
-                assert time.monotonic() < deadline
+                assert node.poll() is None and time.monotonic() < deadline, "the cluster node did not start"
                 time.sleep(0.05)
         url = f"redis://127.0.0.1:{port}/0"
         env = {"RLGATE_REDIS_URL": url, "RLGATE_UPSTREAM_URL": fake_vllm.url}
@@ -234,6 +236,31 @@ def test_a_redis_url_naming_a_cluster_node_is_one_line_that_names_redis_cluster(
     finally:
         node.kill()
         node.wait()
+
+
+def test_a_redis_that_refuses_info_still_serves_the_gateway(tmp_path, fake_vllm: Proc):
+    """Some managed Redis services forbid or rename INFO: the cluster-node check at start and the memory
+    watch then know nothing, and the gateway starts and records as before (no memory hold)."""
+    port = free_port()
+    server = subprocess.Popen(
+        ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"]
+        + ["--rename-command", "INFO", ""],
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        proc = start_gateway(tmp_path, fake_vllm.url, redis_url=f"redis://127.0.0.1:{port}/0")
+        try:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            answer = httpx.post(f"{proc.url}/rollouts/{uuid.uuid4().hex}/v1/chat/completions", json=body)
+            assert answer.status_code == 200, answer.text
+            health = httpx.get(f"{proc.url}/healthz", timeout=10).json()
+            assert health["holding_new_rollouts"] is False and health["redis_memory"]["max"] == 0, health
+        finally:
+            proc.kill()
+        assert "Traceback" not in proc.log()
+    finally:
+        server.kill()
+        server.wait()
 
 
 def test_a_bad_setting_names_the_option_not_the_value():

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import REDIS_URL, start_fake_vllm, start_gateway, start_rlgate_serve
+from conftest import REDIS_URL, Proc, start_fake_vllm, start_gateway, start_rlgate_serve
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("schemathesis")
@@ -117,6 +117,33 @@ def test_fuzz_gateway(fuzz_gateway, tmp_path):
         "examples,fuzzing,stateful",
     )
     assert "Tested: 26" in report, report[-3000:]
+
+
+@pytest.mark.timeout(900)
+def test_fuzz_gateway_in_front_of_real_vllm(vllm: Proc, tmp_path: Path, redis_client):
+    """The agent routes (`/v1/...`) fuzzed with real vLLM (its CPU build, on the tiny model) answering what
+    passes the gateway: whatever the fuzzer sends, the gateway and the engine together answer in the
+    documented shapes, never a server error, and the engine keeps serving."""
+    gateway = start_gateway(tmp_path, vllm.url, REDIS_URL)
+    try:
+        report = st_run(
+            gateway.url,
+            tmp_path,
+            "--max-examples",
+            "10",
+            "--workers",
+            "2",
+            "--phases",
+            "examples,fuzzing",
+            "--include-path-regex",
+            "^/v1/",
+        )
+        assert "Tested: " in report, report[-3000:]
+        assert "call_crashed" not in gateway.log()
+    finally:
+        gateway.kill(signal.SIGTERM)
+    health = httpx.get(vllm.url.removesuffix("/v1") + "/health", timeout=30)
+    assert health.status_code == 200  # the engine survived it
 
 
 def test_gateway_refuses_unstorable_json(fuzz_gateway):

@@ -114,3 +114,70 @@ def test_real_vllm_serves_the_learners_routes(vllm: Proc, vllm_model: Path, tmp_
     finally:
         httpx.post(f"{vllm.url}/unload_lora_adapter", json={"lora_name": "engine-test-adapter"}, timeout=30)
     assert httpx.get(f"{base}/is_paused", timeout=10).json() == {"is_paused": False}
+
+
+def _answered(endpoint: str, body: dict, answer: bytes) -> list[dict]:
+    """Per choice, what real vLLM returned of the prompt and completion ids and the sampled log-probs:
+    from the JSON answer, or from every chunk of a stream."""
+    choices: dict[int, dict] = {}
+    if body.get("stream"):
+        events = [
+            json.loads(line[6:])
+            for line in answer.decode().splitlines()
+            if line.startswith("data: ") and line != "data: [DONE]"
+        ]
+    else:
+        events = [json.loads(answer)]
+    for event in events:
+        for choice in event.get("choices", []):
+            got = choices.setdefault(choice["index"], {"prompt": None, "ids": [], "logprobs": []})
+            if endpoint == "chat":
+                prompt = event.get("prompt_token_ids")
+                got["logprobs"] += [e["logprob"] for e in (choice.get("logprobs") or {}).get("content") or []]
+            else:
+                prompt = choice.get("prompt_token_ids")
+                got["logprobs"] += (choice.get("logprobs") or {}).get("token_logprobs") or []
+            if prompt:
+                got["prompt"] = prompt
+            got["ids"] += choice.get("token_ids") or []
+    return [choices[i] for i in sorted(choices)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_the_gateway_records_exactly_what_real_vllm_returned(vllm_gateway: Proc, endpoint: str, stream: bool):
+    """The gateway in front of real vLLM: an agent that asks for the token ids and log-probs itself gets
+    vLLM's own, and the record holds exactly those (prompt ids, completion ids, sampled log-probs, to the
+    last bit), for each of n choices, streamed or not: never re-tokenized, never recomputed."""
+    import uuid
+
+    rid = uuid.uuid4().hex
+    common = {
+        "model": "fake-model",
+        "max_tokens": 12,
+        "temperature": 1.0,
+        "seed": 5,
+        "n": 2,
+        "stream": stream,
+    }
+    common["return_token_ids"] = True
+    if endpoint == "chat":
+        body = {**common, "messages": [{"role": "user", "content": "count: 1 2 3"}], "logprobs": True}
+        path = "chat/completions"
+    else:
+        body = {**common, "prompt": "count: 1 2 3", "logprobs": 0}
+        path = "completions"
+    response = httpx.post(f"{vllm_gateway.url}/rollouts/{rid}/v1/{path}", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    answered = _answered(endpoint, body, response.content)
+    assert len(answered) == 2 and all(a["ids"] and a["prompt"] for a in answered), answered
+    calls = httpx.get(f"{vllm_gateway.url}/rollouts/{rid}", timeout=30).json()["calls"]
+    recorded = [
+        {
+            "prompt": c["prompt_token_ids"],
+            "ids": c["completion_token_ids"],
+            "logprobs": c["completion_logprobs"],
+        }
+        for c in sorted(calls, key=lambda c: c["choice_index"])
+    ]
+    assert recorded == answered
