@@ -127,13 +127,15 @@ def _unavailable(exc: Exception) -> StoreUnavailable:
     if isinstance(exc, redis_exc.RedisClusterException):  # not a RedisError: no node answers, say
         return StoreUnavailable(f"redis cluster unavailable: {exc}")
     text = str(exc)
-    # (matched by text: the batcher's replies are plain ResponseErrors)
-    if text.startswith(("MOVED ", "ASK ")):  # a cluster client follows these itself: this is a redis:// one
+    # redis-py's own errors keep the reply's code apart (`status_code`); the batcher's replies are plain
+    # ResponseErrors with the whole text
+    code = getattr(exc, "status_code", None) or text.split(" ", 1)[0]
+    if isinstance(exc, redis_exc.AskError) or code in ("MOVED", "ASK"):  # a cluster client follows these
         return StoreUnavailable(
             f"redis answered {text[:200]!r}: it is a Redis Cluster node, named by a redis:// URL; name "
             "the cluster with redis+cluster://HOST:PORT (RLGATE_REDIS_URL)"
         )
-    if text.startswith("CLUSTERDOWN"):
+    if isinstance(exc, redis_exc.ClusterDownError) or code == "CLUSTERDOWN":
         return StoreUnavailable(f"the Redis Cluster is down or failing over ({text[:200]!r}); retry later")
     return StoreUnavailable(f"redis error: {exc}")
 

@@ -137,13 +137,13 @@ def answer_bounds(endpoint: Endpoint, body: dict[str, Any]) -> tuple[int, int, i
     tokens, field = None, None
     for name in _TOKEN_FIELDS.get(endpoint, ()):
         value = body.get(name)
+        if value is None and endpoint == "completions" and name == "max_tokens":
+            value = 16  # the completions API's default (null too)
         if value is None:
             continue
         value = _lax_int(name, value)
         if tokens is None or value > tokens:  # the largest one named (both checked, as vLLM checks both)
             tokens, field = value, name
-    if tokens is None and endpoint == "completions":  # the completions API's default (null too)
-        tokens, field = 16, "max_tokens"
     return choices, prompts, tokens, field
 
 

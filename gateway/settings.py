@@ -210,7 +210,7 @@ class GatewaySettings(SharedSettings):
         "Retry-After) while Redis uses more than this share of its maxmemory, before it refuses writes; "
         "calls of rollouts under way go on. Read with the backlog; without a maxmemory set there is "
         "nothing to compare with (docs/deployment.md: set one, with maxmemory-policy noeviction). Released "
-        "once it is 0.05 below again.",
+        "once it is below 95% of this share again.",
     )
     policy_poll_s: float = Field(
         0.2,

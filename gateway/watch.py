@@ -155,11 +155,13 @@ class StoreWatch:
         try:
             used, most = self.memory = await self.store.memory()
         except Exception:  # unknown (INFO refused, Redis down): not a reason to hold rollouts back
+            if self.memory_high:
+                log.warning("redis_memory_released", reason="its memory cannot be read")
             self.memory, self.memory_high = (0, 0), False
             self._hold()
             raise
-        # held above redis_memory_high, released 5 points below it: no flapping at the line
-        line = self.settings.redis_memory_high - (0.05 if self.memory_high else 0.0)
+        # held above redis_memory_high, released below 95% of it: no flapping at the line
+        line = self.settings.redis_memory_high * (0.95 if self.memory_high else 1.0)
         high = most > 0 and used > line * most
         if high != self.memory_high:
             log.warning(

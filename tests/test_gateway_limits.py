@@ -234,6 +234,7 @@ def test_a_call_whose_answer_could_outgrow_the_bounds_is_400_before_the_upstream
         # a batch of prompts gets n choices each: 5,000 x 64 tokens; 20,000 x 16 (the default bound)
         ("completions", {"model": MODEL, "prompt": ["x"] * 5000, "max_tokens": 64}, "max_tokens", "CALL"),
         ("completions", {"model": MODEL, "prompt": [[1, 2]] * 20_000}, "max_tokens", "CALL"),
+        ("completions", {"model": MODEL, "prompt": [[1, 2]] * 20_000, "min_tokens": 1}, "max_tokens", "CALL"),
         (
             "responses",
             {"model": MODEL, "input": "hi", "max_output_tokens": 10**9},
