@@ -131,8 +131,8 @@ def answer_bounds(endpoint: Endpoint, body: dict[str, Any]) -> tuple[int, int, i
     """What a request lets its answer grow to: (n, prompts: each gets n choices, tokens per choice or None
     where the request names no bound, the field that names it). Raises `InvalidField` for a value vLLM
     would refuse as no integer."""
-    n = body.get("n")
-    choices = 1 if n is None or endpoint == "responses" else _lax_int("n", n)
+    asked = body.get("n")
+    n = 1 if asked is None or endpoint == "responses" else _lax_int("n", asked)
     prompts = prompt_count(body) if endpoint == "completions" else 1
     tokens, field = None, None
     for name in _TOKEN_FIELDS.get(endpoint, ()):
@@ -144,7 +144,7 @@ def answer_bounds(endpoint: Endpoint, body: dict[str, Any]) -> tuple[int, int, i
         value = _lax_int(name, value)
         if tokens is None or value > tokens:  # the largest one named (both checked, as vLLM checks both)
             tokens, field = value, name
-    return choices, prompts, tokens, field
+    return n, prompts, tokens, field
 
 
 def _short(value: Any) -> str:

@@ -1,10 +1,52 @@
-"""Helpers for starting local `redis-server`s in cluster mode, shared by tests/test_redis_cluster.py and
+"""Helpers for starting local `redis-server`s: a private one (`private_redis`, for tests that change its
+settings or flags), and ports for cluster mode, shared by tests/test_redis_cluster.py and
 scripts/bench_store.py (no pytest here: the benchmark imports it too)."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 import socket
+import subprocess
+import time
+from collections.abc import Iterator
+
+import redis
+
+
+@contextlib.contextmanager
+def private_redis(port: int, *flags: str) -> Iterator[redis.Redis]:
+    """A `redis-server` of its own on `port` (no persistence, `flags` added), answering when entered,
+    killed on exit; yields a client of it."""
+    server = subprocess.Popen(
+        [
+            "redis-server",
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            *flags,
+        ],
+        stdout=subprocess.DEVNULL,
+    )
+    client = redis.Redis(port=port)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                assert server.poll() is None and time.monotonic() < deadline, "redis-server did not start"
+                time.sleep(0.02)
+        yield client
+    finally:
+        server.kill()
+        server.wait()
 
 
 def cluster_ports(n: int) -> list[int]:

@@ -211,43 +211,25 @@ def test_a_redis_url_naming_a_cluster_node_is_one_line_that_names_redis_cluster(
     """A redis:// URL to a node of a Redis Cluster connected, pinged, then failed each call with MOVED or
     CLUSTERDOWN, told to agents as a bare Redis error. Now every command that uses Redis refuses it at start
     and names redis+cluster://."""
-    from redis_servers import cluster_ports
+    from redis_servers import cluster_ports, private_redis
 
     [port] = cluster_ports(1)  # its bus port (port + 10000) free too
-    node = subprocess.Popen(
-        ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"]
-        + ["--cluster-enabled", "yes", "--cluster-config-file", str(tmp_path / "nodes.conf")],
-        stdout=subprocess.DEVNULL,
-    )
-    try:
-        client = redis.Redis(port=port)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                assert node.poll() is None and time.monotonic() < deadline, "the cluster node did not start"
-                time.sleep(0.05)
+    with private_redis(
+        port, "--cluster-enabled", "yes", "--cluster-config-file", str(tmp_path / "nodes.conf")
+    ):
         url = f"redis://127.0.0.1:{port}/0"
         env = {"RLGATE_REDIS_URL": url, "RLGATE_UPSTREAM_URL": fake_vllm.url}
         for args in (["gateway"], ["worker", "--burst"], ["learner"]):
             one_line_mistake(rlgate(*args, env=env, timeout=60), "Redis Cluster", "redis+cluster://")
-    finally:
-        node.kill()
-        node.wait()
 
 
 def test_a_redis_that_refuses_info_still_serves_the_gateway(tmp_path, fake_vllm: Proc):
     """Some managed Redis services forbid or rename INFO: the cluster-node check at start and the memory
     watch then know nothing, and the gateway starts and records as before (no memory hold)."""
+    from redis_servers import private_redis
+
     port = free_port()
-    server = subprocess.Popen(
-        ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"]
-        + ["--rename-command", "INFO", ""],
-        stdout=subprocess.DEVNULL,
-    )
-    try:
+    with private_redis(port, "--rename-command", "INFO", ""):
         proc = start_gateway(tmp_path, fake_vllm.url, redis_url=f"redis://127.0.0.1:{port}/0")
         try:
             body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -258,9 +240,6 @@ def test_a_redis_that_refuses_info_still_serves_the_gateway(tmp_path, fake_vllm:
         finally:
             proc.kill()
         assert "Traceback" not in proc.log()
-    finally:
-        server.kill()
-        server.wait()
 
 
 def test_a_bad_setting_names_the_option_not_the_value():

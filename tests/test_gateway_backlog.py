@@ -5,7 +5,6 @@ the policy pointer never goes back, and `/healthz` says when Redis refuses write
 from __future__ import annotations
 
 import shutil
-import subprocess
 import threading
 import time
 import uuid
@@ -14,6 +13,7 @@ import httpx
 import pytest
 import redis
 from conftest import REDIS_BASE, Proc, free_port, start_gateway
+from redis_servers import private_redis
 from test_gateway_errors import assert_openai_error
 from test_gateway_proxy import MESSAGES, MODEL
 
@@ -222,13 +222,7 @@ def test_redis_losing_its_data_is_noticed_and_lost_rollouts_are_not_reopened(
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server for a private Redis")
 def test_healthz_reports_a_redis_that_refuses_writes(fake_vllm: Proc, tmp_path):
     port = free_port()
-    server = subprocess.Popen(
-        ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-    )
-    client = redis.Redis(port=port)
-    try:
-        wait_for(lambda: _pings(client))
+    with private_redis(port) as client:
         gateway = start_gateway(tmp_path, fake_vllm.url, redis_url=f"redis://127.0.0.1:{port}/0")
         try:
             assert health(gateway)["status"] == "ok"
@@ -244,16 +238,6 @@ def test_healthz_reports_a_redis_that_refuses_writes(fake_vllm: Proc, tmp_path):
             assert httpx.get(f"{gateway.url}/healthz", timeout=10).status_code == 200
         finally:
             gateway.kill()
-    finally:
-        server.kill()
-        server.wait()
-
-
-def _pings(client: redis.Redis) -> bool:
-    try:
-        return bool(client.ping())
-    except redis.ConnectionError:
-        return False
 
 
 def test_new_rollouts_are_held_back_while_redis_is_nearly_full(fake_vllm: Proc, tmp_path):
@@ -262,13 +246,7 @@ def test_new_rollouts_are_held_back_while_redis_is_nearly_full(fake_vllm: Proc, 
     Retry-After, after backlog_wait_s), while rollouts under way go on; when memory is free again, new
     rollouts start."""
     port = free_port()
-    server = subprocess.Popen(
-        ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-    )
-    client = redis.Redis(port=port)
-    try:
-        wait_for(lambda: _pings(client))
+    with private_redis(port) as client:
         gateway = start_gateway(
             tmp_path,
             fake_vllm.url,
@@ -298,6 +276,3 @@ def test_new_rollouts_are_held_back_while_redis_is_nearly_full(fake_vllm: Proc, 
             assert chat(gateway, uuid.uuid4().hex).status_code == 200
         finally:
             gateway.kill()
-    finally:
-        server.kill()
-        server.wait()
