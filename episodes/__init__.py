@@ -25,6 +25,7 @@ from episodes.keys import Keys, attempt_episode, validate_episode_id, validate_i
 from episodes.lifecycle import CloseResult, EpisodeLifecycle, canonical_reward
 from episodes.records import (
     SCHEMA_VERSION,
+    AgentApi,
     CallError,
     CallRecord,
     CallResponse,
@@ -57,6 +58,7 @@ __all__ = [
     "canonical_reward",
     "CallRecord",
     "CallResponse",
+    "AgentApi",
     "Endpoint",
     "EpisodeStore",
     "EVENTS_MAX",

@@ -19,6 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field
 SCHEMA_VERSION = 1
 
 Endpoint = Literal["chat.completions", "completions", "responses"]
+# An API the gateway translates to one of the endpoints above (the record then holds what went upstream)
+AgentApi = Literal["anthropic.messages"]
 Mode = Literal["train", "val"]
 
 
@@ -134,6 +136,11 @@ class CallRecord(_Record):
     latency_ms: float = Field(description="From receiving the request to the complete upstream answer.")
     ttfb_ms: float | None = Field(None, description="Streams: time to the first upstream byte.")
     error: CallError | None = None
+    agent_api: AgentApi | None = Field(
+        None,
+        description="The API the agent spoke when the gateway translated it: 'anthropic.messages' (the "
+        "Messages API, served as the chat completion in `request` and `response`).",
+    )
 
     @property
     def trainable(self) -> bool:

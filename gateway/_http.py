@@ -323,13 +323,19 @@ class Client:
 
     @asynccontextmanager
     async def request(
-        self, method: str, path: str, body: bytes | None = None, timeout_s: float | None = None
+        self,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        timeout_s: float | None = None,
+        prefixed: bool = True,
     ) -> AsyncIterator[Response]:
-        """A response whose headers have arrived; read its body inside the block."""
+        """A response whose headers have arrived; read its body inside the block. `prefixed=False`: `path`
+        is the whole path, without the base URL's."""
         loop = asyncio.get_running_loop()
         limit = self.timeout_s if timeout_s is None else timeout_s
         deadline = None if limit is None else loop.time() + limit
-        data = self._head(method, path, body) + (body or b"")
+        data = self._head(method, self.prefix + path if prefixed else path, body) + (body or b"")
         conn, response = await self._send(loop, data, deadline)
         try:
             yield response
@@ -356,12 +362,12 @@ class Client:
 
     # -- internals
 
-    def _head(self, method: str, path: str, body: bytes | None) -> bytes:
-        head = self._heads.get((method, path))
+    def _head(self, method: str, target: str, body: bytes | None) -> bytes:
+        """The request's head; `target` is the whole path (the base URL's prefix included)."""
+        head = self._heads.get((method, target))
         if head is None:
-            head = self._heads[(method, path)] = (
-                f"{method} {self.prefix}{path} HTTP/1.1\r\nHost: {self._host_header}\r\n".encode("latin-1")
-                + self._fixed
+            head = self._heads[(method, target)] = (
+                f"{method} {target} HTTP/1.1\r\nHost: {self._host_header}\r\n".encode("latin-1") + self._fixed
             )
         if body is None:
             return head + b"\r\n"

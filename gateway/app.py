@@ -7,8 +7,8 @@ Agent-facing paths (the rollout id in the path, in headers, or absent):
     /tasks/{task_id}/rollouts/{rollout_id}/v1/{endpoint}
     /proxy/rollout/{rollout_id}/attempt/{attempt_id}/mode/{train|val}/openai/v1/{endpoint}   (Agent Lightning)
 
-with endpoint one of chat/completions, completions, responses (POST, recorded) and models (GET,
-forwarded): the agent surface, opened by agent credentials (`gateway.auth`). Routes added with
+with endpoint one of chat/completions, completions, responses, messages (POST, recorded; messages is
+Anthropic's Messages API, `gateway.messages`), messages/count_tokens (POST) and models (GET, forwarded): the agent surface, opened by agent credentials (`gateway.auth`). Routes added with
 `add_agent_routes` (Agent Lightning's event route) are on the agent surface too, opened by an agent
 credential valid for the rollout in their path, or by the operator token. Everything else is the
 operator surface: the FastAPI management app (`gateway.routes`) and the routes added to it (the reward
@@ -35,7 +35,7 @@ from starlette.routing import BaseRoute, Match
 
 from episodes import EpisodeStore
 from episodes.api_error import error_body
-from gateway import errors, ui
+from gateway import errors, messages, ui
 from gateway._asgi import send_body
 from gateway.auth import Credentials
 from gateway.metrics import GatewayMetrics
@@ -51,6 +51,8 @@ _ENDPOINTS = {
     "/completions": "completions",
     "/responses": "responses",
     "/models": "models",
+    "/messages": "messages",  # Anthropic's Messages API (gateway.messages)
+    "/messages/count_tokens": "messages.count_tokens",
 }
 
 
@@ -306,6 +308,10 @@ class Gateway:
                 if scope["method"] != "GET":
                     raise _method_not_allowed(scope, "GET")
                 await self.proxy.models(scope, tracked_send, rollout_id)
+            elif endpoint == "messages.count_tokens":
+                if scope["method"] != "POST":
+                    raise _method_not_allowed(scope, "POST")
+                await self.proxy.count_tokens(scope, receive, tracked_send, rollout_id)
             else:
                 if scope["method"] != "POST":
                     raise _method_not_allowed(scope, "POST")
@@ -315,12 +321,19 @@ class Gateway:
                 log.warning("call_failed", path=scope["path"], status=exc.status, error=exc.message)
             if started:
                 return
-            await _send_error(send, exc)
+            if endpoint.startswith("messages"):  # Anthropic's error shape on Anthropic's routes
+                await _send_error(send, exc, messages.error_body(exc.status, exc.message))
+            else:
+                await _send_error(send, exc)
         except Exception:
             log.exception("call_crashed", path=scope["path"])
             self.metrics.errors.labels("internal").inc()
             if not started:
-                body = error_body("internal gateway error", "internal_error")
+                body = (
+                    messages.error_body(500, "internal gateway error")
+                    if endpoint.startswith("messages")
+                    else error_body("internal gateway error", "internal_error")
+                )
                 await send(
                     {
                         "type": "http.response.start",
@@ -405,12 +418,12 @@ def _not_found(scope: dict[str, Any]) -> errors.GatewayError:
     return errors.NotFound(message, code=404)  # type: ignore[arg-type]  # FastAPI's 404s carry the int
 
 
-async def _send_error(send: Any, exc: errors.GatewayError) -> None:
+async def _send_error(send: Any, exc: errors.GatewayError, body: bytes | None = None) -> None:
     headers = [
         (b"content-type", b"application/json"),
         *((k.encode(), v.encode()) for k, v in exc.headers.items()),
     ]
-    await send_body(send, exc.status, exc.body(), headers)
+    await send_body(send, exc.status, exc.body() if body is None else body, headers)
 
 
 def _tune_gc() -> None:

@@ -13,14 +13,14 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any, Literal, NoReturn
 
 import orjson
 import structlog
 
 import episodes
 from episodes import CallError, CallRecord, Endpoint, EpisodeStore
-from gateway import capture, errors
+from gateway import capture, errors, messages
 from gateway._asgi import disconnected, error_event, read_json, send_body
 from gateway._http import BodyTooLarge
 from gateway.air import AutomaticRewards
@@ -61,6 +61,7 @@ class Call:
     keyed: bool = False  # a rollout key named the rollout: it must exist (POST /rollouts made it)
     mode: episodes.Mode | None = None  # the mode the call's URL names (Agent Lightning's), None: any
     alias_of: str | None = None  # the model name the alias resolved to (model_aliases)
+    agent_api: episodes.AgentApi | None = None  # the API the agent spoke, when translated (`messages`)
 
     @property
     def stream(self) -> bool:
@@ -119,9 +120,7 @@ class Proxy:
             headers = scope["headers"]
             named = next((v.decode("latin-1") for k, v in headers if k == b"x-rollout-id"), None)
             rollout_id = rollout_id or named
-            self.credentials.authorize_agent(
-                next((v for k, v in headers if k == b"authorization"), b""), rollout_id
-            )[0]
+            self.credentials.authorize_agent(_authorization(headers), rollout_id)[0]
         try:
             async with self.upstream.request("GET", "/models") as response:
                 body = await response.read(limit=self.settings.max_answer_bytes)
@@ -134,12 +133,52 @@ class Proxy:
             body = orjson.dumps({"error": errors.upstream_error_payload(status, body)})
         await send_body(send, status, body, [_JSON])
 
+    async def count_tokens(
+        self, scope: dict[str, Any], receive: Any, send: Any, rollout_id: str | None
+    ) -> None:
+        """`POST .../v1/messages/count_tokens`: the prompt's length as the policy's chat template renders
+        it (the upstream's `/tokenize`, as vLLM counts); nothing is recorded."""
+        if self.check_credentials:
+            named = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"x-rollout-id"), None)
+            self.credentials.authorize_agent(_authorization(scope["headers"]), rollout_id or named)
+        try:
+            chat = messages.to_chat(await read_json(receive, self.settings.max_body_bytes), count_only=True)
+        except messages.Invalid as exc:
+            raise errors.BadRequest(str(exc), param=exc.param, code="invalid_value") from exc
+        model = self.aliases.get(chat["model"], chat["model"]) if self.aliases else chat["model"]
+        request = {"model": model, "messages": chat["messages"], "add_generation_prompt": True}
+        if "tools" in chat:
+            request["tools"] = chat["tools"]
+        try:
+            async with self.upstream.request(
+                "POST", "/tokenize", orjson.dumps(request), root=True
+            ) as response:
+                raw = await response.read(limit=self.settings.max_answer_bytes)
+                status = response.status
+        except BodyTooLarge as exc:
+            raise errors.BadUpstreamAnswer(
+                f"the inference server's token count is over {exc.limit} bytes"
+            ) from exc
+        if status != 200:
+            payload = errors.upstream_error_payload(status, raw)
+            await send_body(
+                send, status, messages.error_body(status, str(payload.get("message") or "")), [_JSON]
+            )
+            return
+        try:
+            answer = messages.count(orjson.loads(raw))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise errors.BadUpstreamAnswer(
+                f"unreadable token count from the inference server: {raw[:200]!r}"
+            ) from exc
+        await send_body(send, 200, orjson.dumps(answer), [_JSON])
+
     async def call(
         self,
         scope: dict[str, Any],
         receive: Any,
         send: Any,
-        endpoint: Endpoint,
+        endpoint: Endpoint | Literal["messages"],
         rollout_id: str | None,
         task_id: str | None,
         attempt: tuple[str, str] | None = None,
@@ -159,6 +198,8 @@ class Proxy:
                 agent_name = value.decode("utf-8", "replace")
             elif name == b"authorization":
                 authorization = value
+            elif name == b"x-api-key" and not authorization:  # Anthropic's SDKs send their key so
+                authorization = b"Bearer " + value
             elif name == b"x-rlgate-keep-token-ids":
                 keep_token_ids = capture.is_true(value.decode("latin-1"))
         keyed = False
@@ -198,6 +239,13 @@ class Proxy:
         if watch.holding and rollout_id not in watch.recent and not await self._rollout_exists(rollout_id):
             await self._after_backlog(endpoint)
         body = await read_json(receive, self.settings.max_body_bytes)
+        agent_api: episodes.AgentApi | None = None
+        if endpoint == "messages":  # served as the chat completion vLLM's /v1/messages would make of it
+            try:
+                body = messages.to_chat(body)
+            except messages.Invalid as exc:
+                raise errors.BadRequest(str(exc), param=exc.param, code="invalid_value") from exc
+            endpoint, agent_api = "chat.completions", "anthropic.messages"
         try:
             capture.check_read_fields(endpoint, body)
             self._admit(endpoint, body)
@@ -218,6 +266,7 @@ class Proxy:
             (b"x-rollout-id", rollout_id.encode()),
             keyed=keyed,
             mode=mode,
+            agent_api=agent_api,
         )
         upstream_body, injected = (
             capture.inject(endpoint, body) if self.inject else (body, capture.Injected())
@@ -386,12 +435,28 @@ class Proxy:
                 record.error = _client_gone()
             await self._commit(call, records, "client_disconnected")
             return
-        if injected.any:
+        if call.agent_api is not None:
+            raw = await self._translated(call, records, payload)
+        elif injected.any:
             capture.strip_response(call.endpoint, payload, injected)
             raw = orjson.dumps(payload)
         logged = await self._commit(call, records, "ok", write_log=False)
         await send_body(send, 200, raw, [_JSON, call.rollout_header])
         self._log_call(call, records, *logged)  # after the answer: off the agent's latency
+
+    async def _translated(self, call: Call, records: list[CallRecord], payload: dict[str, Any]) -> bytes:
+        """The answer in the API the agent spoke; one that API cannot carry (tool arguments that are not a
+        JSON object) is recorded as failed, with what the model sampled, and is 400 as from vLLM."""
+        try:
+            return orjson.dumps(messages.message(payload))
+        except messages.Invalid as exc:
+            error = CallError(
+                status=400, type="invalid_request_error", message=str(exc), code="invalid_tool_call"
+            )
+            for record in records:
+                record.error = error
+            await self._commit(call, records, "untranslatable_answer")
+            raise errors.BadRequest(str(exc), code="invalid_tool_call") from exc
 
     async def _answer_too_large(self, call: Call, limit: int, ttfb_ms: float | None) -> NoReturn:
         """The upstream's answer passed `max_answer_bytes` while it was read: reading stopped there (the
@@ -418,7 +483,12 @@ class Proxy:
         )
         latency_ms = (time.perf_counter() - call.t0) * 1000
         await self._commit(call, self._records(call, [], error, latency_ms, None), "upstream_error")
-        await send_body(send, status, orjson.dumps({"error": payload}), [_JSON, call.rollout_header])
+        body = (
+            orjson.dumps({"error": payload})
+            if call.agent_api is None
+            else messages.error_body(status, error.message)
+        )
+        await send_body(send, status, body, [_JSON, call.rollout_header])
 
     # -----------------------------------------------------------------------------------------------------
     # Streaming: chunks pass through as they arrive; the final event waits for the commit.
@@ -432,7 +502,11 @@ class Proxy:
         disconnect: asyncio.Future[None],
     ) -> None:
         endpoint = call.endpoint
-        relay = StreamRelay(endpoint, injected, self.settings.record_token_text)
+        relay: StreamRelay | messages.MessagesRelay = StreamRelay(
+            endpoint, injected, self.settings.record_token_text
+        )
+        if call.agent_api is not None:
+            relay = messages.MessagesRelay(relay.assembler)
         assembler = relay.assembler
         failure: CallError | None = None  # what went wrong on our side of the stream, if anything
         ttfb_ms = None
@@ -480,9 +554,7 @@ class Proxy:
             try:
                 await self._answer_too_large(call, limit, ttfb_ms)
             except errors.GatewayError as exc:  # the agent has part of the content: it sees the error last
-                tail = error_event(endpoint, exc.status, exc.type, exc.message, exc.code)
-                if endpoint != "responses":
-                    tail += DONE + b"\n\n"
+                tail = _error_tail(call, exc.status, exc.type, exc.message, exc.code, done=True)
                 await send({"type": "http.response.body", "body": tail})
                 return
         if client_gone:
@@ -513,7 +585,7 @@ class Proxy:
             await send(
                 {
                     "type": "http.response.body",
-                    "body": error_event(endpoint, exc.status, exc.type, exc.message, exc.code),
+                    "body": _error_tail(call, exc.status, exc.type, exc.message, exc.code, done=False),
                 }
             )
             return
@@ -521,9 +593,7 @@ class Proxy:
             self._log_call(call, records, *logged)
             return
         if failure is not None:  # recorded as failed; the agent learns it the way vLLM would tell it
-            tail = error_event(endpoint, failure.status, failure.type, failure.message, failure.code)
-            if endpoint != "responses":
-                tail += DONE + b"\n\n"
+            tail = _error_tail(call, failure.status, failure.type, failure.message, failure.code, done=True)
         else:
             tail = b"" if relay.held is None else relay.held + b"\n\n"
         await send({"type": "http.response.body", "body": tail})
@@ -553,6 +623,7 @@ class Proxy:
             latency_ms=latency_ms,
             ttfb_ms=ttfb_ms,
             error=error,
+            agent_api=call.agent_api,
         )
         if not transitions:
             return [CallRecord(**common)]
@@ -695,6 +766,26 @@ class Proxy:
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
         )
+
+
+def _error_tail(call: Call, status: int, type_: str, message: str, code: Any, done: bool) -> bytes:
+    """The error event that ends a stream in the agent's own dialect (with `done`, chat's and completions'
+    `[DONE]` after it, as vLLM ends a stream that failed)."""
+    if call.agent_api is not None:
+        return messages.error_event(status, message) + b"\n\n"
+    tail = error_event(call.endpoint, status, type_, message, code)
+    if done and call.endpoint != "responses":
+        tail += DONE + b"\n\n"
+    return tail
+
+
+def _authorization(headers: list[tuple[bytes, bytes]]) -> bytes:
+    """The agent's credential: its Authorization header, else Anthropic's `x-api-key` as a Bearer token."""
+    authorization = next((v for k, v in headers if k == b"authorization"), b"")
+    if not authorization:
+        api_key = next((v for k, v in headers if k == b"x-api-key"), None)
+        authorization = b"Bearer " + api_key if api_key else b""
+    return authorization
 
 
 def _client_gone() -> CallError:

@@ -73,8 +73,9 @@ class RolloutCreated(BaseModel):
     )
     agent_env: dict[str, str] = Field(
         description="The environment to start this rollout's agent with: "
-        "OPENAI_BASE_URL and OPENAI_API_KEY, and Agent Lightning's AGL_OPENAI_BASE_URL, "
-        "AGL_EVENT_URL and AGL_KEY (attempt 0)."
+        "OPENAI_BASE_URL and OPENAI_API_KEY; ANTHROPIC_BASE_URL and ANTHROPIC_API_KEY (the Messages API: "
+        "Claude Code, the anthropic SDK); Agent Lightning's AGL_OPENAI_BASE_URL, AGL_EVENT_URL and AGL_KEY "
+        "(attempt 0)."
     )
 
 
@@ -150,6 +151,9 @@ def build_api(gateway: Gateway) -> FastAPI:
         agent_env = {
             "OPENAI_BASE_URL": base_url,
             "OPENAI_API_KEY": key,
+            # Anthropic's SDKs add /v1/messages to their base URL themselves
+            "ANTHROPIC_BASE_URL": base_url.removesuffix("/v1"),
+            "ANTHROPIC_API_KEY": key,
             "AGL_OPENAI_BASE_URL": agl,
             "AGL_EVENT_URL": f"{base}/api/rollouts/{rollout.rollout_id}/attempt/0/events",
             "AGL_KEY": key,

@@ -40,11 +40,19 @@ class Upstream:
 
     @asynccontextmanager
     async def request(
-        self, method: str, path: str, body: bytes | None = None, timeout_s: float | None = None
+        self,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        timeout_s: float | None = None,
+        root: bool = False,
     ) -> AsyncIterator[Response]:
-        """An upstream response whose headers have arrived; read its body inside the block."""
+        """An upstream response whose headers have arrived; read its body inside the block. With `root`,
+        `path` is on the server's root (vLLM's `/tokenize`) rather than under the base URL's `/v1`."""
+        if root:
+            path = self._client.prefix.removesuffix("/v1") + path
         try:
-            async with self._client.request(method, path, body, timeout_s) as response:
+            async with self._client.request(method, path, body, timeout_s, prefixed=not root) as response:
                 yield response
         except TimeoutError as exc:
             raise UpstreamTimeout(

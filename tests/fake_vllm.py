@@ -23,6 +23,7 @@ source files). Only the "model" is fake:
 * Logprobs: deterministic negative floats, the sampled token ranked first.
 
 Test hooks (vLLM ignores unknown request fields, so these are safe to send):
+They are read from ``vllm_xargs`` too (how a Messages API request carries them through the gateway).
 ``fake_status: int`` answers that HTTP status with a vLLM-shaped error body;
 ``fake_fail_after: int`` makes a chat/completions stream send that many
 content chunks, then the error event vLLM sends mid-stream, then [DONE];
@@ -402,6 +403,9 @@ class FakeVLLM:
                 ) from None
             if not isinstance(body, dict):
                 raise validation_error("Input should be a valid dictionary", "body")
+            hooks = body.get("vllm_xargs")
+            if isinstance(hooks, dict):  # test hooks sent where vLLM's /v1/messages passes extras on
+                body.update({k: v for k, v in hooks.items() if k.startswith("fake_")})
             booleans = ("stream", "return_token_ids", "echo", "enable_response_messages")
             booleans += ("logprobs",) if kind == "chat" else ()
             for name in booleans:  # pydantic's lax booleans, as vLLM's request models read them
@@ -914,6 +918,17 @@ class FakeVLLM:
             body,
         )
 
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's `POST /tokenize` (on the server's root): a chat (`messages`, `tools`) or a `prompt`."""
+        body = await request.json()
+        if isinstance(body.get("messages"), list):
+            ids = encode(render_chat(body["messages"], body.get("tools")))
+        elif isinstance(body.get("prompt"), str):
+            ids = encode(body["prompt"])
+        else:
+            return jresp(ApiError(400, "give `prompt` or `messages`").body, 400)
+        return jresp({"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids, "token_strs": None})
+
     async def models(self, request: web.Request) -> web.Response:
         now = int(time.time())
         perm = {
@@ -992,6 +1007,7 @@ def build_app(
     ):
         app.router.add_post(f"/v1/{path}", lambda r, kind=kind: fake.handle(r, kind))
     app.router.add_get("/v1/models", fake.models)
+    app.router.add_post("/tokenize", fake.tokenize)
     app.router.add_get("/health", lambda r: web.Response(status=200))
     return app
 
@@ -1008,6 +1024,7 @@ async def _serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    global MAX_MODEL_LEN
     ap = argparse.ArgumentParser(description="Fake vLLM OpenAI server (test fixture)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
@@ -1015,8 +1032,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--delay-ms", type=float, default=0, help="sleep before answering / first chunk")
     ap.add_argument("--chunk-delay-ms", type=float, default=0, help="sleep between stream chunks")
     ap.add_argument("--validate", action="store_true", help="400 for bodies vLLM's request schema refuses")
+    ap.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN, help="the context length it serves")
+    args = ap.parse_args(argv)
+    MAX_MODEL_LEN = args.max_model_len
     try:
-        asyncio.run(_serve(ap.parse_args(argv)))
+        asyncio.run(_serve(args))
     except KeyboardInterrupt:
         pass
 

@@ -1,0 +1,560 @@
+"""Anthropic's Messages API on the agent surface, served by the policy's chat completions.
+
+A harness that speaks the Messages API (Claude Code, the `anthropic` SDK) calls `POST .../v1/messages`;
+the gateway translates the request to a chat completion the way vLLM's own `/v1/messages` does
+(`vllm/entrypoints/anthropic/serving.py`, 0.33.0), sends that upstream with token ids and log-probs, records
+it as a chat call (`CallRecord.agent_api` says the agent spoke Messages), and answers in Anthropic's shape:
+a message, or Anthropic's stream of events. So an agent gets what vLLM's `/v1/messages` would answer, and
+the learner trains the call like any chat call.
+
+Where this differs from vLLM 0.33's translation, on purpose (docs/agents.md):
+- content the learner cannot train on exactly is a 400, never dropped or passed on: images, documents,
+  redacted thinking, server tools (vLLM passes images on and drops redacted thinking);
+- body errors are in Anthropic's error shape (vLLM answers its validation errors in OpenAI's);
+- `thinking: {"type": "disabled"}` is not turned into a `reasoning_effort` (vLLM probes its chat template).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+import orjson
+
+from gateway import capture
+from gateway.streaming import event_data, split_events
+
+# HTTP status -> Anthropic error type (vLLM's table, `anthropic/protocol.py`, and Anthropic's own docs)
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+SUPPORTED_BLOCKS = ("text", "tool_use", "tool_result", "thinking")
+TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+VLLM_EXTRAS = ("cache_salt", "vllm_xargs", "chat_template_kwargs")
+
+
+class Invalid(ValueError):
+    """A Messages request the gateway cannot serve: 400 invalid_request_error naming `param`."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def error_type(status: int) -> str:
+    return ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+
+
+def error_body(status: int, message: str) -> bytes:
+    """Anthropic's error shape: `{"type": "error", "error": {"type", "message"}}`."""
+    return orjson.dumps({"type": "error", "error": {"type": error_type(status), "message": message}})
+
+
+def error_event(status: int, message: str) -> bytes:
+    """The error event that ends an Anthropic stream (no message_delta or message_stop follow it)."""
+    return b"event: error\ndata: " + error_body(status, message)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Request: Messages -> chat completion
+
+
+def to_chat(body: dict[str, Any], count_only: bool = False) -> dict[str, Any]:
+    """The chat completion request vLLM's `/v1/messages` makes of `body` (raise `Invalid`); with
+    `count_only` (count_tokens), `max_tokens` is not needed and no sampling fields are set."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise Invalid("model", "model: a non-empty string is required")
+    raw_messages = body.get("messages")
+    if not isinstance(raw_messages, list):
+        raise Invalid("messages", "messages: a list of messages is required")
+    messages = _system(body.get("system"))
+    for i, message in enumerate(raw_messages):
+        messages.extend(_message(message, f"messages.{i}"))
+    chat: dict[str, Any] = {"model": model, "messages": messages}
+    if not count_only:
+        max_tokens = body.get("max_tokens")
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise Invalid("max_tokens", "max_tokens: a positive integer is required")
+        chat["max_tokens"] = chat["max_completion_tokens"] = max_tokens
+        stop = body.get("stop_sequences")
+        if stop is not None:
+            if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+                raise Invalid("stop_sequences", "stop_sequences: a list of strings")
+            chat["stop"] = stop
+        for name in ("temperature", "top_p", "top_k"):
+            value = body.get(name)
+            if value is not None:
+                if not isinstance(value, (int, float)) or isinstance(value, bool):
+                    raise Invalid(name, f"{name}: a number")
+                chat[name] = value
+        stream = body.get("stream")
+        if stream is not None:
+            try:
+                capture.check_read_fields("chat.completions", {"stream": stream})
+            except capture.InvalidField as exc:
+                raise Invalid("stream", str(exc)) from exc
+            if capture.is_true(stream):
+                chat["stream"] = True
+                chat["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    for name in VLLM_EXTRAS:  # vLLM's own fields, passed on as its /v1/messages passes them
+        if body.get(name) is not None:
+            chat[name] = body[name]
+    _thinking(body.get("thinking"), chat)
+    _tools(body.get("tools"), body.get("tool_choice"), chat)
+    return chat
+
+
+def _text(block: dict[str, Any], where: str) -> str:
+    text = block.get("text")
+    if not isinstance(text, str):
+        raise Invalid(where, f"{where}.text: a string is required")
+    return text
+
+
+def _system(system: Any) -> list[dict[str, Any]]:
+    """The leading system message: the string, or the text blocks joined (vLLM joins them with "")."""
+    if system is None:
+        return []
+    if isinstance(system, str):
+        text = system
+    elif isinstance(system, list):
+        parts = []
+        for i, block in enumerate(system):
+            if not isinstance(block, dict) or block.get("type") != "text":
+                raise Invalid(f"system.{i}", f"system.{i}: only text blocks are supported in system")
+            part = _text(block, f"system.{i}")
+            if not part.startswith("x-anthropic-billing-header"):  # Claude Code's; vLLM drops it too
+                parts.append(part)
+        text = "".join(parts)
+    else:
+        raise Invalid("system", "system: a string or a list of text blocks")
+    return [{"role": "system", "content": text}] if text else []
+
+
+def _message(message: Any, where: str) -> list[dict[str, Any]]:
+    """One Anthropic message as chat messages: tool results first (each a `tool` message), then the message."""
+    if not isinstance(message, dict):
+        raise Invalid(where, f"{where}: a message object is required")
+    role = message.get("role")
+    if role not in ("user", "assistant", "system"):
+        raise Invalid(f"{where}.role", f"{where}.role: 'user' or 'assistant'")
+    content = message.get("content")
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    if not isinstance(content, list):
+        raise Invalid(f"{where}.content", f"{where}.content: a string or a list of content blocks")
+    out: list[dict[str, Any]] = []
+    texts: list[str] = []
+    reasoning: list[str] = []
+    tool_calls: list[dict[str, Any]] = []
+    for i, block in enumerate(content):
+        at = f"{where}.content.{i}"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind not in SUPPORTED_BLOCKS:
+            raise Invalid(
+                at,
+                f"{at}: content blocks of type {kind!r} are not supported by this gateway (it serves "
+                f"{', '.join(SUPPORTED_BLOCKS)}: what the policy can be trained on exactly)",
+            )
+        assert isinstance(block, dict)
+        if kind == "text":
+            text = _text(block, at)
+            if text:
+                texts.append(text)
+        elif kind == "thinking":
+            thinking = block.get("thinking")
+            if not isinstance(thinking, str):
+                raise Invalid(at, f"{at}.thinking: a string is required")
+            reasoning.append(thinking)
+        elif kind == "tool_use":
+            name, arguments = block.get("name"), block.get("input", {})
+            if not isinstance(name, str) or not isinstance(arguments, dict):
+                raise Invalid(at, f"{at}: a tool_use block needs a name (string) and an input (object)")
+            call_id = block.get("id")
+            tool_calls.append(
+                {
+                    "id": call_id if isinstance(call_id, str) and call_id else f"call_{int(time.time())}",
+                    "type": "function",
+                    # Python's json.dumps, as vLLM writes them: the template sees the same text
+                    "function": {"name": name, "arguments": json.dumps(arguments)},
+                }
+            )
+        elif role == "assistant":  # a tool result inside an assistant message: text, as vLLM makes it
+            texts.append(f"Tool result: {block.get('content')}")
+        else:
+            out.append(_tool_result(block, at))
+    chat: dict[str, Any] = {"role": role}
+    if reasoning:
+        chat["reasoning"] = "".join(reasoning)
+    if tool_calls:
+        chat["tool_calls"] = tool_calls
+    if len(texts) == 1:
+        chat["content"] = texts[0]
+    elif texts:
+        chat["content"] = [{"type": "text", "text": t} for t in texts]
+    if role != "user" or "content" in chat:  # a user message of tool results alone adds none
+        out.append(chat)
+    return out
+
+
+def _tool_result(block: dict[str, Any], at: str) -> dict[str, Any]:
+    content = block.get("content", "")
+    if isinstance(content, list):
+        parts = []
+        for j, item in enumerate(content):
+            if not isinstance(item, dict) or item.get("type") != "text":
+                kind = item.get("type") if isinstance(item, dict) else None
+                raise Invalid(
+                    f"{at}.content.{j}",
+                    f"{at}.content.{j}: tool results of type {kind!r} are not supported (text only)",
+                )
+            parts.append(_text(item, f"{at}.content.{j}"))
+        content = "\n".join(parts)
+    elif content is None:
+        content = ""
+    elif not isinstance(content, str):
+        raise Invalid(at, f"{at}.content: a string or a list of text blocks")
+    tool_use_id = block.get("tool_use_id")
+    return {
+        "role": "tool",
+        "tool_call_id": tool_use_id if isinstance(tool_use_id, str) else "",
+        "content": content,
+    }
+
+
+def _thinking(thinking: Any, chat: dict[str, Any]) -> None:
+    if thinking is None:
+        return
+    kind = thinking.get("type") if isinstance(thinking, dict) else None
+    if kind == "enabled":
+        budget = thinking.get("budget_tokens")
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1024:
+            raise Invalid("thinking.budget_tokens", "thinking.budget_tokens: an integer of at least 1024")
+        if "max_tokens" in chat and budget >= chat["max_tokens"]:
+            raise Invalid("thinking.budget_tokens", "thinking.budget_tokens must be less than max_tokens")
+        chat["thinking_token_budget"] = budget
+    elif kind not in ("disabled", "adaptive"):
+        raise Invalid("thinking.type", "thinking.type: 'enabled', 'disabled' or 'adaptive'")
+
+
+def _tools(tools: Any, tool_choice: Any, chat: dict[str, Any]) -> None:
+    if tool_choice is not None:
+        kind = tool_choice.get("type") if isinstance(tool_choice, dict) else None
+        if kind == "tool":
+            name = tool_choice.get("name")
+            if not isinstance(name, str) or not name:
+                raise Invalid("tool_choice.name", "tool_choice.name: required with type 'tool'")
+            chat["tool_choice"] = {"type": "function", "function": {"name": name}}
+        elif kind in TOOL_CHOICES:
+            chat["tool_choice"] = TOOL_CHOICES[kind]
+        else:
+            raise Invalid("tool_choice.type", "tool_choice.type: 'auto', 'any', 'tool' or 'none'")
+        chat["parallel_tool_calls"] = not tool_choice.get("disable_parallel_tool_use", False)
+    if tools is None:
+        return
+    if not isinstance(tools, list):
+        raise Invalid("tools", "tools: a list of tools")
+    out = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type") not in (None, "custom"):
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            raise Invalid(
+                f"tools.{i}",
+                f"tools.{i}: server tools ({kind!r}) are not supported: the gateway serves tools the agent "
+                "runs itself (a name and an input_schema)",
+            )
+        name, schema = tool.get("name"), tool.get("input_schema")
+        if not isinstance(name, str) or not name or not isinstance(schema, dict):
+            raise Invalid(f"tools.{i}", f"tools.{i}: a tool needs a name and an input_schema object")
+        function: dict[str, Any] = {"name": name}
+        if tool.get("description") is not None:
+            function["description"] = tool["description"]
+        function["parameters"] = schema if "type" in schema else {"type": "object", **schema}
+        if tool.get("strict") is not None:
+            function["strict"] = tool["strict"]
+        out.append({"type": "function", "function": function})
+    if out:
+        chat["tools"] = out
+        chat.setdefault("tool_choice", "auto")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Answer: chat completion -> message
+
+
+def stop_reason(finish_reason: str | None, stop: Any, tool_used: bool) -> tuple[str | None, str | None]:
+    """(stop_reason, stop_sequence) of a chat choice, as vLLM maps them."""
+    if finish_reason == "length":
+        return "max_tokens", None
+    if finish_reason not in ("stop", "tool_calls"):
+        return None, None
+    if tool_used:
+        return "tool_use", None
+    if isinstance(stop, str):
+        return "stop_sequence", stop
+    return "end_turn", None
+
+
+def usage(chat_usage: dict[str, Any] | None, prompt_tokens: int | None = None) -> dict[str, int]:
+    chat_usage = chat_usage or {}
+    prompt = chat_usage.get("prompt_tokens", prompt_tokens) or 0
+    details = chat_usage.get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens") or 0
+    out = {"input_tokens": max(0, prompt - cached), "output_tokens": chat_usage.get("completion_tokens") or 0}
+    if details.get("cached_tokens") is not None:
+        out["cache_read_input_tokens"] = cached
+    return out
+
+
+def message(payload: dict[str, Any]) -> dict[str, Any]:
+    """The Messages answer for a chat completion's first choice (raise `Invalid` when a tool call's
+    arguments are not a JSON object: no `tool_use` block can carry them; vLLM answers 400 too)."""
+    choice = (payload.get("choices") or [{}])[0]
+    msg = choice.get("message") or {}
+    content: list[dict[str, Any]] = []
+    reasoning = msg.get("reasoning") or msg.get("reasoning_content")
+    if reasoning:
+        content.append({"type": "thinking", "thinking": reasoning, "signature": uuid.uuid4().hex})
+    if msg.get("content"):
+        content.append({"type": "text", "text": msg["content"]})
+    tool_calls = msg.get("tool_calls") or []
+    for call in tool_calls:
+        function = call.get("function") or {}
+        try:
+            arguments = json.loads(function.get("arguments") or "{}")
+        except ValueError:
+            arguments = None
+        if not isinstance(arguments, dict):
+            raise Invalid(
+                "tool_calls",
+                f"the model's tool call arguments are not a JSON object: {function.get('arguments')!r}",
+            )
+        content.append(
+            {"type": "tool_use", "id": call.get("id"), "name": function.get("name"), "input": arguments}
+        )
+    reason, sequence = stop_reason(choice.get("finish_reason"), choice.get("stop_reason"), bool(tool_calls))
+    out: dict[str, Any] = {
+        "id": payload.get("id") or f"msg_{int(time.time() * 1000)}",
+        "type": "message",
+        "role": "assistant",
+        "content": content or [{"type": "text", "text": ""}],
+        "model": payload.get("model"),
+    }
+    if reason is not None:
+        out["stop_reason"] = reason
+    if sequence is not None:
+        out["stop_sequence"] = sequence
+    out["usage"] = usage(payload.get("usage"))
+    return out
+
+
+def count(body: dict[str, Any]) -> dict[str, Any]:
+    """count_tokens' answer for a `/tokenize` count."""
+    return {"input_tokens": body["count"], "context_management": {"original_input_tokens": body["count"]}}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Streams: chat chunks -> Anthropic's events
+
+
+def _event(name: str, data: dict[str, Any]) -> bytes:
+    return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(data)
+
+
+class MessagesRelay:
+    """A chat completion stream turned into Anthropic's event stream, block by block, while the record is
+    assembled (`StreamAssembler`), with `StreamRelay`'s interface: `relay(data)` returns the events to send
+    now; the last ones (message_delta, message_stop) wait in `held` until the call is committed.
+
+    Events as vLLM's `/v1/messages` sends them: message_start (from the first chunk), then one open block at
+    a time (thinking, text, tool_use; index + 1 at each stop), content_block_delta with text_delta,
+    thinking_delta, input_json_delta; a thinking block ends with a signature_delta; text that arrives while
+    a tool_use block is open is sent as its own text block once that block closes; message_delta carries
+    the stop reason and usage, message_stop ends the stream. An upstream error chunk closes the open block
+    and sends an error event, and nothing after it."""
+
+    def __init__(self, assembler: Any) -> None:
+        self.assembler = assembler
+        self.held: bytes | None = None
+        self._pending = b""
+        self._started = False
+        self._failed = False
+        self._index = 0
+        self._open: str | None = None  # "text", "thinking", or a tool call's id
+        self._tools: dict[int, str] = {}  # tool call index -> id
+        self._arguments: dict[str, str] = {}  # tool call id -> its arguments so far
+        self._buffered: list[str] = []  # text sent while a tool_use block was open
+        self._finish: str | None = None
+        self._stop: Any = None
+        self._usage: dict[str, Any] | None = None
+        self._prompt_tokens: int | None = None
+
+    def relay(self, data: bytes) -> bytes:
+        if self._pending:
+            data = self._pending + data
+        events, self._pending = split_events(data)
+        out: list[bytes] = []
+        for event in events:
+            payload = event_data(event)
+            if payload is None or self._failed:
+                continue
+            if payload == b"[DONE]":
+                self.held = b"\n\n".join(self._finish_events())
+                continue
+            chunk = orjson.loads(payload)
+            self.assembler.feed(chunk)
+            self._translate(chunk, out)
+        if not out:
+            return b""
+        out.append(b"")
+        return b"\n\n".join(out)
+
+    def _translate(self, chunk: dict[str, Any], out: list[bytes]) -> None:
+        error = chunk.get("error")
+        if error is not None:
+            self._close(out)
+            status = error.get("code") if isinstance(error, dict) else None
+            message = error.get("message") if isinstance(error, dict) else str(error)
+            out.append(error_event(status if isinstance(status, int) else 500, str(message or "")))
+            self._failed = True
+            return
+        if chunk.get("usage"):
+            self._usage = chunk["usage"]
+        if not self._started:
+            self._started = True
+            prompt_ids = chunk.get("prompt_token_ids")
+            self._prompt_tokens = len(prompt_ids) if isinstance(prompt_ids, list) else None
+            start = usage(self._usage, self._prompt_tokens)
+            start["output_tokens"] = 0
+            out.append(
+                _event(
+                    "message_start",
+                    {
+                        "type": "message_start",
+                        "message": {
+                            "id": chunk.get("id") or f"msg_{int(time.time() * 1000)}",
+                            "type": "message",
+                            "role": "assistant",
+                            "content": [],
+                            "model": chunk.get("model"),
+                            "stop_reason": None,
+                            "stop_sequence": None,
+                            "usage": start,
+                        },
+                    },
+                )
+            )
+            return  # vLLM's first chunk is the role chunk: its content is not sent
+        for choice in chunk.get("choices") or ():
+            if choice.get("index", 0) != 0:
+                continue
+            delta = choice.get("delta") or {}
+            reasoning = delta.get("reasoning") or delta.get("reasoning_content")
+            if reasoning:
+                self._block("thinking", {"type": "thinking", "thinking": ""}, out)
+                out.append(self._delta({"type": "thinking_delta", "thinking": reasoning}))
+            text = delta.get("content")
+            if text:
+                if self._open is not None and self._open not in ("text", "thinking"):
+                    self._buffered.append(text)
+                else:
+                    self._block("text", {"type": "text", "text": ""}, out)
+                    out.append(self._delta({"type": "text_delta", "text": text}))
+            for call in delta.get("tool_calls") or ():
+                self._tool_delta(call, out)
+            if choice.get("finish_reason") is not None:
+                self._finish = choice["finish_reason"]
+                self._stop = choice.get("stop_reason")
+
+    def _tool_delta(self, call: dict[str, Any], out: list[bytes]) -> None:
+        function = call.get("function") or {}
+        call_id, name = call.get("id"), function.get("name")
+        index = call.get("index", 0)
+        if call_id and name and call_id != self._open:
+            self._close(out)
+            self._tools[index] = call_id
+            self._arguments[call_id] = ""
+            self._open = call_id
+            out.append(
+                _event(
+                    "content_block_start",
+                    {
+                        "type": "content_block_start",
+                        "content_block": {"type": "tool_use", "id": call_id, "name": name, "input": {}},
+                        "index": self._index,
+                    },
+                )
+            )
+        arguments = function.get("arguments")
+        target = call_id or self._tools.get(index)
+        if arguments and target is not None and target == self._open:  # vLLM sends the open block's only
+            self._arguments[target] += arguments
+            out.append(self._delta({"type": "input_json_delta", "partial_json": arguments}))
+
+    def _delta(self, delta: dict[str, Any]) -> bytes:
+        return _event(
+            "content_block_delta", {"type": "content_block_delta", "delta": delta, "index": self._index}
+        )
+
+    def _block(self, kind: str, block: dict[str, Any], out: list[bytes]) -> None:
+        if self._open == kind:
+            return
+        self._close(out)
+        self._open = kind
+        out.append(
+            _event(
+                "content_block_start",
+                {"type": "content_block_start", "content_block": block, "index": self._index},
+            )
+        )
+
+    def _close(self, out: list[bytes]) -> None:
+        if self._open is None:
+            return
+        if self._open == "thinking":
+            out.append(self._delta({"type": "signature_delta", "signature": uuid.uuid4().hex}))
+        closed, self._open = self._open, None
+        out.append(_event("content_block_stop", {"type": "content_block_stop", "index": self._index}))
+        self._index += 1
+        if closed not in ("text", "thinking") and self._buffered:  # text held while a tool block was open
+            text, self._buffered = "".join(self._buffered), []
+            self._block("text", {"type": "text", "text": ""}, out)
+            out.append(self._delta({"type": "text_delta", "text": text}))
+            self._close(out)
+
+    def _finish_events(self) -> list[bytes]:
+        out: list[bytes] = []
+        if not self._started:
+            return out
+        self._close(out)
+        tool_used = bool(self._arguments)
+        if tool_used:  # a tool call cut short (a stop string, max_tokens) is not a complete tool use
+            try:
+                tool_used = isinstance(
+                    json.loads(self._arguments[self._tools[max(self._tools)]] or "{}"), dict
+                )
+            except ValueError:
+                tool_used = False
+        reason, sequence = stop_reason(self._finish or "stop", self._stop, tool_used)
+        out.append(
+            _event(
+                "message_delta",
+                {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                    "usage": usage(self._usage, self._prompt_tokens),
+                },
+            )
+        )
+        out.append(_event("message_stop", {"type": "message_stop"}))
+        return out

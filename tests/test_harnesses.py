@@ -1,0 +1,124 @@
+"""Harnesses nobody here wrote, as a user runs them: the real Claude Code and Codex CLI (pinned, from the
+npm registry: scripts/test installs them into .harnesses/), given only the environment `POST /rollouts`
+returns, against the gateway. The upstream is the fake vLLM with a long context: both harnesses send
+prompts of 20,000-50,000 tokens on its byte tokenizer, which the tiny models here cannot hold; it answers
+with a tool call whenever tools are offered and the last message is not a tool result, so a run has
+several turns: the harness runs the tool and sends its result back."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import Proc, start_fake_vllm, start_gateway
+
+MODEL = "fake-model"
+OPERATOR = {"Authorization": "Bearer harness-test-operator"}
+
+
+def harness(name: str) -> Path:
+    """The installed harness's executable; skips without it (a failure under RLGATE_TEST_NO_SKIP)."""
+    base = os.environ.get("RLGATE_HARNESSES_BIN") or str(
+        Path(__file__).resolve().parent.parent / ".harnesses/node_modules/.bin"
+    )
+    path = Path(base) / name
+    if not os.access(path, os.X_OK):
+        pytest.skip(f"{name} is not installed at {path} (scripts/test installs it with npm)")
+    return path
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    """The fake vLLM with a 256k context, and a gateway that requires each rollout's own key."""
+    tmp = tmp_path_factory.mktemp("harnesses")
+    upstream = start_fake_vllm(tmp, "--model", MODEL, "--max-model-len", "262144")
+    gateway = start_gateway(
+        tmp,
+        upstream.url,
+        rollout_key_secret="harness-test-secret",
+        require_rollout_keys="true",
+        operator_token=OPERATOR["Authorization"].removeprefix("Bearer "),
+    )
+    yield gateway
+    gateway.kill(signal.SIGTERM)
+    upstream.kill(signal.SIGTERM)
+
+
+def new_rollout(gateway: Proc) -> dict:
+    answer = httpx.post(f"{gateway.url}/rollouts", json={"task_id": "harness"}, headers=OPERATOR, timeout=10)
+    assert answer.status_code == 201, answer.text
+    return answer.json()
+
+
+def recorded(gateway: Proc, rollout_id: str) -> list[dict]:
+    return httpx.get(f"{gateway.url}/rollouts/{rollout_id}", headers=OPERATOR, timeout=10).json()["calls"]
+
+
+def run(command: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
+    """A harness with only the rollout's environment (plus PATH and a HOME of its own)."""
+    base = {"PATH": os.environ["PATH"], "HOME": str(cwd / "home"), "LANG": "C.UTF-8"}
+    (cwd / "home").mkdir(exist_ok=True)
+    return subprocess.run(command, env={**base, **env}, cwd=cwd, capture_output=True, text=True, timeout=240)
+
+
+def assert_trainable(call: dict) -> None:
+    assert call["error"] is None, call["error"]
+    assert call["prompt_token_ids"] and call["completion_token_ids"]
+    assert len(call["completion_logprobs"]) == len(call["completion_token_ids"])
+
+
+@pytest.mark.slow
+def test_claude_code_runs_unchanged_through_the_messages_api(stack: Proc, redis_client, tmp_path: Path):
+    claude = harness("claude")
+    rollout = new_rollout(stack)
+    env = {k: v for k, v in rollout["agent_env"].items() if k.startswith("ANTHROPIC_")}
+    env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"] = "1"
+    result = run([str(claude), "-p", "What is 2+2?", "--model", MODEL], env, tmp_path)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    calls = recorded(stack, rollout["rollout_id"])
+    # Claude Code offers its tools: the first answer is a tool call, which it runs and answers
+    assert len(calls) >= 2, calls
+    for call in calls:
+        assert call["agent_api"] == "anthropic.messages" and call["stream"]
+        assert_trainable(call)
+    first, last = calls[0], calls[-1]
+    assert first["response"]["message"]["tool_calls"] and len(first["request"]["tools"]) > 3
+    tool_call_id = first["response"]["message"]["tool_calls"][0]["id"]
+    assert any(
+        m.get("role") == "tool" and m.get("tool_call_id") == tool_call_id
+        for m in calls[1]["request"]["messages"]
+    )
+    # what it printed is the last answer's text
+    assert last["response"]["message"]["content"] and last["response"]["message"]["content"] in result.stdout
+
+
+@pytest.mark.slow
+def test_codex_cli_runs_unchanged_through_the_responses_api(stack: Proc, redis_client, tmp_path: Path):
+    codex = harness("codex")
+    rollout = new_rollout(stack)
+    env = {k: v for k, v in rollout["agent_env"].items() if k.startswith("OPENAI_")}
+    home = tmp_path / "codex"
+    home.mkdir()
+    (home / "config.toml").write_text(
+        f'model = "{MODEL}"\nmodel_provider = "rlgate"\n\n[model_providers.rlgate]\nname = "rlgate"\n'
+        f'base_url = "{env["OPENAI_BASE_URL"]}"\nwire_api = "responses"\nenv_key = "OPENAI_API_KEY"\n'
+    )
+    env["CODEX_HOME"] = str(home)
+    result = run([str(codex), "exec", "--skip-git-repo-check", "What is 2+2?"], env, tmp_path)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    calls = recorded(stack, rollout["rollout_id"])
+    assert calls and all(c["endpoint"] == "responses" and c["stream"] for c in calls)
+    for call in calls:
+        assert call["error"] is None and call["prompt_token_ids"] and call["completion_token_ids"]
+    text = "".join(
+        part.get("text", "")
+        for item in calls[-1]["response"]["output"]
+        if item.get("type") == "message"
+        for part in item.get("content", [])
+    )
+    assert text and text in result.stdout
