@@ -45,7 +45,7 @@ from learner.collect import Collector, Group, Tally
 from learner.policy import Policy
 from learner.push import FullPusher, LoraPusher
 from learner.ranks import Order, Ranks, RanksMisconfigured
-from learner.samples import Sample, Transition, build_samples, micro_batches, shard
+from learner.samples import Sample, Transition, build_samples, history_splits, micro_batches, shard
 from learner.settings import LearnerSettings
 from learner.transitions import credited_transitions
 
@@ -248,6 +248,8 @@ class Learner:
                 statistics.stdev([v.reward for v in g]) if len(g) > 1 else 0.0 for g in views
             ),
             "samples": stats.samples,
+            # trajectory shape: calls trained apart because their prompt did not extend the sample before
+            "history_splits": history_splits(samples) if s.sample_shape == "trajectory" else 0,
             "tokens": stats.tokens,
             "calls": counts["calls"],
             "calls_without_server_logprobs": counts["no_server_logprobs"],

@@ -121,6 +121,19 @@ def build_samples(
     return samples
 
 
+def history_splits(samples: Sequence[Sample]) -> int:
+    """Samples that start a second (third, ...) trajectory of their episode: in `trajectory` shape, a call
+    whose prompt is not the previous sample plus its answer (a harness compacted or edited its history,
+    dropped earlier thinking) trains as a sample of its own, never merged as if it continued the other."""
+    seen: set[str] = set()
+    splits = 0
+    for sample in samples:
+        rollout_id = sample.calls[0][0]
+        splits += rollout_id in seen
+        seen.add(rollout_id)
+    return splits
+
+
 @dataclass(slots=True)
 class MicroBatch:
     """Right-padded tensors of some samples. Shapes: sequences/attention_mask [B, L], the action tensors

@@ -1,5 +1,5 @@
-"""The four framework examples (plain OpenAI SDK, LangChain, OpenAI Agents SDK, AutoGen), each configured
-only through OPENAI_BASE_URL, run as real processes against the gateway in front of `rlgate serve`. Every
+"""The framework examples (plain OpenAI SDK, LangChain, OpenAI Agents SDK, AutoGen, and Anthropic's SDK on
+the Messages API), each configured only through its base URL (OPENAI_BASE_URL, ANTHROPIC_BASE_URL), run as real processes against the gateway in front of `rlgate serve`. Every
 LLM call must be recorded under the rollout with its token ids and log-probs, tool calls included.
 
 The served model is the tiny model taught in code to call the calculator (`tool_model.py`): a random tiny
@@ -19,7 +19,13 @@ import httpx
 import pytest
 from conftest import ROOT, Proc, start_gateway, start_rlgate_serve
 
-EXAMPLES = ["openai_sdk_agent", "langchain_agent", "openai_agents_sdk_agent", "autogen_agent"]
+EXAMPLES = [
+    "openai_sdk_agent",
+    "langchain_agent",
+    "openai_agents_sdk_agent",
+    "autogen_agent",
+    "anthropic_sdk_agent",
+]
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +52,7 @@ def test_example_agent_is_recorded_with_its_tool_calls(example: str, tool_stack:
             "langchain_agent": "langchain_openai",
             "openai_agents_sdk_agent": "agents",
             "autogen_agent": "autogen_ext",
+            "anthropic_sdk_agent": "anthropic",
         }.get(example, "openai")
     )
     gateway = tool_stack
@@ -55,6 +62,8 @@ def test_example_agent_is_recorded_with_its_tool_calls(example: str, tool_stack:
         "OPENAI_BASE_URL": f"{gateway.url}/tasks/calc-17-25/rollouts/{rid}/v1",
         "OPENAI_API_KEY": "unused",
         "OPENAI_MODEL": "policy",
+        "ANTHROPIC_BASE_URL": f"{gateway.url}/tasks/calc-17-25/rollouts/{rid}",
+        "ANTHROPIC_API_KEY": "unused",
     }
     result = subprocess.run(
         [sys.executable, str(ROOT / "examples" / f"{example}.py")],
@@ -98,6 +107,7 @@ def test_example_agent_is_recorded_with_its_tool_calls(example: str, tool_stack:
         return
     for call in calls:
         assert call["endpoint"] == "chat.completions"
+        assert call["agent_api"] == ("anthropic.messages" if example == "anthropic_sdk_agent" else None)
         assert len(call["completion_logprobs"]) == len(call["completion_token_ids"])
     # the tool went to the model (AutoGen's reflection call after the tool ran offers no tools)
     assert [t["function"]["name"] for t in calls[0]["request"]["tools"]] == ["calculator"]

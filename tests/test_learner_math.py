@@ -13,7 +13,7 @@ pytest.importorskip("openrlhf")
 
 from learner.advantages import group_advantages, whiten  # noqa: E402
 from learner.credit import assign_credit, returns_to_go  # noqa: E402
-from learner.samples import Transition, build_samples, micro_batches  # noqa: E402
+from learner.samples import Transition, build_samples, history_splits, micro_batches  # noqa: E402
 
 
 def close(a, b, tol=1e-6) -> bool:
@@ -199,6 +199,9 @@ def test_trajectory_merges_calls_that_extend_the_context_and_breaks_otherwise():
     # another temperature breaks a merge as well
     hot = call(1, [1, 2, 3, 4, 5, 6], [9], temperature=0.5)
     assert len(build_samples([[first, hot]], "trajectory")) == 2
+    # the step counts the calls a history edit split off (a harness compacting its context): one here
+    assert history_splits([merged, alone]) == 1
+    assert history_splits(build_samples([[first, second]], "trajectory")) == 0
 
 
 def test_micro_batches_respect_the_token_budget_and_pad_right():
