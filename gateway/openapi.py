@@ -4,7 +4,8 @@ FastAPI describes the management routes (`gateway.routes`) and the routes added 
 webhook, Agent Lightning's event route) from their models. This module adds what FastAPI cannot see:
 
 - the agent surface (`gateway.proxy`, raw ASGI, no FastAPI route): `POST chat/completions`, `completions`,
-  `responses` and `GET models` under each prefix, `/v1`, `/rollouts/{rollout_id}/v1`,
+  `responses`, Anthropic's `messages` and `messages/count_tokens` (`gateway.messages`, their request
+  schemas and error shape written here) and `GET models` under each prefix, `/v1`, `/rollouts/{rollout_id}/v1`,
   `/tasks/{task_id}/rollouts/{rollout_id}/v1` and Agent Lightning's
   `/proxy/rollout/{rollout_id}/attempt/{attempt_id}/mode/{mode}/openai/v1`, with the ids as path parameters
   (their patterns are `episodes.keys`'), the routing headers, and vLLM 0.33's request bodies as vLLM's own
@@ -78,6 +79,89 @@ _SSE_EVENT = {
     "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
 }
 _AUTH = (401, 403)
+_BLOCK = {
+    "type": "object",
+    "required": ["type"],
+    "properties": {
+        "type": {"enum": ["text", "tool_use", "tool_result", "thinking"]},
+        "text": {"type": "string"},
+        "id": {"type": "string"},
+        "name": {"type": "string"},
+        "input": {"type": "object"},
+        "tool_use_id": {"type": "string"},
+        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]},
+        "thinking": {"type": "string"},
+    },
+}
+_MESSAGES_BODY = {
+    "model": {"type": "string", "minLength": 1},
+    "messages": {
+        "type": "array",
+        "items": {
+            "type": "object",
+            "required": ["role", "content"],
+            "properties": {
+                "role": {"enum": ["user", "assistant"]},
+                "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _BLOCK}]},
+            },
+        },
+    },
+    "system": {"anyOf": [{"type": "string"}, {"type": "array", "items": _BLOCK}]},
+    "tools": {
+        "type": "array",
+        "items": {
+            "type": "object",
+            "required": ["name", "input_schema"],
+            "properties": {
+                "name": {"type": "string", "minLength": 1},
+                "description": {"type": "string"},
+                "input_schema": {"type": "object"},
+            },
+        },
+    },
+    "tool_choice": {
+        "type": "object",
+        "required": ["type"],
+        "properties": {"type": {"enum": ["auto", "any", "tool", "none"]}, "name": {"type": "string"}},
+    },
+}
+# Anthropic's Messages API (gateway.messages): the fields the gateway reads (others are ignored, as vLLM does)
+MESSAGES_SCHEMAS: dict[str, Any] = {
+    "MessagesRequest": {
+        "type": "object",
+        "title": "MessagesRequest",
+        "required": ["model", "messages", "max_tokens"],
+        "properties": {
+            **_MESSAGES_BODY,
+            "max_tokens": {"type": "integer", "minimum": 1},
+            "stop_sequences": {"type": "array", "items": {"type": "string"}},
+            "stream": {"type": "boolean"},
+            "temperature": {"type": "number"},
+            "top_p": {"type": "number"},
+            "top_k": {"type": "integer"},
+        },
+    },
+    "MessagesCountTokensRequest": {
+        "type": "object",
+        "title": "MessagesCountTokensRequest",
+        "required": ["model", "messages"],
+        "properties": _MESSAGES_BODY,
+    },
+    "AnthropicError": {
+        "type": "object",
+        "title": "AnthropicError",
+        "required": ["type", "error"],
+        "description": "Anthropic's error shape: every error on the Messages API's routes.",
+        "properties": {
+            "type": {"const": "error"},
+            "error": {
+                "type": "object",
+                "required": ["type", "message"],
+                "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+            },
+        },
+    },
+}
 _AGENT = (400, *_AUTH, 404, 409, 413, 422, 429, 502, 503, 504)  # 404/422: the upstream's, passed on
 _OPERATOR = (400, *_AUTH, 404, 413, 422, 503)
 # Statuses beyond the surface's set, by (method, path).
@@ -150,6 +234,7 @@ def document(api: FastAPI) -> dict[str, Any]:
         clash = set(schemas) & set(vllm["schemas"])
         assert not clash, f"vLLM's schema names clash with the gateway's: {clash}"
         schemas.update(vllm["schemas"])
+        schemas.update(MESSAGES_SCHEMAS)
         schemas["Error"] = ERROR_SCHEMA
         for path, methods in doc["paths"].items():  # FastAPI's 422 body is replaced by the error shape too
             for method, operation in methods.items():
@@ -158,6 +243,8 @@ def document(api: FastAPI) -> dict[str, Any]:
             for suffix, endpoint in _ENDPOINTS.items():
                 doc["paths"][prefix + suffix] = {"post": _completion(prefix, params, endpoint, vllm)}
             doc["paths"][prefix + "/models"] = {"get": _models(prefix, params)}
+            doc["paths"][prefix + "/messages"] = {"post": _messages(prefix, params, count=False)}
+            doc["paths"][prefix + "/messages/count_tokens"] = {"post": _messages(prefix, params, count=True)}
         health = doc["paths"].get("/healthz", {}).get("get")
         if health is not None:  # its 503 is the health report too, not an error
             report = {
@@ -251,6 +338,51 @@ def _completion(
         },
     }
     _errors(operation, _AGENT)
+    return operation
+
+
+def _messages(prefix: str, params: list[dict[str, Any]], count: bool) -> dict[str, Any]:
+    """Anthropic's Messages API (`gateway.messages`), or its count_tokens, under `prefix`."""
+    name = "messages_count_tokens" if count else "messages"
+    answer: dict[str, Any] = (
+        {
+            "type": "object",
+            "required": ["input_tokens"],
+            "properties": {"input_tokens": {"type": "integer", "minimum": 0}},
+        }
+        if count
+        else {"type": "object", "required": ["id", "type", "role", "content"]}
+    )
+    content: dict[str, Any] = {"application/json": {"schema": answer}}
+    if not count:
+        content["text/event-stream"] = {"itemSchema": _SSE_EVENT}
+    operation: dict[str, Any] = {
+        "operationId": f"{_PREFIX_IDS[prefix]}{name}",
+        "tags": ["agent"],
+        "summary": "Anthropic's count_tokens: the prompt's length as the policy renders it (not recorded)"
+        if count
+        else "Anthropic's Messages API, served as a chat completion and recorded",
+        "description": "Agent surface (the agent port). Translated as vLLM's own /v1/messages translates "
+        "it (docs/agents.md); `?beta=true` is accepted; the credential as `x-api-key` or a Bearer token.",
+        "parameters": _parameters(params),
+        "security": [{"bearer": []}, {}],
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {
+                    "schema": {
+                        "$ref": f"#/components/schemas/{'MessagesCountTokensRequest' if count else 'MessagesRequest'}"
+                    }
+                }
+            },
+        },
+        "responses": {"200": {"description": "The answer, in Anthropic's shape.", "content": content}},
+    }
+    for status in _AGENT:
+        operation["responses"][str(status)] = {
+            "description": _REASONS[status],
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/AnthropicError"}}},
+        }
     return operation
 
 

@@ -467,3 +467,44 @@ def test_dynamic_filtering_skips_uniform_groups_and_consumed_episodes_get_the_re
             assert 600 < redis_client.ttl(f"rlgate:rollout:{{{rid}}}") <= 900
             assert 600 < redis_client.ttl(f"rlgate:rollout:{{{rid}}}:calls") <= 900
     assert redis_client.xpending("rlgate:episodes", "learners")["pending"] == 0
+
+
+def test_a_step_trains_messages_api_and_responses_api_episodes(
+    stack, redis_client: redis.Redis, tmp_path: Path
+):
+    """Episodes of an Anthropic-SDK agent (the Messages API, translated to chat) and of a Responses-API agent
+    train in one step like chat episodes: every call a sample, the server's log-probs the learner's own."""
+    import anthropic
+
+    serve, gateway, model = stack
+    rids = []
+    for i, reward in enumerate([1.0, 0.0, 0.0, 1.0]):
+        rid = uuid.uuid4().hex
+        agent = anthropic.Anthropic(base_url=f"{gateway.url}/tasks/messages/rollouts/{rid}", api_key="unused")
+        for _ in range(2):
+            agent.messages.create(
+                model=MODEL, max_tokens=2, messages=MESSAGES, extra_body={"temperature": 0.8, "seed": i}
+            )
+        rids.append((rid, reward))
+    for reward in [0.0, 1.0, 1.0, 0.0]:
+        rid = uuid.uuid4().hex
+        client = openai.OpenAI(base_url=f"{gateway.url}/tasks/responses/rollouts/{rid}/v1", api_key="unused")
+        for _ in range(2):
+            client.responses.create(model=MODEL, input="2+3=", max_output_tokens=2, temperature=0.8)
+        rids.append((rid, reward))
+    for rid, reward in rids:
+        answer = httpx.post(f"{gateway.url}/rollouts/{rid}/reward", json={"reward": reward}, timeout=10)
+        assert answer.status_code == 200, answer.text
+    assert {c["agent_api"] for c in calls_of(gateway, rids[0][0])} == {"anthropic.messages"}
+    assert {c["endpoint"] for c in calls_of(gateway, rids[-1][0])} == {"responses"}
+
+    out = tmp_path / "learner"
+    proc = learner(model, serve, out)
+    assert proc.wait(timeout=240) == 0, (out.parent / "learner.log").read_text()[-4000:]
+    [step] = steps(out)
+    assert step["episodes"] == 8 and step["groups"] == 2
+    assert step["calls"] == 16 and step["samples"] == 16 and step["dropped_failed"] == 0
+    assert step["calls_without_server_logprobs"] == 0
+    assert step["rollout_kl"] == pytest.approx(0.0, abs=1e-3)  # the recorded log-probs are the learner's
+    assert step["grad_norm"] > 0
+    assert all(redis_client.hget(f"rlgate:rollout:{{{rid}}}", "status") == b"consumed" for rid, _ in rids)
