@@ -11,7 +11,10 @@ Where this differs from vLLM 0.33's translation, on purpose (docs/agents.md):
 - content the learner cannot train on exactly is a 400, never dropped or passed on: images, documents,
   redacted thinking, server tools (vLLM passes images on and drops redacted thinking);
 - body errors are in Anthropic's error shape (vLLM answers its validation errors in OpenAI's);
-- `thinking: {"type": "disabled"}` is not turned into a `reasoning_effort` (vLLM probes its chat template).
+- `thinking: {"type": "disabled"}` is not turned into a `reasoning_effort`, and a system message inside
+  `messages` stays where it is: vLLM probes its chat template for both (whether it takes
+  `reasoning_effort: "none"`, whether system messages must come first), and the gateway has no template.
+Everything else is vLLM's translation exactly (tests/test_vllm_oracle.py compares the two on vLLM's code).
 """
 
 from __future__ import annotations
@@ -109,6 +112,7 @@ def to_chat(body: dict[str, Any], count_only: bool = False) -> dict[str, Any]:
     for name in VLLM_EXTRAS:  # vLLM's own fields, passed on as its /v1/messages passes them
         if body.get(name) is not None:
             chat[name] = body[name]
+    _output_config(body.get("output_config"), chat)
     _thinking(body.get("thinking"), chat)
     _tools(body.get("tools"), body.get("tool_choice"), chat)
     return chat
@@ -125,20 +129,25 @@ def _system(system: Any) -> list[dict[str, Any]]:
     """The leading system message: the string, or the text blocks joined (vLLM joins them with "")."""
     if system is None:
         return []
-    if isinstance(system, str):
-        text = system
-    elif isinstance(system, list):
-        parts = []
-        for i, block in enumerate(system):
-            if not isinstance(block, dict) or block.get("type") != "text":
-                raise Invalid(f"system.{i}", f"system.{i}: only text blocks are supported in system")
-            part = _text(block, f"system.{i}")
-            if not part.startswith("x-anthropic-billing-header"):  # Claude Code's; vLLM drops it too
-                parts.append(part)
-        text = "".join(parts)
-    else:
-        raise Invalid("system", "system: a string or a list of text blocks")
+    text = _system_text(system, "system", top=True)
     return [{"role": "system", "content": text}] if text else []
+
+
+def _system_text(system: Any, where: str, top: bool = False) -> str:
+    """A system prompt's text: a string, or its text blocks joined with "" (Claude Code's per-request
+    `x-anthropic-billing-header` block left out, as vLLM leaves it out: it would defeat the prefix cache)."""
+    if isinstance(system, str):
+        return "" if not top and system.startswith("x-anthropic-billing-header") else system
+    if not isinstance(system, list):
+        raise Invalid(where, f"{where}: a string or a list of text blocks")
+    parts = []
+    for i, block in enumerate(system):
+        if not isinstance(block, dict) or block.get("type") != "text":
+            raise Invalid(f"{where}.{i}", f"{where}.{i}: only text blocks are supported in a system prompt")
+        part = _text(block, f"{where}.{i}")
+        if not part.startswith("x-anthropic-billing-header"):
+            parts.append(part)
+    return "".join(parts)
 
 
 def _message(message: Any, where: str) -> list[dict[str, Any]]:
@@ -149,6 +158,9 @@ def _message(message: Any, where: str) -> list[dict[str, Any]]:
     if role not in ("user", "assistant", "system"):
         raise Invalid(f"{where}.role", f"{where}.role: 'user' or 'assistant'")
     content = message.get("content")
+    if role == "system":  # vLLM's extension: its text alone, kept in place (empty: left out)
+        text = _system_text(content, f"{where}.content")
+        return [{"role": "system", "content": text}] if text else []
     if isinstance(content, str):
         return [{"role": role, "content": content}]
     if not isinstance(content, list):
@@ -190,7 +202,8 @@ def _message(message: Any, where: str) -> list[dict[str, Any]]:
                 }
             )
         elif role == "assistant":  # a tool result inside an assistant message: text, as vLLM makes it
-            texts.append(f"Tool result: {block.get('content')}")
+            result = block.get("content")
+            texts.append(f"Tool result: {result if result else ''}")
         else:
             out.append(_tool_result(block, at))
     chat: dict[str, Any] = {"role": role}
@@ -232,6 +245,30 @@ def _tool_result(block: dict[str, Any], at: str) -> dict[str, Any]:
     }
 
 
+def _output_config(config: Any, chat: dict[str, Any]) -> None:
+    """Structured output (`format`: a JSON schema the answer must follow) and `effort`, as vLLM maps them."""
+    if config is None:
+        return
+    if not isinstance(config, dict):
+        raise Invalid("output_config", "output_config: an object")
+    output_format = config.get("format")
+    if output_format is not None:
+        schema = output_format.get("schema") if isinstance(output_format, dict) else None
+        if not isinstance(schema, dict) or output_format.get("type") != "json_schema":
+            raise Invalid(
+                "output_config.format", "output_config.format: {'type': 'json_schema', 'schema': {...}}"
+            )
+        chat["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "json_schema", "schema": schema},
+        }
+    effort = config.get("effort")
+    if effort is not None:
+        if effort not in ("low", "medium", "high", "xhigh", "max"):
+            raise Invalid("output_config.effort", "output_config.effort: low, medium, high, xhigh or max")
+        chat["reasoning_effort"] = effort
+
+
 def _thinking(thinking: Any, chat: dict[str, Any]) -> None:
     if thinking is None:
         return
@@ -255,7 +292,7 @@ def _tools(tools: Any, tool_choice: Any, chat: dict[str, Any]) -> None:
             if not isinstance(name, str) or not name:
                 raise Invalid("tool_choice.name", "tool_choice.name: required with type 'tool'")
             chat["tool_choice"] = {"type": "function", "function": {"name": name}}
-        elif kind in TOOL_CHOICES:
+        elif isinstance(kind, str) and kind in TOOL_CHOICES:
             chat["tool_choice"] = TOOL_CHOICES[kind]
         else:
             raise Invalid("tool_choice.type", "tool_choice.type: 'auto', 'any', 'tool' or 'none'")
@@ -279,7 +316,10 @@ def _tools(tools: Any, tool_choice: Any, chat: dict[str, Any]) -> None:
         function: dict[str, Any] = {"name": name}
         if tool.get("description") is not None:
             function["description"] = tool["description"]
-        function["parameters"] = schema if "type" in schema else {"type": "object", **schema}
+        # vLLM sets a missing type last: the template renders the schema's keys in their order
+        function["parameters"] = schema if "type" in schema else {**schema, "type": "object"}
+        if tool.get("defer_loading") is not None:
+            function["defer_loading"] = tool["defer_loading"]
         if tool.get("strict") is not None:
             function["strict"] = tool["strict"]
         out.append({"type": "function", "function": function})
@@ -292,17 +332,31 @@ def _tools(tools: Any, tool_choice: Any, chat: dict[str, Any]) -> None:
 # Answer: chat completion -> message
 
 
-def stop_reason(finish_reason: str | None, stop: Any, tool_used: bool) -> tuple[str | None, str | None]:
-    """(stop_reason, stop_sequence) of a chat choice, as vLLM maps them."""
+def stop_reason(
+    finish_reason: str | None, stop: Any, tool_used: bool, tool_complete: bool
+) -> tuple[str | None, str | None]:
+    """(stop_reason, stop_sequence) of a chat choice, as vLLM maps them: max_tokens always wins; a matched
+    stop string wins unless the tool calls are complete (a call it cut short must not run); a tool call
+    (named tool choice reports finish_reason "stop") is tool_use."""
     if finish_reason == "length":
         return "max_tokens", None
     if finish_reason not in ("stop", "tool_calls"):
         return None, None
-    if tool_used:
+    if tool_complete:
         return "tool_use", None
     if isinstance(stop, str):
         return "stop_sequence", stop
+    if finish_reason == "tool_calls" or tool_used:
+        return "tool_use", None
     return "end_turn", None
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except (ValueError, RecursionError):
+        return False
+    return True
 
 
 def usage(chat_usage: dict[str, Any] | None, prompt_tokens: int | None = None) -> dict[str, int]:
@@ -310,9 +364,15 @@ def usage(chat_usage: dict[str, Any] | None, prompt_tokens: int | None = None) -
     prompt = chat_usage.get("prompt_tokens", prompt_tokens) or 0
     details = chat_usage.get("prompt_tokens_details") or {}
     cached = details.get("cached_tokens") or 0
-    out = {"input_tokens": max(0, prompt - cached), "output_tokens": chat_usage.get("completion_tokens") or 0}
+    created = details.get("created_cache_tokens") or 0
+    out = {
+        "input_tokens": max(0, prompt - cached - created),
+        "output_tokens": chat_usage.get("completion_tokens") or 0,
+    }
     if details.get("cached_tokens") is not None:
         out["cache_read_input_tokens"] = cached
+    if details.get("created_cache_tokens") is not None:
+        out["cache_creation_input_tokens"] = created
     return out
 
 
@@ -332,7 +392,7 @@ def message(payload: dict[str, Any]) -> dict[str, Any]:
         function = call.get("function") or {}
         try:
             arguments = json.loads(function.get("arguments") or "{}")
-        except ValueError:
+        except (ValueError, RecursionError):
             arguments = None
         if not isinstance(arguments, dict):
             raise Invalid(
@@ -342,7 +402,9 @@ def message(payload: dict[str, Any]) -> dict[str, Any]:
         content.append(
             {"type": "tool_use", "id": call.get("id"), "name": function.get("name"), "input": arguments}
         )
-    reason, sequence = stop_reason(choice.get("finish_reason"), choice.get("stop_reason"), bool(tool_calls))
+    # the arguments were read above: every call is complete
+    used = bool(tool_calls)
+    reason, sequence = stop_reason(choice.get("finish_reason"), choice.get("stop_reason"), used, used)
     out: dict[str, Any] = {
         "id": payload.get("id") or f"msg_{int(time.time() * 1000)}",
         "type": "message",
@@ -393,6 +455,7 @@ class MessagesRelay:
         self._open: str | None = None  # "text", "thinking", or a tool call's id
         self._tools: dict[int, str] = {}  # tool call index -> id
         self._arguments: dict[str, str] = {}  # tool call id -> its arguments so far
+        self._last_tool: str | None = None  # the last tool_use block opened
         self._buffered: list[str] = []  # text sent while a tool_use block was open
         self._finish: str | None = None
         self._stop: Any = None
@@ -422,6 +485,7 @@ class MessagesRelay:
     def _translate(self, chunk: dict[str, Any], out: list[bytes]) -> None:
         error = chunk.get("error")
         if error is not None:
+            self._buffered = []  # as vLLM: the open block is closed, text held back is dropped
             self._close(out)
             status = error.get("code") if isinstance(error, dict) else None
             message = error.get("message") if isinstance(error, dict) else str(error)
@@ -484,7 +548,7 @@ class MessagesRelay:
             self._close(out)
             self._tools[index] = call_id
             self._arguments[call_id] = ""
-            self._open = call_id
+            self._open = self._last_tool = call_id
             out.append(
                 _event(
                     "content_block_start",
@@ -537,15 +601,9 @@ class MessagesRelay:
         if not self._started:
             return out
         self._close(out)
-        tool_used = bool(self._arguments)
-        if tool_used:  # a tool call cut short (a stop string, max_tokens) is not a complete tool use
-            try:
-                tool_used = isinstance(
-                    json.loads(self._arguments[self._tools[max(self._tools)]] or "{}"), dict
-                )
-            except ValueError:
-                tool_used = False
-        reason, sequence = stop_reason(self._finish or "stop", self._stop, tool_used)
+        tool_used = self._last_tool is not None
+        complete = tool_used and _is_json(self._arguments[self._last_tool])  # a call cut short must not run
+        reason, sequence = stop_reason(self._finish or "stop", self._stop, tool_used, complete)
         out.append(
             _event(
                 "message_delta",

@@ -10,6 +10,7 @@ binding them with structlog's contextvars (measured: 3% of the gateway's CPU per
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -147,8 +148,9 @@ class Proxy:
             raise errors.BadRequest(str(exc), param=exc.param, code="invalid_value") from exc
         model = self.aliases.get(chat["model"], chat["model"]) if self.aliases else chat["model"]
         request = {"model": model, "messages": chat["messages"], "add_generation_prompt": True}
-        if "tools" in chat:
-            request["tools"] = chat["tools"]
+        for name in ("tools", "chat_template_kwargs"):  # as vLLM renders the prompt it counts
+            if name in chat:
+                request[name] = chat[name]
         try:
             async with self.upstream.request(
                 "POST", "/tokenize", orjson.dumps(request), root=True
@@ -448,7 +450,7 @@ class Proxy:
         """The answer in the API the agent spoke; one that API cannot carry (tool arguments that are not a
         JSON object) is recorded as failed, with what the model sampled, and is 400 as from vLLM."""
         try:
-            return orjson.dumps(messages.message(payload))
+            answer = messages.message(payload)
         except messages.Invalid as exc:
             error = CallError(
                 status=400, type="invalid_request_error", message=str(exc), code="invalid_tool_call"
@@ -457,6 +459,10 @@ class Proxy:
                 record.error = error
             await self._commit(call, records, "untranslatable_answer")
             raise errors.BadRequest(str(exc), code="invalid_tool_call") from exc
+        try:
+            return orjson.dumps(answer)
+        except TypeError:  # an integer past 64 bits in a tool's input, as vLLM's parser passes it on
+            return json.dumps(answer, ensure_ascii=False).encode()
 
     async def _answer_too_large(self, call: Call, limit: int, ttfb_ms: float | None) -> NoReturn:
         """The upstream's answer passed `max_answer_bytes` while it was read: reading stopped there (the

@@ -233,6 +233,8 @@ def test_content_the_policy_cannot_be_trained_on_is_a_400_and_nothing_is_recorde
             "server tools",
         ),
         ({"max_tokens": 5, "messages": [], "tool_choice": {"type": "tool"}}, "tool_choice.name"),
+        ({"max_tokens": 5, "messages": [], "tool_choice": {"type": ["auto"]}}, "tool_choice.type"),
+        ({"max_tokens": 5, "messages": [], "output_config": {"format": {"type": "json"}}}, "output_config"),
         ({"max_tokens": 5, "messages": [], "stream": [None]}, "stream"),
         (
             {"max_tokens": 2000, "messages": [], "thinking": {"type": "enabled", "budget_tokens": 10}},

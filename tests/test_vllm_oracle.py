@@ -889,3 +889,106 @@ def test_responses_errors_are_vllms(rlgate_serve: Proc, oracle: Oracle):
                 f"{body}\n  ours  {mine.status_code} {mine.text}\n  vLLM  {status} {exact(theirs['body'])}"
             )
     assert not differences, "\n".join(differences)
+
+
+def _pruned(value: Any) -> Any:
+    """Without null fields (vLLM's request model sets them; the gateway leaves them out, as unset)."""
+    if isinstance(value, dict):
+        return {k: _pruned(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_pruned(v) for v in value]
+    return value
+
+
+ANTHROPIC_TOOL = {
+    "name": "calc",
+    "description": "Adds.",
+    "input_schema": {"properties": {"a": {"type": "integer"}}},
+}
+ANTHROPIC_REQUESTS = [
+    {  # system blocks (Claude Code's billing header left out), sampling fields, stop strings, a stream
+        "system": [
+            {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1; cch=1"},
+            {"type": "text", "text": "You are terse."},
+            {"type": "text", "text": " Answer in digits."},
+        ],
+        "messages": [{"role": "user", "content": "2+3?"}],
+        "stop_sequences": ["\n\n"],
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 20,
+        "stream": True,
+    },
+    {  # a tool turn: thinking, text and tool_use; tool results (string and blocks) before the user's text
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "Add 2 and 3, then 4 and 5."}]},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "Two calls.", "signature": "s"},
+                    {"type": "text", "text": "Adding."},
+                    {"type": "tool_use", "id": "toolu_1", "name": "calc", "input": {"a": 2, "b": [3, "x"]}},
+                    {"type": "tool_use", "id": "toolu_2", "name": "calc", "input": {}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "Here:"},
+                    {"type": "tool_result", "tool_use_id": "toolu_1", "content": "5"},
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "toolu_2",
+                        "content": [{"type": "text", "text": "9"}],
+                    },
+                    {"type": "text", "text": "Go on."},
+                ],
+            },
+        ],
+        "tools": [ANTHROPIC_TOOL],
+        "tool_choice": {"type": "any"},
+    },
+    {  # a named tool, no parallel calls; an inline system message; a tool result inside an assistant turn
+        "messages": [
+            {
+                "role": "system",
+                "content": [{"type": "text", "text": "Be exact."}, {"type": "text", "text": "!"}],
+            },
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "t", "content": None}]},
+            {"role": "system", "content": ""},
+        ],
+        "tools": [ANTHROPIC_TOOL, {"name": "other", "input_schema": {"type": "object", "properties": {}}}],
+        "tool_choice": {"type": "tool", "name": "calc", "disable_parallel_tool_use": True},
+    },
+    {  # thinking with a budget, structured output, vLLM's own extras
+        "max_tokens": 3000,
+        "messages": [{"role": "user", "content": "Plan."}],
+        "thinking": {"type": "enabled", "budget_tokens": 1024},
+        "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}, "effort": "low"},
+        "cache_salt": "salt",
+        "vllm_xargs": {"k": 1},
+        "chat_template_kwargs": {"enable_thinking": True},
+    },
+    {
+        "messages": [{"role": "user", "content": "none"}],
+        "tools": [ANTHROPIC_TOOL],
+        "tool_choice": {"type": "none"},
+    },
+]
+
+
+@pytest.mark.parametrize("request_body", ANTHROPIC_REQUESTS, ids=range(len(ANTHROPIC_REQUESTS)))
+def test_the_messages_api_is_translated_as_vllms_own_messages_api_translates_it(oracle: Oracle, request_body):
+    """The chat completion the gateway makes of a Messages request (`gateway.messages.to_chat`) is the one
+    vLLM 0.33's `/v1/messages` makes (its `to_chat_completion_request`): the same messages, tools (their
+    schemas' keys in the same order: the template renders them so), tool choice and fields."""
+    from gateway import messages
+
+    body = {"model": "policy", "max_tokens": 64, **request_body}
+    [theirs] = oracle.ask([{"op": "anthropic", "body": body}])
+    assert theirs["ok"], theirs["error"]
+    ours = messages.to_chat(body)
+    assert _pruned(ours) == _pruned(theirs["chat"])
+    for mine, vllms in zip(ours.get("tools", []), theirs["chat"].get("tools") or [], strict=True):
+        assert list(mine["function"]["parameters"]) == list(vllms["function"]["parameters"])

@@ -23,6 +23,8 @@ re-implements vLLM; every answer comes from vLLM's own models, parsers, routers 
   of vLLM's own routers (chat, completions, responses, the RL routes) and exception handlers, on an app whose engine
   is a stub that builds the request's `SamplingParams` as vLLM's serving code does (`to_sampling_params`,
   whose checks answer 400) and accepts the rest: 200 means vLLM's request validation let it through.
+- `{"op": "anthropic", "body"}`: the chat completion request vLLM's `/v1/messages` makes of an Anthropic
+  Messages request (`AnthropicServingMessages.to_chat_completion_request`).
 - `{"op": "process", "logits", "temperature", "top_k", "top_p", "logit_bias"}`: the logits vLLM's v1 sampler
   samples from for a request with these fields: vLLM's `SamplingParams` built from them (which raises
   small temperatures to 0.01), then its own temperature and top-k/top-p functions.
@@ -293,7 +295,26 @@ def process(case: dict[str, Any]) -> list[float | None]:
     return [None if v == float("-inf") else v for v in logits[0].tolist()]
 
 
-OPS = {"validate": validate, "parse": parse, "http": http, "process": process}
+def anthropic(case: dict[str, Any]) -> dict[str, Any]:
+    """The chat completion request vLLM's `/v1/messages` makes of an Anthropic request (`body`):
+    `AnthropicMessagesRequest`, then `AnthropicServingMessages.to_chat_completion_request` (a template that
+    takes inline system messages: no merging), dumped with the fields it set: `{"ok", "error", "chat"}`."""
+    from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
+    from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
+
+    try:
+        request = AnthropicMessagesRequest.model_validate(case["body"])
+        chat = AnthropicServingMessages.to_chat_completion_request(request)
+    except Exception as exc:  # a request vLLM refuses: its message
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:500], "chat": None}
+    return {
+        "ok": True,
+        "error": None,
+        "chat": chat.model_dump(mode="json", exclude_unset=True, by_alias=True),
+    }
+
+
+OPS = {"validate": validate, "parse": parse, "http": http, "process": process, "anthropic": anthropic}
 
 
 def main() -> None:
