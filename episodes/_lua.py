@@ -334,6 +334,36 @@ end
 return {0, redis.call('RPUSH', KEYS[2], ARGV[1]) - 1}
 """
 
+# Agent Lightning's controller changes a rollout's state (`episodes.agl_queue`): queuing -> running or
+# failed, running -> succeeded or failed; other fields of its status patch are set as given.
+# KEYS[1] the rollout's agl hash
+# ARGV[1] new state ('' to keep it), ARGV[2] last_attempt_id, ARGV[3] error_message, ARGV[4] k8s_job_name
+# ('' each: unchanged), ARGV[5] now
+# Returns {'ok', state} when applied, {'conflict', state} for a transition its state machine refuses,
+# {'missing'} when the rollout has no agl hash.
+AGL_PATCH = """
+local state = redis.call('HGET', KEYS[1], 'state')
+if not state then
+  return {'missing'}
+end
+local to = ARGV[1]
+if to ~= '' and to ~= state then
+  local allowed = (state == 'queuing' and (to == 'running' or to == 'failed'))
+    or (state == 'running' and (to == 'succeeded' or to == 'failed'))
+  if not allowed then
+    return {'conflict', state}
+  end
+  redis.call('HSET', KEYS[1], 'state', to)
+  state = to
+end
+if ARGV[2] ~= '' then redis.call('HSET', KEYS[1], 'last_attempt_id', ARGV[2]) end
+if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], 'error_message', ARGV[3]) end
+if ARGV[4] ~= '' then redis.call('HSET', KEYS[1], 'k8s_job_name', ARGV[4]) end
+redis.call('HINCRBY', KEYS[1], 'version', 1)
+redis.call('HSET', KEYS[1], 'updated_at', ARGV[5])
+return {'ok', state}
+"""
+
 # Trims the closed-episode stream: removes the entries every consumer group has acknowledged (older than
 # each group's oldest pending entry, and up to its last delivered one when none is pending) that are older
 # than a cutoff. Nothing while no group exists (the episodes wait for their first learner). New entries

@@ -23,6 +23,11 @@
 |                                    |        | numbers as JSON; capped, ~10,000)       |                          |      |
 | `{prefix}:webhook:<id>`            | string | reward webhook (SET NX: a signed        | reward webhook           | 2 T  |
 |                                    |        | request's webhook-id, accepted once)    |                          |      |
+| `{prefix}:rollout:{<rid>}:agl`     | hash   | Agent Lightning's store routes (create, | its controller (polled)  | R    |
+|                                    |        | the controller's state changes)         |                          |      |
+| `{prefix}:agl:queue`               | zset   | the same (id -> created_at while        | the same                 | none |
+|                                    |        | queuing or running; trimmed like the    |                          |      |
+|                                    |        | rollouts index)                         |                          |      |
 
 - Retention (`R`, `EpisodeStore.retention_s`, `RLGATE_RETENTION_S`, default 7 days, 0: forever): the script
   that ends a rollout for good (consume, expire, fail) sets a TTL of `retention_s` on every key of the
@@ -150,6 +155,7 @@ class Keys:
         "health",
         "sweeper",
         "learner_steps",
+        "agl_queue",
     )
 
     def __init__(self, prefix: str = "rlgate") -> None:
@@ -165,6 +171,7 @@ class Keys:
         self.health = f"{prefix}:health"
         self.sweeper = f"{prefix}:sweeper"
         self.learner_steps = f"{prefix}:learner:steps"
+        self.agl_queue = f"{prefix}:agl:queue"
 
     def rollout(self, rollout_id: str) -> str:
         return f"{self.prefix}:rollout:{_tag(rollout_id)}"
@@ -182,6 +189,10 @@ class Keys:
         """The events the rollout's agent posted (Agent Lightning's event route), JSON, in order."""
         return f"{self.prefix}:rollout:{_tag(rollout_id)}:events"
 
+    def agl(self, rollout_id: str) -> str:
+        """Agent Lightning's view of the rollout (`episodes.agl_queue`): its input, config and state."""
+        return f"{self.prefix}:rollout:{_tag(rollout_id)}:agl"
+
     def rollout_keys(self, rollout_id: str) -> list[str]:
         """Every key of one rollout (one hash slot), the hash first: what retention expires together."""
         return [
@@ -190,6 +201,7 @@ class Keys:
             self.rewards(rollout_id),
             self.air(rollout_id),
             self.events(rollout_id),
+            self.agl(rollout_id),
         ]
 
     def webhook(self, msg_id: str) -> str:

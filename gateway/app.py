@@ -37,7 +37,7 @@ from episodes import EpisodeStore
 from episodes.api_error import error_body
 from gateway import errors, messages, ui
 from gateway._asgi import send_body
-from gateway.auth import Credentials
+from gateway.auth import Credentials, bearer
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import Proxy
 from gateway.routes import build_api
@@ -178,10 +178,10 @@ class Gateway:
             self._signed.extend(router.routes)
 
     def add_agent_routes(self, router: APIRouter) -> None:
-        """Serve routes on the agent surface (how `rlgate gateway` adds Agent Lightning's event route), each
-        under `/api/rollouts/{rollout_id}/...`: a request needs an agent credential valid for that rollout
-        (Bearer or `x-api-key`) or the operator token; the route finds which in `request.state.credential`
-        ("agent" or "operator")."""
+        """Serve routes on the agent surface (how `rlgate gateway` adds Agent Lightning's routes), each
+        under `/api/rollouts`: a request needs an agent credential valid for the path's rollout (Bearer or
+        `x-api-key`), Agent Lightning's controller key, or the operator token; the route finds which in
+        `request.state.credential` ("agent", "controller" or "operator")."""
         self.api.include_router(router)
         self._agent_routes.extend(router.routes)
 
@@ -202,7 +202,7 @@ class Gateway:
                 await self._serve(scope, receive, send, *route)
             elif (
                 self._agent_routes
-                and scope["path"].startswith("/api/rollouts/")
+                and scope["path"].startswith("/api/rollouts")
                 and any(r.matches(scope)[0] == Match.FULL for r in self._agent_routes)
             ):
                 await self._agent_route(scope, receive, send)
@@ -267,7 +267,9 @@ class Gateway:
                 ),
             )
             return
-        if not self.credentials.is_operator(authorization):
+        if self.credentials.is_controller(bearer(authorization)):
+            credential = "controller"  # Agent Lightning's: an agent credential and its rollout queue's
+        elif not self.credentials.is_operator(authorization):
             credential = "agent"
             try:
                 if self.credentials.agent_checked:

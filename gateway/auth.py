@@ -1,8 +1,10 @@
 """The gateway's two kinds of credential, never interchangeable.
 
-Agent credentials open the agent surface (completions, chat, responses, models), and nothing else:
+Agent credentials open the agent surface (completions, chat, responses, messages, models), and nothing else:
 
 - an API key from `api_keys`, valid on every rollout (unless rollout keys are required);
+- Agent Lightning's controller key (`agl_controller_key`), valid on every rollout (its controller hands
+  the one key to every agent it starts), and on that controller's rollout queue (`reward_hooks.agl`);
 - a rollout key, which `POST /rollouts` returns with each rollout: valid for that rollout alone.
   Stateless: `rk-<rollout id>.<hex HMAC-SHA256(rollout_key_secret, "rlgate rollout key v1\\0" + rollout
   id)>`, recomputed and compared in constant time on each call, so any gateway holding the same secret
@@ -48,6 +50,12 @@ class Credentials:
             else None
         )
         self.require_rollout_keys = settings.require_rollout_keys
+        # Agent Lightning's controller: its rollout queue, and (handed to its agents) every rollout's calls
+        self.controller_key = (
+            settings.agl_controller_key.get_secret_value().encode()
+            if settings.agl_controller_key is not None
+            else None
+        )
         self.operator_token = (
             settings.operator_token.get_secret_value().encode()
             if settings.operator_token is not None
@@ -55,7 +63,11 @@ class Credentials:
         )
         # Whether a call must be checked at all: nothing configured is the open development mode.
         self.agent_checked = bool(
-            self.api_keys or self.require_rollout_keys or self.rollout_secret or self.operator_token
+            self.api_keys
+            or self.require_rollout_keys
+            or self.rollout_secret
+            or self.operator_token
+            or self.controller_key
         )
 
     # -----------------------------------------------------------------------------------------------------
@@ -86,13 +98,17 @@ class Credentials:
                     "this rollout key is valid for its own rollout only", code="rollout_key_mismatch"
                 )
             return key_rollout, True
+        if self.is_controller(token):  # the one key Agent Lightning's controller gives all its agents
+            return rollout_id, False
         if self.require_rollout_keys:
             raise errors.Unauthorized(
                 "this gateway requires the rollout's key (Authorization: Bearer "
                 "rk-...), as POST /rollouts returns it",
                 code="rollout_key_required",
             )
-        if self.api_keys and not (token and any(hmac.compare_digest(token, key) for key in self.api_keys)):
+        if (self.api_keys or self.controller_key) and not (
+            token and any(hmac.compare_digest(token, key) for key in self.api_keys)
+        ):
             raise errors.Unauthorized("missing or invalid API key (Authorization: Bearer KEY)")
         return rollout_id, False
 
@@ -105,8 +121,16 @@ class Credentials:
         expected = hmac.digest(self.rollout_secret, _CONTEXT + rid, "sha256").hex().encode()
         return rid.decode("latin-1") if hmac.compare_digest(mac, expected) else None
 
+    def is_controller(self, token: bytes) -> bool:
+        """Whether a bearer token is Agent Lightning's controller key (compared in constant time)."""
+        return (
+            bool(token)
+            and self.controller_key is not None
+            and hmac.compare_digest(token, self.controller_key)
+        )
+
     def is_agent_credential(self, token: bytes) -> bool:
-        if any(hmac.compare_digest(token, key) for key in self.api_keys):
+        if any(hmac.compare_digest(token, key) for key in self.api_keys) or self.is_controller(token):
             return True
         if self.rollout_secret is None or not token.startswith(b"rk-"):
             return False

@@ -93,6 +93,13 @@ class GatewaySettings(SharedSettings):
         description="Completion calls must carry their rollout's key: API keys are no longer "
         "accepted there, and a key of one rollout on another is 403. Needs rollout_key_secret.",
     )
+    agl_controller_key: SecretStr | None = Field(
+        None,
+        description="The key of Agent Lightning's controller (agl-controller's agl_server.key): it opens "
+        "Agent Lightning's rollout queue (GET and POST /api/rollouts, PATCH /api/rollouts/{id}), and, "
+        "since the controller hands the same key to every agent it starts (AGL_KEY), the agent routes of "
+        "every rollout, as an API key does (also where rollout keys are required). At least 16 characters.",
+    )
     operator_token: SecretStr | None = Field(
         None,
         description="Bearer token of the operator surface (rollout reads and creation, rewards, "
@@ -307,9 +314,23 @@ class GatewaySettings(SharedSettings):
         keys = [k.strip() for k in (self.api_keys or "").split(",") if k.strip()]
         operator = self.operator_token.get_secret_value() if self.operator_token is not None else None
         secret = self.rollout_key_secret.get_secret_value() if self.rollout_key_secret is not None else None
-        for name, value in (("operator_token", operator), ("rollout_key_secret", secret)):
+        controller = (
+            self.agl_controller_key.get_secret_value() if self.agl_controller_key is not None else None
+        )
+        for name, value in (
+            ("operator_token", operator),
+            ("rollout_key_secret", secret),
+            ("agl_controller_key", controller),
+        ):
             if value is not None and len(value) < 16:
                 raise ValueError(f"{name} must be at least 16 characters")
+        if controller is not None:
+            if controller in (operator, secret) or controller in keys or controller.startswith("rk-"):
+                raise ValueError(
+                    "agl_controller_key must differ from the operator token, the API keys and "
+                    "rollout_key_secret, and must not start with 'rk-'"
+                )
+            keys = [*keys, controller]  # an agent credential too
         if self.require_rollout_keys and secret is None:
             raise ValueError("require_rollout_keys needs rollout_key_secret (RLGATE_ROLLOUT_KEY_SECRET)")
         if operator is not None and (operator in keys or operator == secret):
@@ -318,7 +339,8 @@ class GatewaySettings(SharedSettings):
             raise ValueError("API keys must not start with 'rk-' (the rollout keys' prefix)")
         if (keys or self.require_rollout_keys) and operator is None and self.control_port is None:
             raise ValueError(
-                "agents need credentials here (api_keys or require_rollout_keys) but the operator surface "
+                "agents need credentials here (api_keys, agl_controller_key or require_rollout_keys) but "
+                "the operator surface "
                 "would be open on their port: set operator_token (RLGATE_OPERATOR_TOKEN) or serve it on a "
                 "control_port (RLGATE_CONTROL_PORT)"
             )

@@ -1,6 +1,13 @@
-"""Agent Lightning's event route, so its agents post rewards and events to rlgate unchanged.
+"""Agent Lightning's store routes, so its agents and its controller use rlgate unchanged.
 
     POST /api/rollouts/{rollout_id}/attempt/{attempt_id}/events   {"event_type": "reward", "data": {"value": R}}
+    GET  /api/rollouts?state_in=queuing&state_in=running&limit=N  its controller's poll: a JSON array
+    POST /api/rollouts                                            a list of RolloutCreate: queued rollouts
+    PATCH /api/rollouts/{rollout_id}                              {"status": {"state": ..., ...}}
+
+The three rollout-queue routes (`episodes.agl_queue`) are its controller's: they take the operator token or
+the controller's key (`agl_controller_key`, which the controller also hands every agent it starts as
+AGL_KEY, so it is an agent credential too); an agent's own credential is 403 there.
 
 An Agent Lightning 1.x agent reads `AGL_EVENT_URL` and `AGL_KEY` and posts its reward there itself (its
 `raise_for_status()` ends the agent on any error). The gateway serves this route on the agent surface
@@ -22,15 +29,17 @@ its calls: `episodes.attempt_episode`).
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Any
 
 import orjson
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 import episodes
 from episodes import EpisodeLifecycle, EpisodeStore, RolloutEvent
+from episodes.agl_queue import ACTIVE, AglConflict, AglCreate, AglPatch, AglQueue
 from reward_hooks import errors
 from reward_hooks.limits import RewardOutOfRange, check_reward
 from reward_hooks.routes import _store_errors
@@ -58,9 +67,98 @@ class EventAccepted(BaseModel):
     data: dict[str, Any]
 
 
+CREATE_MAX = 1000  # rollouts one POST /api/rollouts may queue
+
+
+def _controller(request: Request) -> None:
+    """The rollout queue is the controller's (or the operator's): an agent's own credential is 403."""
+    if getattr(request.state, "credential", "operator") not in ("operator", "controller"):
+        raise errors.Forbidden(
+            "Agent Lightning's rollout queue takes the operator token or the controller's key "
+            "(RLGATE_AGL_CONTROLLER_KEY)",
+            code="wrong_credential",
+        )
+
+
+def _validation(exc: ValidationError) -> errors.Unprocessable:
+    first = exc.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or None
+    return errors.Unprocessable(f"{where or 'body'}: {first['msg']}", param=where)
+
+
 def build_agl_router(store: EpisodeStore, settings: RewardSettings) -> APIRouter:
     router = APIRouter()
     lifecycle = EpisodeLifecycle(store)
+    queue = AglQueue(store)
+
+    @router.get("/api/rollouts")
+    async def list_queue(
+        request: Request,
+        state_in: list[str] = Query(..., description="The states wanted: queuing, running."),
+        limit: int = Query(100, ge=1, le=1000),
+    ) -> Response:
+        """Agent Lightning's rollouts in the given states, oldest first (a bare JSON array, as its server
+        answers its controller). Only queuing and running rollouts are in the queue."""
+        _controller(request)
+        unknown = set(state_in) - {"queuing", "running", "succeeded", "failed"}
+        if unknown:
+            raise errors.Unprocessable(f"state_in: unknown states {sorted(unknown)}", param="state_in")
+        with _store_errors():
+            found = await queue.active(set(state_in) & set(ACTIVE), limit)
+        return Response(orjson.dumps(found), media_type="application/json")
+
+    @router.post("/api/rollouts", status_code=201)
+    async def create_queued(request: Request) -> Response:
+        """Queue rollouts for Agent Lightning's controller: a list of its `RolloutCreate`; an id already
+        queued answers that rollout (idempotent, as its server is)."""
+        _controller(request)
+        try:
+            raw = orjson.loads(await request.body() or b"null")
+        except orjson.JSONDecodeError as exc:
+            raise errors.BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
+        if not isinstance(raw, list) or not 1 <= len(raw) <= CREATE_MAX:
+            raise errors.Unprocessable(f"body: a list of 1 to {CREATE_MAX} rollouts", param="body")
+        try:
+            creates = [AglCreate.model_validate(item) for item in raw]
+        except ValidationError as exc:
+            raise _validation(exc) from exc
+        out = []
+        for create in creates:
+            rollout_id = create.rollout_id or f"ro-{uuid.uuid4().hex}"
+            with _store_errors():
+                try:
+                    out.append(await queue.create(create, rollout_id))
+                except episodes.InvalidId as exc:
+                    raise errors.Unprocessable(str(exc), param="rollout_id") from exc
+                except episodes.RolloutExists as exc:
+                    raise errors.Conflict(str(exc), code="rollout_exists") from exc
+        return Response(orjson.dumps(out), status_code=201, media_type="application/json")
+
+    @router.patch("/api/rollouts/{rollout_id}")
+    async def patch_queued(rollout_id: str, request: Request) -> Response:
+        """Its controller's report: running when it started the agent, succeeded or failed when the agent
+        exited. A failed one fails the rlgate rollout too (never trained), unless its reward closed it."""
+        _controller(request)
+        try:
+            patch = AglPatch.model_validate_json(await request.body() or b"{}")
+        except ValidationError as exc:
+            raise _validation(exc) from exc
+        if patch.status is None:
+            with _store_errors():
+                found = await queue.get(rollout_id)
+            if found is None:
+                raise errors.NotFound(f"no Agent Lightning rollout {rollout_id!r}", code="rollout_not_found")
+            return Response(orjson.dumps(found), media_type="application/json")
+        with _store_errors():
+            try:
+                found = await queue.patch(rollout_id, patch.status)
+            except episodes.InvalidId as exc:
+                raise errors.NotFound(str(exc), code="rollout_not_found") from exc
+            except AglConflict as exc:
+                raise errors.Conflict(str(exc), code="invalid_transition") from exc
+            if found["status"]["state"] == "failed":
+                await lifecycle.fail(rollout_id, patch.status.error_message or "the agent failed")
+        return Response(orjson.dumps(found), media_type="application/json")
 
     body_schema = EventPost.model_json_schema()
     extra = {
@@ -117,7 +215,7 @@ def build_agl_router(store: EpisodeStore, settings: RewardSettings) -> APIRouter
                 if index is None:
                     details = {k: v for k, v in body.data.items() if k != "value"}
                     source = (
-                        "agent_event" if credential == "agent" else "operator_event"
+                        "operator_event" if credential == "operator" else "agent_event"
                     )  # never the agent's say
                     try:
                         await lifecycle.close(episode, reward, {**details, "source": source})
