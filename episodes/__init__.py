@@ -21,7 +21,7 @@ from episodes.errors import (
     TaskMismatch,
     TooManyAttempts,
 )
-from episodes.keys import Keys, attempt_episode, validate_episode_id, validate_id
+from episodes.keys import Keys, attempt_episode, parent_of, server_name, validate_episode_id, validate_id
 from episodes.lifecycle import CloseResult, EpisodeLifecycle, canonical_reward
 from episodes.records import (
     SCHEMA_VERSION,
@@ -60,6 +60,8 @@ __all__ = [
     "CallResponse",
     "AgentApi",
     "Endpoint",
+    "parent_of",
+    "server_name",
     "EpisodeStore",
     "EVENTS_MAX",
     "EVENT_MAX_BYTES",

@@ -25,6 +25,10 @@
 |                                    |        | request's webhook-id, accepted once)    |                          |      |
 | `{prefix}:rollout:{<rid>}:agl`     | hash   | Agent Lightning's store routes (create, | its controller (polled)  | R    |
 |                                    |        | the controller's state changes)         |                          |      |
+| `{prefix}:rollout:{<rid>}:server`  | string | gateway (the inference server the      | gateways                 | 2 x  |
+|                                    |        | rollout's calls go to, SET NX)          |                          | TTL  |
+| `{prefix}:servers:versions`        | hash   | learner (server -> policy version it    | gateways (polled)        | none |
+|                                    |        | loaded there)                           |                          |      |
 | `{prefix}:agl:queue`               | zset   | the same (id -> created_at while        | the same                 | none |
 |                                    |        | queuing or running; trimmed like the    |                          |      |
 |                                    |        | rollouts index)                         |                          |      |
@@ -128,6 +132,12 @@ def validate_episode_id(value: str, what: str = "rollout id") -> str:
     return value
 
 
+def server_name(url: str) -> str:
+    """An inference server's name in the store: its base URL without `/v1` (the gateway's upstream URLs and
+    the learner's inference URLs name a server alike)."""
+    return url.rstrip("/").removesuffix("/v1").rstrip("/")
+
+
 def parent_of(episode_id: str) -> str | None:
     """The rollout an attempt episode belongs to; None for a rollout itself."""
     base, sep, _ = episode_id.partition(ATTEMPT_SEPARATOR)
@@ -156,6 +166,7 @@ class Keys:
         "sweeper",
         "learner_steps",
         "agl_queue",
+        "server_versions",
     )
 
     def __init__(self, prefix: str = "rlgate") -> None:
@@ -172,6 +183,7 @@ class Keys:
         self.sweeper = f"{prefix}:sweeper"
         self.learner_steps = f"{prefix}:learner:steps"
         self.agl_queue = f"{prefix}:agl:queue"
+        self.server_versions = f"{prefix}:servers:versions"
 
     def rollout(self, rollout_id: str) -> str:
         return f"{self.prefix}:rollout:{_tag(rollout_id)}"
@@ -188,6 +200,10 @@ class Keys:
     def events(self, rollout_id: str) -> str:
         """The events the rollout's agent posted (Agent Lightning's event route), JSON, in order."""
         return f"{self.prefix}:rollout:{_tag(rollout_id)}:events"
+
+    def server(self, rollout_id: str) -> str:
+        """The inference server a rollout's calls go to (`gateway.servers`; several upstreams only)."""
+        return f"{self.prefix}:rollout:{_tag(rollout_id)}:server"
 
     def agl(self, rollout_id: str) -> str:
         """Agent Lightning's view of the rollout (`episodes.agl_queue`): its input, config and state."""

@@ -136,6 +136,14 @@ class CallRecord(_Record):
     latency_ms: float = Field(description="From receiving the request to the complete upstream answer.")
     ttfb_ms: float | None = Field(None, description="Streams: time to the first upstream byte.")
     error: CallError | None = None
+    server: str | None = Field(
+        None, description="The inference server that answered (with several upstreams: `gateway.servers`)."
+    )
+    rerouted_from: str | None = Field(
+        None,
+        description="The server the rollout's earlier calls went to, when this call had to go elsewhere "
+        "(that one was down or behind): its context was prefilled again here.",
+    )
     agent_api: AgentApi | None = Field(
         None,
         description="The API the agent spoke when the gateway translated it: 'anthropic.messages' (the "

@@ -710,6 +710,12 @@ class EpisodeStore:
         """The current policy version (set by the learner after each weight push; 0 before any)."""
         return (await self.policy()).version
 
+    async def set_server_version(self, server: str, version: int) -> None:
+        """Record that inference server `server` (`keys.server_name`) loaded policy `version`: gateways
+        route to it only once it has the version the pointer names (`gateway.servers`)."""
+        async with _guard(self.timeout_s):
+            await self.redis.hset(self.keys.server_versions, server, version)
+
     async def set_policy(self, policy: Policy) -> None:
         """Move the policy pointer, all fields at once (one HSET), so a reader never sees a version
         with another version's adapter."""

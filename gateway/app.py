@@ -41,8 +41,8 @@ from gateway.auth import Credentials, bearer
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import Proxy
 from gateway.routes import build_api
+from gateway.servers import Servers
 from gateway.settings import GatewaySettings
-from gateway.upstream import Upstream
 
 log = structlog.get_logger("rlgate.gateway")
 
@@ -155,15 +155,16 @@ class Gateway:
         self.store.index_max = settings.rollout_index_max
         self.store.rollout_max_bytes = settings.max_rollout_bytes
         self.store.use_queue_redis(settings.queue_redis_url)  # the backlog counts reward jobs where they wait
-        self.upstream = Upstream(settings)
-        self.metrics.watch(self.upstream.connections, self.store.record_stats)
+        self.servers = Servers(settings, self.store)
+        self.upstream = self.servers.first.upstream  # the first (with one server, the only) upstream
+        self.metrics.watch(self.servers.connections, self.store.record_stats)
         self.credentials = Credentials(settings)
-        self.proxy = Proxy(settings, self.store, self.upstream, self.metrics, self.credentials)
+        self.proxy = Proxy(settings, self.store, self.servers, self.metrics, self.credentials)
         self.api = build_api(self)
         self.control = ControlListener(self) if settings.control_port is not None else None
         self._signed: list[BaseRoute] = []
         self._agent_routes: list[BaseRoute] = []
-        self._background: list[Callable[[], Awaitable[None]]] = [self.proxy.watch.run]
+        self._background: list[Callable[[], Awaitable[None]]] = [self.proxy.watch.run, self.servers.run]
         self._tasks: list[asyncio.Task[None]] = []
         # the dashboard (/ui): checks the operator token itself, as a Bearer header or its session cookie
         self.add_routes(ui.install(self), signed=True)
@@ -365,7 +366,7 @@ class Gateway:
         _tune_gc()
         log.info(
             "gateway_started",
-            upstream=_redact(self.settings.upstream_url),
+            upstream=[_redact(s.upstream.base) for s in self.servers.servers],
             upstream_kind=self.settings.upstream_kind,
             redis=_redact(self.settings.redis_url),
             key_prefix=self.settings.key_prefix,
@@ -383,7 +384,7 @@ class Gateway:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        await self.upstream.aclose()
+        await self.servers.aclose()
         await self.store.aclose()
 
 

@@ -89,6 +89,13 @@ class BadUpstreamAnswer(GatewayError):
     code = "bad_upstream_answer"
 
 
+class NoUpstream(UpstreamError):
+    """No inference server can take the call now (every one down, or behind on the policy version)."""
+
+    status = 503
+    code = "no_upstream"
+
+
 class UpstreamTimeout(UpstreamError):
     status = 504
     code = "upstream_timeout"

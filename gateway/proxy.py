@@ -27,9 +27,9 @@ from gateway._http import BodyTooLarge
 from gateway.air import AutomaticRewards
 from gateway.auth import Credentials
 from gateway.metrics import GatewayMetrics
+from gateway.servers import Server, Servers
 from gateway.settings import GatewaySettings
 from gateway.streaming import DONE, StreamRelay
-from gateway.upstream import Upstream
 from gateway.watch import StoreWatch
 
 log = structlog.get_logger("rlgate.gateway")
@@ -63,6 +63,8 @@ class Call:
     mode: episodes.Mode | None = None  # the mode the call's URL names (Agent Lightning's), None: any
     alias_of: str | None = None  # the model name the alias resolved to (model_aliases)
     agent_api: episodes.AgentApi | None = None  # the API the agent spoke, when translated (`messages`)
+    server: Server | None = None  # the inference server it goes to (`gateway.servers`)
+    rerouted_from: str | None = None  # the server the rollout's earlier calls went to, when moved
 
     @property
     def stream(self) -> bool:
@@ -84,13 +86,13 @@ class Proxy:
         self,
         settings: GatewaySettings,
         store: EpisodeStore,
-        upstream: Upstream,
+        servers: Servers,
         metrics: GatewayMetrics,
         credentials: Credentials,
     ) -> None:
         self.settings = settings
         self.store = store
-        self.upstream = upstream
+        self.servers = servers
         self.metrics = metrics
         self.inject = settings.upstream_kind == "vllm"
         self.watch = StoreWatch(settings, store, metrics)
@@ -123,7 +125,7 @@ class Proxy:
             rollout_id = rollout_id or named
             self.credentials.authorize_agent(_authorization(headers), rollout_id)[0]
         try:
-            async with self.upstream.request("GET", "/models") as response:
+            async with self.servers.any().upstream.request("GET", "/models") as response:
                 body = await response.read(limit=self.settings.max_answer_bytes)
                 status = response.status
         except BodyTooLarge as exc:
@@ -152,9 +154,8 @@ class Proxy:
             if name in chat:
                 request[name] = chat[name]
         try:
-            async with self.upstream.request(
-                "POST", "/tokenize", orjson.dumps(request), root=True
-            ) as response:
+            upstream = self.servers.any().upstream
+            async with upstream.request("POST", "/tokenize", orjson.dumps(request), root=True) as response:
                 raw = await response.read(limit=self.settings.max_answer_bytes)
                 status = response.status
         except BodyTooLarge as exc:
@@ -303,11 +304,18 @@ class Proxy:
         disconnect = asyncio.ensure_future(disconnected(receive))
         serve = self._stream if call.stream else self._unary
         try:
-            await serve(call, upstream_raw, injected, send, disconnect)
+            call.server, call.rerouted_from = await self.servers.pick(rollout_id, policy.version)
+            call.server.in_flight += 1
+            try:
+                await serve(call, upstream_raw, injected, send, disconnect)
+            finally:
+                call.server.in_flight -= 1
             if self.air is not None:  # only for a call that was recorded: the rollout takes rewards
                 self._automatic_rewards(rollout_id, body)
         except errors.UpstreamError as exc:
             # Unreachable or timed out before any answer: the agent gets 502/504, the call is kept.
+            if call.server is not None and type(exc) is errors.UpstreamError:  # it could not be reached
+                self.servers.failed(call.server)
             exc.headers.setdefault("x-rollout-id", rollout_id)
             error = CallError(status=exc.status, type=exc.type, message=exc.message, code=exc.code)
             latency_ms = (time.perf_counter() - call.t0) * 1000
@@ -402,7 +410,8 @@ class Proxy:
         disconnect: asyncio.Future[None],
     ) -> None:
         try:
-            async with self.upstream.request(
+            assert call.server is not None
+            async with call.server.upstream.request(
                 "POST", UPSTREAM_PATHS[call.endpoint], upstream_body
             ) as response:
                 raw = await response.read(limit=self.settings.max_answer_bytes)
@@ -518,7 +527,9 @@ class Proxy:
         ttfb_ms = None
         too_large = False  # the answer passed max_answer_bytes: its reading stopped there
         limit, received = self.settings.max_answer_bytes, 0
-        async with self.upstream.request("POST", UPSTREAM_PATHS[endpoint], upstream_body) as response:
+        assert call.server is not None
+        upstream = call.server.upstream
+        async with upstream.request("POST", UPSTREAM_PATHS[endpoint], upstream_body) as response:
             if response.status != 200:
                 try:
                     raw = await response.read(limit=limit)
@@ -535,7 +546,7 @@ class Proxy:
                 }
             )
             try:
-                async for data in self.upstream.chunks(response):
+                async for data in upstream.chunks(response):
                     if disconnect.done():
                         break  # leaving the block closes the upstream connection: vLLM aborts the request
                     if ttfb_ms is None:
@@ -630,6 +641,8 @@ class Proxy:
             ttfb_ms=ttfb_ms,
             error=error,
             agent_api=call.agent_api,
+            server=call.server.name if call.server is not None and self.servers.several else None,
+            rerouted_from=call.rerouted_from,
         )
         if not transitions:
             return [CallRecord(**common)]

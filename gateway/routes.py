@@ -216,11 +216,18 @@ def build_api(gateway: Gateway) -> FastAPI:
             checks["redis"] = "ok"
         except episodes.StoreUnavailable as exc:
             checks["redis"] = f"error: {exc}"
-        try:
-            async with gateway.upstream.request("GET", "/models", timeout_s=5.0) as response:
-                checks["upstream"] = "ok" if response.status == 200 else f"error: HTTP {response.status}"
-        except errors.GatewayError as exc:
-            checks["upstream"] = f"error: {exc.message}"
+        servers = gateway.servers
+        extra: dict[str, Any] = {}
+        if servers.several:  # their health loop's view (gateway.servers): up while one is
+            extra["servers"] = servers.report()
+            up = any(s.healthy for s in servers.servers)
+            checks["upstream"] = "ok" if up else "error: no inference server passes its health check"
+        else:
+            try:
+                async with gateway.upstream.request("GET", "/models", timeout_s=5.0) as response:
+                    checks["upstream"] = "ok" if response.status == 200 else f"error: HTTP {response.status}"
+            except errors.GatewayError as exc:
+                checks["upstream"] = f"error: {exc.message}"
         ok = all(value == "ok" for value in checks.values())
         # degraded: the gateway works, but something an operator must look at happened (gateway.watch)
         watch = gateway.proxy.watch
@@ -236,6 +243,7 @@ def build_api(gateway: Gateway) -> FastAPI:
                     "holding_new_rollouts": watch.holding,
                     "redis_memory": {"used": watch.memory[0], "max": watch.memory[1]},
                     "problems": dict(watch.problems),
+                    **extra,
                 }
             ),
         )

@@ -25,6 +25,18 @@ class GatewaySettings(SharedSettings):
         "http://127.0.0.1:8000/v1",
         description="Base URL of the inference server's OpenAI API (vLLM: http://HOST:8000/v1).",
     )
+    upstream_urls: list[str] | None = Field(
+        None,
+        description="Several inference servers (a JSON list of base URLs, each as upstream_url; it replaces "
+        "upstream_url): each rollout's calls go to one server while it is healthy and has loaded the "
+        "current policy version, new rollouts to the least loaded one (gateway/servers.py).",
+    )
+    upstream_health_interval_s: float = Field(
+        1.0,
+        gt=0,
+        description="With several upstream_urls: how often each server's /health and /metrics are read; a "
+        "server failing its check is out within this time.",
+    )
     upstream_kind: Literal["vllm", "openai"] = Field(
         "vllm",
         description="vllm: ask the upstream for token ids and log-probs (return_token_ids, logprobs) and "

@@ -16,8 +16,8 @@ from gateway.settings import GatewaySettings
 
 
 class Upstream:
-    def __init__(self, settings: GatewaySettings) -> None:
-        self.base = settings.upstream_url.rstrip("/")
+    def __init__(self, settings: GatewaySettings, url: str | None = None) -> None:
+        self.base = (url or settings.upstream_url).rstrip("/")
         # identity: the body is parsed here (never decompressed), so no upstream may compress it
         headers = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
         if settings.upstream_api_key is not None:

@@ -27,7 +27,7 @@ from typing import Any
 import aiohttp
 import structlog
 
-from episodes import EpisodeStore, Policy
+from episodes import EpisodeStore, Policy, server_name
 
 log = structlog.get_logger("rlgate.learner")
 
@@ -75,22 +75,35 @@ class LoraPusher:
         name, path = adapter_name(version), self.path(version)
         policy.save_adapter(path)
         async with aiohttp.ClientSession(timeout=self.timeout, headers=self.headers) as session:
-            for url in self.server_urls:
-                await _post(
-                    session,
-                    f"{url}/v1/load_lora_adapter",
-                    {"lora_name": name, "lora_path": str(path), "load_inplace": True},
-                )
+            failed: dict[str, str] = {}
+            for url in self.server_urls:  # one server failing does not stop the others
+                try:
+                    await _post(
+                        session,
+                        f"{url}/v1/load_lora_adapter",
+                        {"lora_name": name, "lora_path": str(path), "load_inplace": True},
+                    )
+                except PushError as exc:
+                    failed[url] = str(exc)
+                    log.warning("push_failed_on_server", server=url, version=version, error=str(exc))
+                    continue
+                if len(self.server_urls) > 1:  # gateways route only to servers that loaded the pointer's
+                    await self.store.set_server_version(server_name(url), version)
+            if len(failed) == len(self.server_urls):
+                raise PushError(f"no inference server loaded {name}: {'; '.join(failed.values())}")
             await self.store.set_policy(Policy(version=version, adapter=name, base_model=self.base_model))
             old = version - 2
             if old >= 1:
                 for url in self.server_urls:
-                    await _post(
-                        session,
-                        f"{url}/v1/unload_lora_adapter",
-                        {"lora_name": adapter_name(old)},
-                        missing_ok=True,
-                    )
+                    try:
+                        await _post(
+                            session,
+                            f"{url}/v1/unload_lora_adapter",
+                            {"lora_name": adapter_name(old)},
+                            missing_ok=True,
+                        )
+                    except PushError as exc:  # a server that is down: it loads afresh when back
+                        log.warning("unload_failed_on_server", server=url, version=old, error=str(exc))
                 shutil.rmtree(self.path(old), ignore_errors=True)
         return time.perf_counter() - t0
 
