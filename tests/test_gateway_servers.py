@@ -6,6 +6,7 @@ loaded the pointer's policy version gets no calls."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import time
 import uuid
@@ -85,6 +86,10 @@ def test_rollouts_stick_to_one_server_spread_over_both_and_survive_one_dying(two
             assert ok[-1]["rerouted_from"] == name(a)  # its context was prefilled again on b: said so
     health = httpx.get(f"{gateway.url}/healthz", timeout=10).json()
     assert {s["server"]: s["healthy"] for s in health["servers"]} == {name(a): False, name(b): True}
+    # the dashboard's overview shows each server (its table rows, parsed as a browser would read them)
+    page = httpx.get(f"{gateway.url}/ui?fragment=1", timeout=10).text
+    rows = re.findall(r'<tr data-server="([^"]+)"><td>[^<]*</td><td>(up|down)</td>', page)
+    assert dict(rows) == {name(a): "down", name(b): "up"}
 
 
 def test_a_server_behind_on_the_policy_version_gets_no_calls(two, redis_client: redis.Redis):

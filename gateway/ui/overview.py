@@ -70,6 +70,7 @@ class Snapshot:
     recent: Sequence[RolloutSummary]
     gateway_backlog: int
     holding: bool
+    servers: Sequence[dict[str, Any]] = ()  # with several inference servers: each one's health and load
 
 
 def _stat(key: str, label: str, value: Any, note: str = "") -> Html:
@@ -232,6 +233,42 @@ def live(s: Snapshot) -> Html:
         id="outcomes",
     )
     held = " (holding new rollouts)" if s.holding else ""
+    servers = (
+        tag(
+            "section",
+            tag("h2", "Inference servers (this gateway's view)"),
+            tag(
+                "table",
+                tag(
+                    "tr",
+                    tag("th", "server"),
+                    tag("th", "health"),
+                    tag("th", "calls in flight"),
+                    tag("th", "queue"),
+                    tag("th", "loaded version"),
+                ),
+                [
+                    tag(
+                        "tr",
+                        tag("td", str(server["server"])),
+                        tag("td", "up" if server["healthy"] else "down"),
+                        tag("td", num(server["in_flight"]), class_="num"),
+                        tag("td", num(server["queue"]), class_="num"),
+                        tag(
+                            "td",
+                            "—" if server["loaded_version"] is None else num(server["loaded_version"]),
+                            class_="num",
+                        ),
+                        data_server=str(server["server"]),
+                    )
+                    for server in s.servers
+                ],
+                id="servers",
+            ),
+        )
+        if s.servers
+        else None
+    )
     return join(
         [
             stats,
@@ -247,6 +284,7 @@ def live(s: Snapshot) -> Html:
                 ),
                 class_="columns",
             ),
+            servers,
             tag("h2", "Recent rollouts"),
             tag("table", ROLLOUT_HEADER, rollout_rows(s.recent), id="recent", class_="rollouts"),
             tag("p", tag("a", "All rollouts", href="/ui/rollouts")),

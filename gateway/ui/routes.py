@@ -272,8 +272,17 @@ async def overview_page(request: Request) -> Response:
             }
         )
         watch = d.gateway.proxy.watch
+        servers = d.gateway.servers
         snap = overview.Snapshot(
-            counts, steps, calls, errors, rates, recent.rollouts, watch.backlog, watch.holding
+            counts,
+            steps,
+            calls,
+            errors,
+            rates,
+            recent.rollouts,
+            watch.backlog,
+            watch.holding,
+            servers.report() if servers.several else (),
         )
         if fragment:
             return _html((await asyncio.to_thread(overview.live, snap)).encode())
