@@ -22,7 +22,7 @@ import time
 from typing import Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from episodes import _lua
 from episodes.errors import InvalidId, RolloutExists, RolloutNotFound, StoreError
@@ -54,15 +54,24 @@ class AglConfig(BaseModel):
     k8s: AglK8s | None = None
 
 
+class AglMetadata(BaseModel):
+    """Agent Lightning's `RolloutMetadata`: its two fields typed (its controller validates them), any others."""
+
+    model_config = ConfigDict(extra="allow")
+
+    batch_idx: int | None = None
+    sample_idx_in_batch: int | None = None
+
+
 class AglCreate(BaseModel):
-    """Agent Lightning's `RolloutCreate`."""
+    """Agent Lightning's `RolloutCreate` (`config` and `metadata` may be null, as its SDK dumps them)."""
 
     model_config = ConfigDict(extra="forbid")
 
     input: Any
     is_train: bool = True
-    config: AglConfig = Field(default_factory=AglConfig)
-    metadata: dict[str, Any] = Field(default_factory=dict)
+    config: AglConfig | None = None
+    metadata: AglMetadata | None = None
     rollout_id: str | None = None
 
 
@@ -74,7 +83,12 @@ class AglStatusPatch(BaseModel):
     state: AglState | None = None
     k8s_job_name: str | None = Field(None, max_length=256)
     last_attempt_id: str | None = Field(None, max_length=32)
-    error_message: str | None = Field(None, max_length=2000)
+    error_message: str | None = None  # kept to its first 2,000 characters
+
+    @field_validator("error_message")
+    @classmethod
+    def _bounded(cls, value: str | None) -> str | None:
+        return None if value is None else value[:2000]
 
 
 class AglPatch(BaseModel):
@@ -85,7 +99,7 @@ class AglPatch(BaseModel):
 
 def task_of(create: AglCreate) -> str:
     """The rlgate task (GRPO group) of an Agent Lightning rollout: `metadata.task_id`, else its input's digest."""
-    named = create.metadata.get("task_id")
+    named = getattr(create.metadata, "task_id", None) if create.metadata is not None else None
     if isinstance(named, str) and _ID_RE.fullmatch(named):
         return named
     digest = hashlib.sha256(orjson.dumps(create.input, option=orjson.OPT_SORT_KEYS)).hexdigest()
@@ -113,10 +127,12 @@ class AglQueue:
                 raise
             return existing
         now = repr(rollout.created_at)
+        config = create.config or AglConfig()
+        metadata = (create.metadata or AglMetadata()).model_dump()
         fields = {
             "input": orjson.dumps(create.input),
-            "config": create.config.model_dump_json(),
-            "metadata": orjson.dumps(create.metadata),
+            "config": config.model_dump_json(),
+            "metadata": orjson.dumps(metadata),
             "is_train": "1" if create.is_train else "0",
             "state": "queuing",
             "version": "1",
@@ -144,6 +160,8 @@ class AglQueue:
     async def active(self, states: set[str], limit: int) -> list[dict[str, Any]]:
         """The queue's rollouts in one of `states` (queuing, running), oldest first, at most `limit`."""
         out: list[dict[str, Any]] = []
+        if not states & set(ACTIVE):  # only queuing and running rollouts are in the queue
+            return out
         async with self.store.guard():
             ids = [i.decode() for i in await self.store.redis.zrange(self.keys.agl_queue, 0, -1)]
         gone = []

@@ -91,6 +91,7 @@ been idle longer than its timeout.
 from __future__ import annotations
 
 import re
+from urllib.parse import urlsplit
 
 from episodes.errors import InvalidId
 
@@ -133,9 +134,16 @@ def validate_episode_id(value: str, what: str = "rollout id") -> str:
 
 
 def server_name(url: str) -> str:
-    """An inference server's name in the store: its base URL without `/v1` (the gateway's upstream URLs and
-    the learner's inference URLs name a server alike)."""
-    return url.rstrip("/").removesuffix("/v1").rstrip("/")
+    """An inference server's name in the store: its base URL without credentials and without `/v1`, scheme
+    and host in lower case (the gateway's upstream URLs and the learner's inference URLs name a server
+    alike: use the same host names in both)."""
+    parts = urlsplit(url.strip())
+    host = (parts.hostname or "").lower()
+    netloc = f"[{host}]" if ":" in host else host
+    if parts.port is not None:
+        netloc += f":{parts.port}"
+    path = parts.path.rstrip("/").removesuffix("/v1").rstrip("/")
+    return f"{parts.scheme.lower()}://{netloc}{path}"
 
 
 def parent_of(episode_id: str) -> str | None:

@@ -279,6 +279,7 @@ class Gateway:
                 await _send_error(send, exc)
                 return
         scope.setdefault("state", {})["credential"] = credential
+        scope["state"]["open"] = not self.credentials.agent_checked  # the open development mode
         bounded = await _read_bounded(scope, receive, OPERATOR_MAX_BODY_BYTES)
         if bounded is _DISCONNECTED:
             return

@@ -209,6 +209,7 @@ class Proxy:
         if self.check_credentials:  # before anything is read, recorded or sent upstream
             rollout_id, keyed = self.credentials.authorize_agent(authorization, rollout_id)
         try:
+            named = rollout_id is not None  # a rollout id made up here is nobody's to stick to a server
             if rollout_id is None:
                 if self.settings.require_rollout_id:
                     raise errors.BadRequest(
@@ -304,7 +305,7 @@ class Proxy:
         disconnect = asyncio.ensure_future(disconnected(receive))
         serve = self._stream if call.stream else self._unary
         try:
-            call.server, call.rerouted_from = await self.servers.pick(rollout_id, policy.version)
+            call.server, call.rerouted_from = await self.servers.pick(rollout_id, policy, sticky=named)
             call.server.in_flight += 1
             try:
                 await serve(call, upstream_raw, injected, send, disconnect)

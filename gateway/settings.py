@@ -110,7 +110,8 @@ class GatewaySettings(SharedSettings):
         description="The key of Agent Lightning's controller (agl-controller's agl_server.key): it opens "
         "Agent Lightning's rollout queue (GET and POST /api/rollouts, PATCH /api/rollouts/{id}), and, "
         "since the controller hands the same key to every agent it starts (AGL_KEY), the agent routes of "
-        "every rollout, as an API key does (also where rollout keys are required). At least 16 characters.",
+        "every rollout, as an API key does (also where rollout keys are required); with it, as with "
+        "api_keys, every agent needs a key. At least 16 characters.",
     )
     operator_token: SecretStr | None = Field(
         None,

@@ -16,7 +16,9 @@ from gateway.settings import GatewaySettings
 
 
 class Upstream:
-    def __init__(self, settings: GatewaySettings, url: str | None = None) -> None:
+    def __init__(
+        self, settings: GatewaySettings, url: str | None = None, max_connections: int | None = None
+    ) -> None:
         self.base = (url or settings.upstream_url).rstrip("/")
         # identity: the body is parsed here (never decompressed), so no upstream may compress it
         headers = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
@@ -24,7 +26,7 @@ class Upstream:
             headers["Authorization"] = f"Bearer {settings.upstream_api_key.get_secret_value()}"
         self._client = Client(
             self.base,
-            limit=settings.upstream_max_connections,
+            limit=max_connections or settings.upstream_max_connections,
             timeout_s=settings.upstream_timeout_s,
             connect_timeout_s=10.0,
             keepalive_s=settings.upstream_keepalive_s,

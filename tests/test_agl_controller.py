@@ -95,6 +95,7 @@ def test_agl_controller_runs_agents_against_the_gateway_to_closed_episodes(
             f"agl_server.url={agl_gateway.url}",
             f"agl_server.key={CONTROLLER_KEY}",
             "local_runner.poll_interval=1",
+            f"hydra.run.dir={tmp_path / 'hydra'}",  # Hydra's output folder, out of the repository
         ],
         cwd=ROOT
         / "tests",  # where the agents' module is (the controller starts them in its working directory)
@@ -137,9 +138,20 @@ def test_agl_controller_runs_agents_against_the_gateway_to_closed_episodes(
 
 
 def test_the_rollout_queue_is_the_controllers_alone(agl_gateway: Proc, redis_client):
-    [queued] = queue(agl_gateway, {"input": {"q": 1}, "rollout_id": "agl-queue-auth"})
+    # config and metadata null, as Agent Lightning's SDK dumps a RolloutCreate
+    [queued] = queue(
+        agl_gateway, {"input": {"q": 1}, "rollout_id": "agl-queue-auth", "config": None, "metadata": None}
+    )
+    assert queued["config"]["timeout_seconds"] == 3600 and queued["metadata"]["batch_idx"] is None
     # idempotent on the id, as Agent Lightning's server is
     assert queue(agl_gateway, {"input": {"q": 1}, "rollout_id": "agl-queue-auth"}) == [queued]
+    # metadata its controller could not read back is refused here, not in its poll
+    bad = httpx.post(
+        f"{agl_gateway.url}/api/rollouts",
+        json=[{"input": 1, "metadata": {"batch_idx": "x"}}],
+        headers=CONTROLLER,
+    )
+    assert bad.status_code == 422, bad.text
     base = f"{agl_gateway.url}/api/rollouts"
     assert httpx.get(base, params={"state_in": "queuing"}, headers=OPERATOR).status_code == 200
     assert httpx.get(base, params={"state_in": "queuing"}).status_code == 401

@@ -24,7 +24,11 @@ MODEL = "fake-model"
 def two(tmp_path) -> Iterator[tuple[Proc, Proc, Proc]]:
     a, b = start_fake_vllm(tmp_path, "--model", MODEL), start_fake_vllm(tmp_path, "--model", MODEL)
     gateway = start_gateway(
-        tmp_path, a.url, upstream_urls=json.dumps([a.url, b.url]), upstream_health_interval_s="0.2"
+        tmp_path,
+        a.url,
+        upstream_urls=json.dumps([a.url, b.url]),
+        upstream_health_interval_s="1.0",
+        policy_poll_s="0.1",
     )
     yield gateway, a, b
     for proc in (gateway, a, b):
@@ -110,10 +114,46 @@ def test_a_server_behind_on_the_policy_version_gets_no_calls(two, redis_client: 
     for rid in more:
         assert call(gateway, rid).status_code == 200
     assert name(a) in {records(gateway, rid)[0]["server"] for rid in more}
-    # nobody has version 4 yet: 503 no_upstream, recorded
+    # nobody reports version 4 (a learner pushing elsewhere, a record of an earlier run): every healthy
+    # server is taken rather than none, and the gateway says so once
     redis_client.hset("rlgate:policy", "version", 4)
     time.sleep(0.6)
+    assert call(gateway, uuid.uuid4().hex).status_code == 200
+    assert "upstream_versions_behind" in gateway.log()
+    # no server up at all: 503 no_upstream with Retry-After, recorded
+    a.kill(signal.SIGKILL)
+    b.kill(signal.SIGKILL)
+    time.sleep(1.0)  # the health loop
     rid = uuid.uuid4().hex
     answer = call(gateway, rid)
-    assert answer.status_code == 503 and answer.json()["error"]["code"] == "no_upstream"
+    assert answer.status_code == 503 and answer.json()["error"]["code"] == "no_upstream", answer.text
+    assert answer.headers["retry-after"] == "1"
     assert records(gateway, rid)[0]["error"]["status"] == 503
+
+
+def test_servers_are_named_alike_by_the_gateway_and_the_learner():
+    from episodes import server_name
+
+    assert (
+        server_name("http://127.0.0.1:8000/v1/")
+        == server_name("http://127.0.0.1:8000")
+        == "http://127.0.0.1:8000"
+    )
+    assert server_name("HTTP://User:secret@GPU0:8000/v1") == "http://gpu0:8000"  # no credentials kept
+
+
+def test_a_push_reaching_the_servers_is_followed_without_a_gap(two, redis_client: redis.Redis):
+    """The learner records each server's version, then moves the pointer: the gateway, whose versions
+    were read before, reads them again rather than refusing the calls."""
+    gateway, a, b = two
+    redis_client.hset("rlgate:servers:versions", mapping={name(a): 1, name(b): 1})
+    redis_client.hset("rlgate:policy", mapping={"version": 1, "adapter": "", "base_model": "", "draining": 0})
+    time.sleep(0.6)
+    for version in (2, 3, 4):
+        redis_client.hset("rlgate:servers:versions", mapping={name(a): version, name(b): version})
+        redis_client.hset("rlgate:policy", "version", version)
+        time.sleep(0.25)  # the policy poll (0.2 s here), less than the health loop's round
+        for _ in range(3):
+            answer = call(gateway, uuid.uuid4().hex)
+            assert answer.status_code == 200, answer.text
+    assert "upstream_versions_behind" not in gateway.log()
