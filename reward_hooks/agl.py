@@ -142,6 +142,10 @@ def build_agl_router(store: EpisodeStore, settings: RewardSettings) -> APIRouter
         exited. A failed one fails the rlgate rollout too (never trained), unless its reward closed it."""
         _controller(request)
         try:
+            episodes.validate_id(rollout_id, "rollout id")
+        except episodes.InvalidId as exc:
+            raise errors.NotFound(str(exc), code="rollout_not_found") from exc
+        try:
             patch = AglPatch.model_validate_json(await request.body() or b"{}")
         except ValidationError as exc:
             raise _validation(exc) from exc

@@ -116,7 +116,7 @@ def test_fuzz_gateway(fuzz_gateway, tmp_path):
         "--phases",
         "examples,fuzzing,stateful",
     )
-    assert "Tested: 34" in report, report[-3000:]
+    assert "Tested: 37" in report, report[-3000:]
 
 
 @pytest.mark.timeout(900)
