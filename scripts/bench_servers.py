@@ -28,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -198,9 +199,13 @@ def main() -> None:
                 loop = asyncio.new_event_loop()
                 if arm == "sticky":
                     env["RLGATE_UPSTREAM_URLS"] = json.dumps([f"{u}/v1" for u in urls])
-                else:
+                else:  # the balancer serves from a thread of its own while the gateway starts and runs
                     port = free_port()
-                    balancer = loop.run_until_complete(round_robin(urls, port))
+                    balancer_loop = asyncio.new_event_loop()
+                    threading.Thread(target=balancer_loop.run_forever, daemon=True).start()
+                    balancer = asyncio.run_coroutine_threadsafe(
+                        round_robin(urls, port), balancer_loop
+                    ).result()
                     env["RLGATE_UPSTREAM_URL"] = f"http://127.0.0.1:{port}/v1"
                 gateway, process = start_gateway(env, work / f"gateway-{arm}.log")
                 try:
@@ -213,7 +218,8 @@ def main() -> None:
                     process.terminate()
                     process.wait(timeout=30)
                     if balancer is not None:
-                        loop.run_until_complete(balancer.cleanup())
+                        asyncio.run_coroutine_threadsafe(balancer.cleanup(), balancer_loop).result()
+                        balancer_loop.call_soon_threadsafe(balancer_loop.stop)
                     loop.close()
                     import redis
 
