@@ -26,7 +26,8 @@
 | `{prefix}:rollout:{<rid>}:agl`     | hash   | Agent Lightning's store routes (create, | its controller (polled)  | R    |
 |                                    |        | the controller's state changes)         |                          |      |
 | `{prefix}:rollout:{<rid>}:server`  | string | gateway (the inference server the      | gateways                 | 2 x  |
-|                                    |        | rollout's calls go to, SET NX)          |                          | TTL  |
+|                                    |        | rollout's calls go to: SET NX, or SET   |                          | TTL  |
+|                                    |        | when it moves)                          |                          |      |
 | `{prefix}:servers:versions`        | hash   | learner (server -> policy version it    | gateways (polled)        | none |
 |                                    |        | loaded there)                           |                          |      |
 | `{prefix}:agl:queue`               | zset   | the same (id -> created_at while        | the same                 | none |
@@ -64,7 +65,8 @@
   Lightning's retries: the episode `<rid>~<attempt>`) keeps its rollout's tag, `{prefix}:rollout:{<rid>}~<attempt>`
   and so on, so the record script that creates it can read its rollout (task, mode, status) and count its
   attempts (`attempts` in the rollout hash) atomically. The global keys (`policy`,
-  `expiry`, `rollouts`, `outbox`, `episodes`) are only touched by single-key commands. On a cluster
+  `expiry`, `rollouts`, `outbox`, `episodes`, `agl:queue`, `servers:versions`) are only touched by
+  single-key commands. On a cluster
   (`redis+cluster://`, `store.parse_url`) rq's reward-job queue is not among these keys: it lives in a
   standalone Redis of its own (`RLGATE_QUEUE_REDIS_URL`), rq does not run on a cluster.
 

@@ -9,8 +9,9 @@ Agent-facing paths (the rollout id in the path, in headers, or absent):
 
 with endpoint one of chat/completions, completions, responses, messages (POST, recorded; messages is
 Anthropic's Messages API, `gateway.messages`), messages/count_tokens (POST) and models (GET, forwarded): the agent surface, opened by agent credentials (`gateway.auth`). Routes added with
-`add_agent_routes` (Agent Lightning's event route) are on the agent surface too, opened by an agent
-credential valid for the rollout in their path, or by the operator token. Everything else is the
+`add_agent_routes` (Agent Lightning's event route and its controller's rollout queue) are on the agent
+surface too, opened by an agent credential valid for the rollout in their path, Agent Lightning's
+controller key, or the operator token. Everything else is the
 operator surface: the FastAPI management app (`gateway.routes`) and the routes added to it (the reward
 webhook), opened by the operator token, or by a route's own signature check for routes added as signed.
 

@@ -90,7 +90,7 @@ class BadUpstreamAnswer(GatewayError):
 
 
 class NoUpstream(UpstreamError):
-    """No inference server can take the call now (every one down, or behind on the policy version)."""
+    """No inference server can take the call now: every one is down (`gateway.servers`)."""
 
     status = 503
     code = "no_upstream"

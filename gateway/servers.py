@@ -31,7 +31,7 @@ import asyncio
 import collections
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import structlog
 
@@ -58,7 +58,6 @@ class Server:
     placed: int = 0  # rollouts this process sent here first (the tie-break between equal loads)
     missing_adapter: bool = False  # its model list lacks the pointer's adapter (restarted since the push)
     health: Upstream | None = None  # a small pool of its own: busy call connections never fail a check
-    checked_at: float = field(default=0.0)
 
     @property
     def load(self) -> float:
@@ -251,7 +250,6 @@ class Servers:
         if healthy != server.healthy:
             log.warning("upstream_up" if healthy else "upstream_down", server=server.name)
         server.healthy = healthy
-        server.checked_at = time.time()
 
     def report(self) -> list[dict[str, object]]:
         """Per server: name, health, load and loaded version (for /healthz and the dashboard)."""

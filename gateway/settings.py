@@ -118,7 +118,7 @@ class GatewaySettings(SharedSettings):
         description="Bearer token of the operator surface (rollout reads and creation, rewards, "
         "metrics, OpenAPI schema); reward routes also take a valid webhook signature instead. Refused on "
         "the completion endpoints. At least 16 characters. Without it, agent credentials (api_keys, "
-        "require_rollout_keys) need a control_port, which then serves the operator surface to whoever "
+        "agl_controller_key, require_rollout_keys) need a control_port, which then serves the operator surface to whoever "
         "reaches it.",
     )
     air: bool = Field(

@@ -124,7 +124,8 @@ def build_samples(
 def history_splits(samples: Sequence[Sample]) -> int:
     """Samples that start a second (third, ...) trajectory of their episode: in `trajectory` shape, a call
     whose prompt is not the previous sample plus its answer (a harness compacted or edited its history,
-    dropped earlier thinking) trains as a sample of its own, never merged as if it continued the other."""
+    dropped earlier thinking), or that was sampled with other settings, trains as a sample of its own,
+    never merged as if it continued the other."""
     seen: set[str] = set()
     splits = 0
     for sample in samples:

@@ -1,9 +1,10 @@
 """Harnesses nobody here wrote, as a user runs them: the real Claude Code and Codex CLI (pinned, from the
 npm registry: scripts/test installs them into .harnesses/), given only the environment `POST /rollouts`
 returns, against the gateway. The upstream is the fake vLLM with a long context: both harnesses send
-prompts of 20,000-50,000 tokens on its byte tokenizer, which the tiny models here cannot hold; it answers
-with a tool call whenever tools are offered and the last message is not a tool result, so a run has
-several turns: the harness runs the tool and sends its result back."""
+prompts of 20,000 (Codex) and 48,000 (Claude Code) tokens on its byte tokenizer, which the tiny models here
+cannot hold. On chat it answers with a tool call whenever tools are offered and the last message is not a
+tool result, so Claude Code's run has several turns: it runs the tool and sends its result back. Codex's
+(the Responses API, where the fake writes text) is one turn."""
 
 from __future__ import annotations
 
