@@ -210,6 +210,9 @@ class FullPusher:
                     for url in paused:
                         await _post(session, f"{url}/resume", None)
         finally:
+            if pushed and len(self.server_urls) > 1:  # every server has it (a failure fails the whole push)
+                for url in self.server_urls:
+                    await self.store.set_server_version(server_name(url), version)
             current = Policy(version=version, base_model=self.base_model) if pushed else previous
             await self.store.set_policy(current)
         old = self.path(version - 2)
