@@ -157,7 +157,6 @@ class Gateway:
         self.store.rollout_max_bytes = settings.max_rollout_bytes
         self.store.use_queue_redis(settings.queue_redis_url)  # the backlog counts reward jobs where they wait
         self.servers = Servers(settings, self.store)
-        self.upstream = self.servers.first.upstream  # the first (with one server, the only) upstream
         self.metrics.watch(self.servers.connections, self.store.record_stats)
         self.credentials = Credentials(settings)
         self.proxy = Proxy(settings, self.store, self.servers, self.metrics, self.credentials)

@@ -119,31 +119,39 @@ class Proxy:
     # Entry points
 
     async def models(self, scope: dict[str, Any], send: Any, rollout_id: str | None) -> None:
-        if self.check_credentials:
-            headers = scope["headers"]
-            named = next((v.decode("latin-1") for k, v in headers if k == b"x-rollout-id"), None)
-            rollout_id = rollout_id or named
-            self.credentials.authorize_agent(_authorization(headers), rollout_id)[0]
-        try:
-            async with self.servers.any().upstream.request("GET", "/models") as response:
-                body = await response.read(limit=self.settings.max_answer_bytes)
-                status = response.status
-        except BodyTooLarge as exc:
-            raise errors.BadUpstreamAnswer(
-                f"the inference server's model list is over {exc.limit} bytes (max_answer_bytes)"
-            ) from exc
+        self._authorize_unrecorded(scope, rollout_id)
+        status, body = await self._ask_any("GET", "/models", None, "model list")
         if status != 200:
             body = orjson.dumps({"error": errors.upstream_error_payload(status, body)})
         await send_body(send, status, body, [_JSON])
+
+    def _authorize_unrecorded(self, scope: dict[str, Any], rollout_id: str | None) -> None:
+        """The agent's credential for a request that records nothing (the model list, a token count), for
+        the rollout its path or X-Rollout-Id names; 401/403 as for a call."""
+        if self.check_credentials:
+            headers = scope["headers"]
+            named = next((v.decode("latin-1") for k, v in headers if k == b"x-rollout-id"), None)
+            self.credentials.authorize_agent(_authorization(headers), rollout_id or named)
+
+    async def _ask_any(
+        self, method: str, path: str, body: bytes | None, what: str, root: bool = False
+    ) -> tuple[int, bytes]:
+        """(status, body) of a request that is no rollout's call (the model list, a token count), to any
+        healthy server, read up to max_answer_bytes."""
+        try:
+            async with self.servers.any().upstream.request(method, path, body, root=root) as response:
+                return response.status, await response.read(limit=self.settings.max_answer_bytes)
+        except BodyTooLarge as exc:
+            raise errors.BadUpstreamAnswer(
+                f"the inference server's {what} is over {exc.limit} bytes (max_answer_bytes)"
+            ) from exc
 
     async def count_tokens(
         self, scope: dict[str, Any], receive: Any, send: Any, rollout_id: str | None
     ) -> None:
         """`POST .../v1/messages/count_tokens`: the prompt's length as the policy's chat template renders
         it (the upstream's `/tokenize`, as vLLM counts); nothing is recorded."""
-        if self.check_credentials:
-            named = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"x-rollout-id"), None)
-            self.credentials.authorize_agent(_authorization(scope["headers"]), rollout_id or named)
+        self._authorize_unrecorded(scope, rollout_id)
         try:
             chat = messages.to_chat(await read_json(receive, self.settings.max_body_bytes), count_only=True)
         except messages.Invalid as exc:
@@ -153,15 +161,9 @@ class Proxy:
         for name in ("tools", "chat_template_kwargs"):  # as vLLM renders the prompt it counts
             if name in chat:
                 request[name] = chat[name]
-        try:
-            upstream = self.servers.any().upstream
-            async with upstream.request("POST", "/tokenize", orjson.dumps(request), root=True) as response:
-                raw = await response.read(limit=self.settings.max_answer_bytes)
-                status = response.status
-        except BodyTooLarge as exc:
-            raise errors.BadUpstreamAnswer(
-                f"the inference server's token count is over {exc.limit} bytes"
-            ) from exc
+        status, raw = await self._ask_any(
+            "POST", "/tokenize", orjson.dumps(request), "token count", root=True
+        )
         if status != 200:
             payload = errors.upstream_error_payload(status, raw)
             await send_body(

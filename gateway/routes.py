@@ -224,7 +224,7 @@ def build_api(gateway: Gateway) -> FastAPI:
             checks["upstream"] = "ok" if up else "error: no inference server passes its health check"
         else:
             try:
-                async with gateway.upstream.request("GET", "/models", timeout_s=5.0) as response:
+                async with servers.first.upstream.request("GET", "/models", timeout_s=5.0) as response:
                     checks["upstream"] = "ok" if response.status == 200 else f"error: HTTP {response.status}"
             except errors.GatewayError as exc:
                 checks["upstream"] = f"error: {exc.message}"
