@@ -215,7 +215,6 @@ def start(cfg: DemoConfig) -> dict[str, Any]:
         if not (model / "config.json").is_file():
             build_tiny_model(model, seed=cfg.seed)
     prefix = f"demo-{int(time.time())}-{os.getpid()}"  # a fresh key space per run, on whatever Redis this is
-    rlgate = [sys.executable, "-m", "rlgate"]
 
     from demo import engines
 
@@ -232,96 +231,110 @@ def start(cfg: DemoConfig) -> dict[str, Any]:
     print(engines.describe(cfg.engine), flush=True)
     serve_url = cfg.engine.url
 
-    common = {
-        "RLGATE_REDIS_URL": redis_url,
-        "RLGATE_KEY_PREFIX": prefix,
-        "RLGATE_LOG_FORMAT": "json",
-        "RLGATE_REWARD_QUEUE": f"{prefix}-rewards",
-    }
     gateway_port = free_port()
-    gateway = _spawn(
-        cfg,
-        "gateway",
-        [*rlgate, "gateway"],
-        {
-            **common,
-            "RLGATE_UPSTREAM_URL": f"{serve_url}/v1",
-            "RLGATE_PORT": str(gateway_port),
-            "RLGATE_POLICY_POLL_S": "0.1",
-            "RLGATE_MAX_BACKLOG": str(cfg.max_backlog),
-            "RLGATE_RECORD_TOKEN_TEXT": "true",  # the dashboard shows completions as text
-        },
-    )
     gateway_url = f"http://127.0.0.1:{gateway_port}"
-    _wait_http(f"{gateway_url}/healthz", gateway, "the gateway")
-    _spawn(cfg, "worker", [*rlgate, "worker", "--fork", "false", "--log-level", "warning"], common)
-
     learner_dir = cfg.workdir / "learner"
     if learner_dir.exists():
         shutil.rmtree(learner_dir)
-    _spawn(
-        cfg,
-        "learner",
-        [*rlgate, "learner"],
-        {
-            "RLGATE_LEARNER_REDIS_URL": redis_url,
-            "RLGATE_LEARNER_KEY_PREFIX": prefix,
-            "RLGATE_LEARNER_MODEL": str(model),
-            "RLGATE_LEARNER_SERVED_MODEL_NAME": MODEL_NAME,
-            "RLGATE_LEARNER_INFERENCE_URLS": json.dumps([serve_url]),
-            "RLGATE_LEARNER_OUTPUT_DIR": str(learner_dir),
-            "RLGATE_LEARNER_TASKS_PER_STEP": str(cfg.tasks_per_step),
-            "RLGATE_LEARNER_ROLLOUTS_PER_TASK": str(cfg.rollouts_per_task),
-            "RLGATE_LEARNER_LEARNING_RATE": str(cfg.learning_rate),
-            "RLGATE_LEARNER_MAX_STALENESS": "2",
-            "RLGATE_LEARNER_THREADS": "1",
-            "RLGATE_LEARNER_SEED": str(cfg.seed),
-            "RLGATE_LEARNER_LOG_FORMAT": "json",
-            **(
-                {
-                    "RLGATE_LEARNER_SAMPLE_SHAPE": "trajectory",
-                    "RLGATE_LEARNER_FINETUNE": "lora",
-                    "RLGATE_LEARNER_DYNAMIC_FILTERING": "true",
-                }
-                if cfg.task == "calc-chat"
-                else {}
-            ),
-        },
-    )
+    agent_stats = cfg.workdir / "agent.jsonl"
+    agent_stats.unlink(missing_ok=True)
+    where = Where(redis_url, serve_url, gateway_port, prefix, learner_dir, agent_stats)
+    plan = commands(cfg, model, where)
+    gateway = _spawn(cfg, "gateway", *plan["gateway"])
+    _wait_http(f"{gateway_url}/healthz", gateway, "the gateway")
+    _spawn(cfg, "worker", *plan["worker"])
+    _spawn(cfg, "learner", *plan["learner"])
     # the agents start once the learner reads the stream: episodes closed before would wait uncounted by
     # the gateway's backlog (it counts what the learners' group has not acknowledged)
     _wait_group(cfg, redis_url, f"{prefix}:episodes", "learners")
-    agent_stats = cfg.workdir / "agent.jsonl"
-    agent_stats.unlink(missing_ok=True)
-    chat = ["--stats", str(agent_stats), "--prefix", "calc-chat"] if cfg.task == "calc-chat" else []
-    _spawn(
-        cfg,
-        "agent",
-        [
-            sys.executable,
-            "-m",
-            "demo.chat_agent" if cfg.task == "calc-chat" else "demo.agent",
-            *chat,
-            "--gateway",
-            gateway_url,
-            "--model",
-            MODEL_NAME,
-            "--concurrency",
-            str(cfg.concurrency),
-            "--rollouts-per-task",
-            str(cfg.rollouts_per_task),
-            "--seed",
-            str(cfg.seed),
-        ],
-    )
+    _spawn(cfg, "agent", *plan["agent"])
     return {
         "redis": redis_url,
         "serve": serve_url,
         "gateway": gateway_url,
         "prefix": prefix,
-        "queue": common["RLGATE_REWARD_QUEUE"],
+        "queue": where.queue,
         "steps": learner_dir / "steps.jsonl",
         "agent_stats": agent_stats,
+    }
+
+
+@dataclass
+class Where:
+    """Where the demo's services meet: its Redis and key prefix, the inference server, the gateway's port,
+    the learner's folder, the chat agent's stats file."""
+
+    redis_url: str
+    serve_url: str
+    gateway_port: int
+    prefix: str
+    learner_dir: Path
+    agent_stats: Path
+
+    @property
+    def queue(self) -> str:
+        return f"{self.prefix}-rewards"
+
+
+def commands(
+    cfg: DemoConfig, model: Path, where: Where, agent_args: tuple[str, ...] = ()
+) -> dict[str, tuple[list[str], dict[str, str]]]:
+    """The command line and environment of each of the demo's own processes (gateway, worker, learner,
+    agent), as `start` runs them (and `scripts/chaos`, which restarts them as they die)."""
+    rlgate = [sys.executable, "-m", "rlgate"]
+    common = {
+        "RLGATE_REDIS_URL": where.redis_url,
+        "RLGATE_KEY_PREFIX": where.prefix,
+        "RLGATE_LOG_FORMAT": "json",
+        "RLGATE_REWARD_QUEUE": where.queue,
+    }
+    gateway_env = {
+        **common,
+        "RLGATE_UPSTREAM_URL": f"{where.serve_url}/v1",
+        "RLGATE_PORT": str(where.gateway_port),
+        "RLGATE_POLICY_POLL_S": "0.1",
+        "RLGATE_MAX_BACKLOG": str(cfg.max_backlog),
+        "RLGATE_RECORD_TOKEN_TEXT": "true",  # the dashboard shows completions as text
+    }
+    learner_env = {
+        "RLGATE_LEARNER_REDIS_URL": where.redis_url,
+        "RLGATE_LEARNER_KEY_PREFIX": where.prefix,
+        "RLGATE_LEARNER_MODEL": str(model),
+        "RLGATE_LEARNER_SERVED_MODEL_NAME": MODEL_NAME,
+        "RLGATE_LEARNER_INFERENCE_URLS": json.dumps([where.serve_url]),
+        "RLGATE_LEARNER_OUTPUT_DIR": str(where.learner_dir),
+        "RLGATE_LEARNER_TASKS_PER_STEP": str(cfg.tasks_per_step),
+        "RLGATE_LEARNER_ROLLOUTS_PER_TASK": str(cfg.rollouts_per_task),
+        "RLGATE_LEARNER_LEARNING_RATE": str(cfg.learning_rate),
+        "RLGATE_LEARNER_MAX_STALENESS": "2",
+        "RLGATE_LEARNER_THREADS": "1",
+        "RLGATE_LEARNER_SEED": str(cfg.seed),
+        "RLGATE_LEARNER_LOG_FORMAT": "json",
+        **(
+            {
+                "RLGATE_LEARNER_SAMPLE_SHAPE": "trajectory",
+                "RLGATE_LEARNER_FINETUNE": "lora",
+                "RLGATE_LEARNER_DYNAMIC_FILTERING": "true",
+            }
+            if cfg.task == "calc-chat"
+            else {}
+        ),
+    }
+    chat = ["--stats", str(where.agent_stats), "--prefix", "calc-chat"] if cfg.task == "calc-chat" else []
+    agent = [
+        sys.executable,
+        "-m",
+        "demo.chat_agent" if cfg.task == "calc-chat" else "demo.agent",
+        *chat,
+        *("--gateway", f"http://127.0.0.1:{where.gateway_port}", "--model", MODEL_NAME),
+        *("--concurrency", str(cfg.concurrency), "--rollouts-per-task", str(cfg.rollouts_per_task)),
+        *("--seed", str(cfg.seed), *agent_args),
+    ]
+    return {
+        "gateway": ([*rlgate, "gateway"], gateway_env),
+        "worker": ([*rlgate, "worker", "--fork", "false", "--log-level", "warning"], common),
+        "learner": ([*rlgate, "learner"], learner_env),
+        "agent": (agent, {}),
     }
 
 

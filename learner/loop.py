@@ -43,7 +43,7 @@ from episodes import ClosedEpisode, ClosedEpisodes, EpisodeStore, RolloutStatus,
 from learner import checkpoint
 from learner.collect import Collector, Group, Tally
 from learner.policy import Policy
-from learner.push import FullPusher, LoraPusher
+from learner.push import FullPusher, LoraPusher, PushError
 from learner.ranks import Order, Ranks, RanksMisconfigured
 from learner.samples import Sample, Transition, build_samples, history_splits, micro_batches, shard
 from learner.settings import LearnerSettings
@@ -105,6 +105,8 @@ class Learner:
             )
         self.step = 0
         self.version = 0
+        self.settled = 0  # the last step whose push and acknowledgements are done
+        self.unsettled: list[ClosedEpisode] = []  # the entries of a checkpointed step not settled yet
         self.writer = None
         if settings.tensorboard and self.ranks.leader:
             from torch.utils.tensorboard import SummaryWriter
@@ -126,15 +128,26 @@ class Learner:
                 await self._follow()
                 self.ranks.close()
                 return
-            if self.settings.resume:
-                await self._resume()
-            await self.collector.start()
-            while not self.settings.max_steps or self.step < self.settings.max_steps:
-                groups = await self.collector.next_step(deadline_s=self.ranks.keepalive_s)
-                if not groups:  # several ranks: the others hear from rank 0 before their collective times out
-                    self.ranks.send(Order("wait"))
-                    continue
-                await self.train_step(groups)
+            try:
+                if self.settings.resume:
+                    await self._resume()
+                await self.collector.start()
+            except (StoreUnavailable, PushError) as exc:  # the resume's push or acknowledgements
+                await self._recover(exc)
+            checker = asyncio.ensure_future(self._check_servers())
+            try:
+                while not self.settings.max_steps or self.step < self.settings.max_steps:
+                    try:
+                        groups = await self.collector.next_step(deadline_s=self.ranks.keepalive_s)
+                        if not groups:  # several ranks: the others hear from rank 0 in time
+                            self.ranks.send(Order("wait"))
+                            continue
+                        await self.train_step(groups)
+                    except (StoreUnavailable, PushError) as exc:
+                        await self._recover(exc)
+            finally:
+                checker.cancel()
+                await asyncio.gather(checker, return_exceptions=True)
             self.ranks.send(Order("stop"))
             self.ranks.close()
         finally:
@@ -143,6 +156,47 @@ class Learner:
             if self.progress is not None:
                 self.progress.close()
             await self.store.aclose()
+
+    async def _recover(self, error: Exception) -> None:
+        """Redis, or every inference server, unreachable mid-loop (restarting): wait, then do what a
+        restarted learner does, without the restart (a model's reload): push the checkpoint's version
+        again and acknowledge its episodes if the step had not got that far, and take back this consumer's
+        pending entries (those of groups whose read failed). The weights in memory are the checkpoint's:
+        nothing between the update and the checkpoint fails on Redis or a server. After `outage_s` of
+        failures the error stands (a restart resumes from the checkpoint)."""
+        deadline = time.monotonic() + self.settings.outage_s
+        wait = 0.5
+        while True:
+            if time.monotonic() + wait > deadline:
+                raise error
+            log.warning("outage", error=str(error), step=self.step, retry_in_s=wait)
+            await self._keeping_ranks(asyncio.sleep(wait))
+            wait = min(wait * 2, 10.0)
+            try:
+                if self.settled < self.step:
+                    await self._keeping_ranks(self.pusher.push(self.version, self.policy))
+                    await self._ack(self.unsettled)
+                    self.episodes_trained += len(self.unsettled)
+                    self.settled, self.unsettled = self.step, []
+                await self.collector.start()
+            except (StoreUnavailable, PushError) as exc:
+                error = exc
+                continue
+            log.info("recovered", step=self.step, policy_version=self.version)
+            return
+
+    async def _check_servers(self) -> None:
+        """LoRA pushes: reload the pointer's adapter on a server that lost it (`LoraPusher.reload_missing`),
+        every `server_check_s`, between and during steps."""
+        interval = self.settings.server_check_s
+        if not interval or not isinstance(self.pusher, LoraPusher):
+            return
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.pusher.reload_missing()
+            except Exception as exc:  # noqa: BLE001 (a check must never end the learner)
+                log.warning("server_check_failed", error=repr(exc))
 
     async def _resume(self) -> None:
         saved = checkpoint.load(self.output_dir)
@@ -160,11 +214,14 @@ class Learner:
         self.ranks.send(Order("resume", policy_dir=str(saved.policy_dir)))
         self.ranks.guard("loading the checkpoint", self.policy.load, saved.policy_dir)
         self.step, self.version = saved.step, saved.version
+        self.unsettled = saved.trained  # (settled below, or by `_recover` if a server or Redis is down)
+        self._provenance(saved.trained)  # (if the learner died before writing it)
         if self.version > 0:
             # harmless if it had already been pushed
             await self._keeping_ranks(self.pusher.push(self.version, self.policy))
         for entry in saved.trained:  # trained in the checkpoint, perhaps never acknowledged
             await self.stream.ack(entry)
+        self.settled = self.step
         log.info("resumed", step=self.step, policy_version=self.version, acknowledged=len(saved.trained))
 
     async def train_step(self, groups: list[Group]) -> dict[str, Any] | None:
@@ -213,10 +270,13 @@ class Learner:
             entries,
             self.ranks,
         )
+        self._provenance(entries)
+        self.unsettled = entries  # checkpointed; pushed and acknowledged below (or by `_recover`)
         self.ranks.agree()  # every rank trained and saved its part: only now push and acknowledge
         push_s = await self._keeping_ranks(self.pusher.push(self.version, self.policy))
         await self._ack(entries)
         self.episodes_trained += len(entries)
+        self.settled, self.unsettled = self.step, []
 
         val, train = self.collector.validation, self.collector.uniform
         self.collector.validation = Tally(s.success_threshold)
@@ -446,6 +506,30 @@ class Learner:
         for entry in entries:
             await self.stream.ack(entry)
 
+    def _provenance(self, entries: list[ClosedEpisode]) -> None:
+        """`output_dir/trained.jsonl`: the episodes each step trained on, one line per step (`step`,
+        `policy_version`, `rollouts`), written once the step's checkpoint is on disk, and on resume if the
+        learner died before writing it. Which episodes made a version, and how a check (`scripts/chaos`)
+        finds an episode trained twice. It grows by one line per step (about 40 bytes per episode)."""
+        path = self.output_dir / "trained.jsonl"
+        if path.is_file() and path.stat().st_size:
+            with path.open("rb") as f:  # the last line: is this step written already?
+                f.seek(max(0, path.stat().st_size - 65536))
+                last = f.read().rstrip(b"\n").rsplit(b"\n", 1)[-1]
+            try:
+                if json.loads(last).get("step", -1) >= self.step:
+                    return
+            except ValueError:  # a torn last line (a crash mid-write): a line of its own follows
+                pass
+        line = {
+            "step": self.step,
+            "policy_version": self.version,
+            "rollouts": [e.rollout_id for e in entries],
+        }
+        with path.open("a") as f:
+            torn = path.stat().st_size and not _ends_in_newline(path)
+            f.write(("\n" if torn else "") + json.dumps(line) + "\n")
+
     def _log(self, metrics: dict[str, Any]) -> None:
         log.info("step", **{k: round(v, 6) if isinstance(v, float) else v for k, v in metrics.items()})
         if self.progress is not None:
@@ -463,6 +547,15 @@ class Learner:
                 if key not in ("step", "time") and isinstance(value, (int, float)) and math.isfinite(value):
                     self.writer.add_scalar(f"learner/{key}", value, metrics["step"])
             self.writer.flush()
+
+
+def _ends_in_newline(path: Path) -> bool:
+    with path.open("rb") as f:
+        f.seek(0, 2)
+        if f.tell() == 0:
+            return True
+        f.seek(-1, 2)
+        return f.read(1) == b"\n"
 
 
 def _finite_rewards(view: RolloutView) -> bool:

@@ -80,6 +80,18 @@ class LearnerSettings(SharedSettings):
         description="Full push: how long to wait after telling the "
         "gateways to hold new calls (at least twice their RLGATE_POLICY_POLL_S).",
     )
+    outage_s: float = Field(
+        300.0,
+        ge=0,
+        description="How long the learner rides out Redis or every inference server being unreachable "
+        "(restarting), retrying with backoff, before it exits (a restart resumes from the checkpoint).",
+    )
+    server_check_s: float = Field(
+        2.0,
+        ge=0,
+        description="LoRA push: every this many seconds, reload the pointer's adapter on any inference "
+        "server whose /v1/models does not list it (a server that restarted); 0: never.",
+    )
     resume: bool = Field(
         True,
         description="Continue from the last checkpoint in output_dir when there is one "

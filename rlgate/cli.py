@@ -174,11 +174,22 @@ class WorkerCommand(SharedSettings):
         "worker process (rq's SimpleWorker): several times more jobs per second for light "
         "reward functions such as math_answer.",
     )
+    abandoned_check_s: int = Field(
+        15,
+        ge=1,
+        description="How often to look for reward jobs whose worker died mid-job (rq's maintenance, "
+        "600 s by rq's default): such a job is retried, or fails its episode, once its time limit "
+        "(RLGATE_REWARD_JOB_TIMEOUT_S) plus 60 s has passed since it started.",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
     log_format: Literal["auto", "json", "console"] = Field("auto", description="auto, json or console.")
 
     def cli_cmd(self) -> None:
+        import signal
+        import time
+
         import redis
+        import structlog
         from rq import SimpleWorker, Worker
         from rq.serializers import JSONSerializer
 
@@ -208,10 +219,40 @@ class WorkerCommand(SharedSettings):
         import asyncio
 
         asyncio.run(_check_redis(settings.redis_url, settings.key_prefix, settings.redis_timeout_s))
-        worker = (Worker if self.fork else SimpleWorker)(
-            [self.reward_queue], connection=connection, serializer=JSONSerializer
-        )
-        worker.work(burst=self.burst, with_scheduler=True)
+        stop_signals: list[int] = []
+
+        class RewardWorker(Worker if self.fork else SimpleWorker):  # type: ignore[misc,valid-type]
+            def request_stop(self, signum: int, frame: Any) -> None:  # SIGTERM, SIGINT: a stop asked for
+                stop_signals.append(signum)
+                super().request_stop(signum, frame)
+
+        wait = 0.5
+        while True:
+            worker = RewardWorker(
+                [self.reward_queue],
+                connection=connection,
+                serializer=JSONSerializer,
+                maintenance_interval=self.abandoned_check_s,
+                # rq looks only between jobs or when a wait for one times out, after worker_ttl - 15 s
+                worker_ttl=self.abandoned_check_s + 15,
+            )
+            started = time.monotonic()
+            try:
+                worker.work(burst=self.burst, with_scheduler=True)
+                failure = "rq's loop quit (its log says why)"
+            except redis.RedisError as exc:  # rq's own teardown on a Redis that went away
+                failure = str(exc)
+            if stop_signals or self.burst:
+                return
+            # rq quits its loop on any error, a Redis restarting among them: a worker works on until stopped
+            wait = 0.5 if time.monotonic() - started > 60 else wait
+            structlog.get_logger("rlgate.worker").warning("worker_restarting", error=failure, retry_in_s=wait)
+            for signum in (signal.SIGTERM, signal.SIGINT):  # (rq's handlers expect its loop)
+                signal.signal(signum, lambda signum, frame: stop_signals.append(signum))
+            time.sleep(wait)
+            if stop_signals:
+                return
+            wait = min(wait * 2, 10.0)
 
 
 class RewardCommand(SharedSettings):

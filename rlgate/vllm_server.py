@@ -203,7 +203,7 @@ def start(
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group: stopped as a whole (the engine core included)
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
     server = VllmServer(process, f"http://127.0.0.1:{port}", version, 0.0, log_path)
     if on_start is not None:
@@ -242,7 +242,7 @@ def start(
     return server
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child, before exec: SIGTERM when the parent dies (Linux prctl PR_SET_PDEATHSIG), so a vLLM of
     2-3 GB never outlives a test run or a demo killed with SIGKILL (its own session escapes killpg)."""
     import ctypes

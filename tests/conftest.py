@@ -221,15 +221,16 @@ def start_rlgate_serve(
     weights_root: Path | None = None,
     api_key: str | None = None,
     env: dict[str, str] | None = None,
+    port: int | None = None,
 ) -> Proc:
-    """`rlgate serve` as a real process; its `url` is the server's base (no /v1). It reports the log-probs
+    """`rlgate serve` as a real process (on `port`, default a free one); its `url` is the server's base (no /v1). It reports the log-probs
     of the distribution it samples from unless told otherwise, as the learner needs (None: the server's
     default, vLLM's raw_logprobs). Its gates are off unless asked for, whatever this shell's environment
     says: `lora` serves the runtime LoRA routes, `dev_mode` vLLM's RL routes, `weights_root` is where it
     may read adapters and weight files (default: the model's parent), `api_key` guards /v1; `env` adds
     variables (vLLM's VLLM_* gates)."""
     log_path = log_dir / f"serve_{time.monotonic_ns()}.log"
-    port = free_port()
+    port = port or free_port()
     args = [] if logprobs_mode is None else ["--logprobs-mode", logprobs_mode]
     args += ["--allow-runtime-lora-updating", "true"] if lora else []
     args += ["--dev-mode", "true"] if dev_mode else []

@@ -218,6 +218,17 @@ def test_the_services_and_their_start_order(gpu: Deployment):
     assert "--appendonly" in gpu.command("redis") and gpu.mounts("redis")["/data"] == "redis-data"
 
 
+def test_every_long_running_service_restarts_when_it_dies(gpu: Deployment, rendered_cpu: Deployment):
+    """`scripts/chaos` kills each of them and the loop goes on because something starts it again: in compose,
+    a restart policy (the learner resumes from its checkpoint, Redis from its append-only file)."""
+    for deployment in (gpu, rendered_cpu):
+        running = [name for name, spec in deployment.services.items() if not spec.get("profiles")]
+        assert running and all(
+            deployment.services[name].get("restart") == "unless-stopped" for name in running
+        ), {name: deployment.services[name].get("restart") for name in running}
+        assert {"redis", "gateway", "worker", "learner"} <= set(running)
+
+
 @pytest.mark.parametrize("service", sorted(COMMANDS))
 def test_each_command_is_an_rlgate_subcommand_whose_flags_and_env_parse(
     gpu: Deployment, service: str, monkeypatch

@@ -1,0 +1,660 @@
+"""`scripts/chaos`: the whole loop (the one-token calc demo) while its parts die, and what survived.
+
+    scripts/chaos --quick                  # a few minutes, 12 kills spread over every service
+    scripts/chaos --kills 40 --minutes 25  # a longer run
+    scripts/chaos --quick --json runs/chaos.json --inference rlgate-serve
+
+It starts the demo's processes on loopback, each under a supervisor thread that restarts it when it dies:
+Redis (a redis-server of its own, AOF on with `appendfsync everysec`, as docs/deployment.md recommends),
+the inference server (real vLLM where its venv is installed, else rlgate serve), the gateway, the reward
+worker, the learner (it resumes from its checkpoint) and the demo's agents (never killed: they are the
+outside world, and count what the gateway acknowledged in a ledger, `demo.agent --ledger`). Then it kills,
+with SIGKILL to the whole process group, one service after another in a seeded random order, every service
+at least twice, at random moments; every other learner kill waits for the policy pointer to move (after the
+push, before the acknowledgement) and every other worker kill for a job in flight. It prints what it
+killed and when, and at the end a table counted apart from the services' own reports:
+
+- calls: acknowledged (the agents' ledger) against recorded (the store, read directly, by response id);
+- episodes: finished by an agent against closed, trained (`consumed` in the store), failed or expired with
+  a reason, and trained twice (in two steps of the learner's `trained.jsonl`);
+- reward jobs: asked for against finished, retried, failed, and left started or queued at the end;
+- policy versions: named by the pointer (polled) against those the recorded calls were served with;
+- the success rate's rise (the learner's steps, the demo's target) and the time to the target, against the
+  same run without faults first (`--no-baseline` skips it).
+
+The run ends when every kill is done and the target is met (or at `--minutes`), then the agents stop and
+it waits up to `--drain-s` for every reward job and closed episode to be done before counting.
+`--json PATH` writes the table (keys `kills`, `acknowledged_calls_lost`, `episodes_trained_twice`,
+`reached_target`, ...). The exit status is 1 when a call was lost, an episode was trained twice, a job was
+left hanging, a call was served by a version the pointer never named, or the target was not reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import httpx  # noqa: E402
+import redis  # noqa: E402
+
+from demo.run import MODEL_NAME, DemoConfig, Where, commands, free_port, read_steps  # noqa: E402
+from rlgate import vllm_server  # noqa: E402
+
+SERVICES = ("gateway", "worker", "learner", "inference", "redis")
+REWARD_JOB_TIMEOUT_S = 20  # math_answer takes milliseconds; a job whose worker died is retried 80 s later
+
+
+def say(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+class Service:
+    """One process, restarted by its own supervisor thread whenever it dies (the thread that starts a
+    process stays alive as long as it: the process's parent-death signal is tied to it)."""
+
+    def __init__(self, name: str, launch: Callable[[], subprocess.Popen], ready: Callable[[], bool]) -> None:
+        self.name = name
+        self.launch = launch
+        self.ready = ready
+        self.process: subprocess.Popen | None = None
+        self.up_since: float | None = None
+        self.starts = 0
+        self.exits_unasked = 0  # deaths nobody asked for (a service that fell over after another's kill)
+        self.killed = False
+        self.lock = threading.Lock()
+        self.thread: threading.Thread | None = None
+
+    def up_for(self) -> float:
+        with self.lock:
+            alive = self.process is not None and self.process.poll() is None
+            return time.monotonic() - self.up_since if alive and self.up_since else 0.0
+
+    def kill(self) -> int | None:
+        with self.lock:
+            if self.process is None or self.process.poll() is not None:
+                return None
+            self.killed = True
+            self.up_since = None
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            return self.process.pid
+
+    def supervise(self, stopping: threading.Event) -> None:
+        while not stopping.is_set():
+            try:
+                process = self.launch()
+            except Exception as exc:  # noqa: BLE001 (vLLM that did not come up: try again)
+                say(f"{self.name}: did not start ({exc}); again in 2 s")
+                stopping.wait(2)
+                continue
+            with self.lock:
+                self.process, self.killed = process, False
+                self.starts += 1
+            while process.poll() is None and not stopping.is_set() and not self.ready():
+                stopping.wait(0.1)
+            with self.lock:
+                if process.poll() is None:
+                    self.up_since = time.monotonic()
+            while process.poll() is None and not stopping.is_set():
+                stopping.wait(0.1)
+            if stopping.is_set():
+                return
+            if not self.killed:
+                self.exits_unasked += 1
+                say(f"{self.name} exited by itself ({process.returncode}); restarting it")
+            stopping.wait(0.5)
+
+    def stop(self) -> None:
+        with self.lock:
+            process = self.process
+        if process is None or process.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+@dataclass
+class Kill:
+    at_s: float
+    service: str
+    pid: int
+    context: str
+
+
+@dataclass
+class Run:
+    faults: bool
+    workdir: Path
+    kills: list[Kill] = field(default_factory=list)
+    named_versions: set[int] = field(default_factory=lambda: {0})
+    started: float = field(default_factory=time.monotonic)
+    target_s: float | None = None
+
+
+def _popen(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            args,
+            env={**os.environ, **env},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            start_new_session=True,  # killed as a group (rlgate serve's and vLLM's children with it)
+            preexec_fn=vllm_server.die_with_parent,
+        )
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _redis_ok(url: str) -> bool:
+    try:
+        return bool(redis.Redis.from_url(url, socket_timeout=1, socket_connect_timeout=1).ping())
+    except redis.RedisError:
+        return False
+
+
+def services(args: argparse.Namespace, run: Run, model: Path, where: Where) -> dict[str, Service]:
+    logs = run.workdir / "logs"
+    redis_port = int(where.redis_url.rsplit(":", 1)[1].split("/")[0])
+    serve_port = int(where.serve_url.rsplit(":", 1)[1])
+    (run.workdir / "redis").mkdir(parents=True, exist_ok=True)
+    redis_args = [shutil.which("redis-server") or "redis-server", "--bind", "127.0.0.1"]
+    redis_args += ["--port", str(redis_port), "--dir", str(run.workdir / "redis"), "--save", ""]
+    redis_args += ["--appendonly", "yes", "--appendfsync", "everysec"]
+    cfg = DemoConfig(
+        workdir=run.workdir,
+        minutes=args.minutes,
+        target=args.target,
+        quick=True,
+        redis_url=where.redis_url,
+        concurrency=args.concurrency,
+        tasks_per_step=16,
+        rollouts_per_task=4,
+        learning_rate=2e-3,
+        seed=args.seed,
+    )
+    plan = commands(cfg, model, where)
+    job_timeout = {"RLGATE_REWARD_JOB_TIMEOUT_S": str(REWARD_JOB_TIMEOUT_S)}
+
+    def inference() -> subprocess.Popen:
+        if args.engine == "vllm":
+            server = vllm_server.start(
+                args.vllm_python,
+                model,
+                logs / "inference.log",
+                port=serve_port,
+                served_model_names=(MODEL_NAME,),
+            )
+            return server.process
+        serve = [sys.executable, "-m", "rlgate", "serve", "--model", str(model), "--port", str(serve_port)]
+        serve += [
+            "--served-model-name",
+            MODEL_NAME,
+            "--log-format",
+            "json",
+            "--logprobs-mode",
+            "processed_logprobs",
+        ]
+        serve += ["--allow-runtime-lora-updating", "true", "--weights-root", str(run.workdir)]
+        return _popen(serve, {}, logs / "inference.log")
+
+    gateway_url = f"http://127.0.0.1:{where.gateway_port}"
+    return {
+        "redis": Service(
+            "redis", lambda: _popen(redis_args, {}, logs / "redis.log"), lambda: _redis_ok(where.redis_url)
+        ),
+        "inference": Service("inference", inference, lambda: _http_ok(f"{where.serve_url}/v1/models")),
+        "gateway": Service(
+            "gateway",
+            lambda: _popen(plan["gateway"][0], {**plan["gateway"][1], **job_timeout}, logs / "gateway.log"),
+            lambda: _http_ok(f"{gateway_url}/healthz"),
+        ),
+        "worker": Service("worker", lambda: _popen(*plan["worker"], logs / "worker.log"), lambda: True),
+        "learner": Service("learner", lambda: _popen(*plan["learner"], logs / "learner.log"), lambda: True),
+    }
+
+
+def _policy_version(client: redis.Redis, prefix: str) -> int | None:
+    try:
+        value = client.hget(f"{prefix}:policy", "version")
+    except redis.RedisError:
+        return None
+    return int(value) if value is not None else None
+
+
+def watch_pointer(run: Run, where: Where, stopping: threading.Event) -> None:
+    """Every version the policy pointer names, polled every 20 ms (a step takes seconds)."""
+    client = redis.Redis.from_url(where.redis_url, socket_timeout=1, socket_connect_timeout=1)
+    while not stopping.wait(0.02):
+        version = _policy_version(client, where.prefix)
+        if version is not None:
+            run.named_versions.add(version)
+
+
+def killer(
+    args: argparse.Namespace, run: Run, procs: dict[str, Service], where: Where, stopping: threading.Event
+) -> None:
+    rng = random.Random(args.seed)
+    rounds = -(-args.kills // len(SERVICES))
+    plan = [name for _ in range(rounds) for name in SERVICES]
+    rng.shuffle(plan)
+    plan = plan[: max(args.kills, 2 * len(SERVICES))]
+    client = redis.Redis.from_url(where.redis_url, socket_timeout=1, socket_connect_timeout=1)
+    aimed: Counter = Counter()
+    for name in plan:
+        if stopping.wait(rng.uniform(*args.interval)):
+            return
+        service = procs[name]
+        while service.up_for() < args.min_up_s or any(p.up_for() == 0 for p in procs.values()):
+            if stopping.wait(0.2):  # every service up (and this one a while), so each kill is one fault
+                return
+        context = "at a random moment"
+        aimed[name] += 1
+        if name == "learner" and aimed[name] % 2 == 0:  # after a push, before the acknowledgement
+            before = _policy_version(client, where.prefix)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not stopping.is_set():
+                now = _policy_version(client, where.prefix)
+                if now is not None and now != before:
+                    context = f"just after it pushed v{now}"
+                    break
+                time.sleep(0.005)
+        if name == "worker" and aimed[name] % 2 == 0:  # with a reward job in flight
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and not stopping.is_set():
+                with contextlib.suppress(redis.RedisError):
+                    if client.zcard(f"rq:wip:{where.queue}"):
+                        context = "with a reward job in flight"
+                        break
+                time.sleep(0.001)
+        pid = service.kill()
+        if pid is None:
+            continue
+        at = time.monotonic() - run.started
+        run.kills.append(Kill(round(at, 1), name, pid, context))
+        say(f"kill {len(run.kills)}: {name} (pid {pid}) {context}")
+
+
+def ledger(path: Path) -> tuple[dict[str, list[str]], dict[str, int], set[str]]:
+    """The agents' count: acknowledged call ids per rollout, accepted finishes, failed episodes."""
+    calls: dict[str, list[str]] = {}
+    finished: dict[str, int] = {}
+    failed: set[str] = set()
+    if not path.is_file():
+        return calls, finished, failed
+    for line in path.read_text().splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:  # a line torn when the agents stopped
+            continue
+        if "call" in entry:
+            calls.setdefault(entry["rollout"], []).append(entry["call"])
+        elif "finished" in entry:
+            finished[entry["rollout"]] = entry["finished"]
+        elif "failed" in entry:
+            failed.add(entry["rollout"])
+    return calls, finished, failed
+
+
+def store_view(client: redis.Redis, prefix: str, rollouts: list[str]) -> dict[str, dict[str, Any]]:
+    """Each rollout's hash and recorded calls, read from Redis directly."""
+    view: dict[str, dict[str, Any]] = {}
+    for start in range(0, len(rollouts), 500):
+        chunk = rollouts[start : start + 500]
+        pipe = client.pipeline(transaction=False)
+        for rid in chunk:
+            pipe.hgetall(f"{prefix}:rollout:{{{rid}}}")
+            pipe.lrange(f"{prefix}:rollout:{{{rid}}}:calls", 0, -1)
+        replies = pipe.execute()
+        for i, rid in enumerate(chunk):
+            fields = {k.decode(): v.decode() for k, v in replies[2 * i].items()}
+            records = [json.loads(r) for r in replies[2 * i + 1]]
+            view[rid] = {"hash": fields, "calls": records}
+    return view
+
+
+def drain(args: argparse.Namespace, where: Where, finished: list[str], client: redis.Redis) -> float:
+    """Wait until no reward job is queued or started and no finished episode is still open or closed
+    untrained (up to --drain-s); seconds waited."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < args.drain_s:
+        try:
+            jobs = client.llen(f"rq:queue:{where.queue}") + client.zcard(f"rq:wip:{where.queue}")
+            pipe = client.pipeline(transaction=False)
+            for rid in finished:
+                pipe.hget(f"{where.prefix}:rollout:{{{rid}}}", "status")
+            waiting = sum(1 for s in pipe.execute() if s in (b"open", b"closed"))
+        except redis.RedisError:
+            time.sleep(1)
+            continue
+        if not jobs and not waiting:
+            break
+        time.sleep(1)
+    return time.monotonic() - t0
+
+
+def count(
+    args: argparse.Namespace, run: Run, where: Where, procs: dict[str, Service], drained_s: float
+) -> dict:
+    client = redis.Redis.from_url(where.redis_url, socket_timeout=30)
+    acked, finished, failed_by_agent = ledger(where.agent_stats)
+    rollouts = sorted(set(acked) | set(finished) | failed_by_agent)
+    view = store_view(client, where.prefix, rollouts)
+    lost = []
+    served: Counter = Counter()
+    for rid, ids in acked.items():
+        recorded = {(c.get("response") or {}).get("id") for c in view[rid]["calls"]}
+        lost += [(rid, i) for i in ids if i not in recorded]
+    for v in view.values():
+        for c in v["calls"]:
+            served[c["policy_version"]] += 1
+    status = Counter(view[rid]["hash"].get("status", "missing") for rid in finished)
+    no_reason = [
+        rid
+        for rid in finished
+        if view[rid]["hash"].get("status") in ("failed", "expired") and not view[rid]["hash"].get("error")
+    ]
+    trained_in: Counter = Counter()
+    steps_file = where.learner_dir / "trained.jsonl"
+    trained_versions = set()
+    if steps_file.is_file():
+        for line in steps_file.read_text().splitlines():
+            with contextlib.suppress(ValueError):
+                entry = json.loads(line)
+                trained_versions.add(entry["policy_version"])
+                trained_in.update(entry["rollouts"])
+    twice = sorted(rid for rid, n in trained_in.items() if n > 1)
+    consumed_unlisted = [
+        rid
+        for rid in finished
+        if status and view[rid]["hash"].get("status") == "consumed" and rid not in trained_in
+    ]
+    queue = where.queue
+    jobs = {
+        "asked": sum(1 for s in finished.values() if s == 202),
+        "finished": client.zcard(f"rq:finished:{queue}"),
+        "failed": client.zcard(f"rq:failed:{queue}"),
+        "started_at_end": client.zcard(f"rq:wip:{queue}"),
+        "queued_at_end": client.llen(f"rq:queue:{queue}"),
+    }
+    steps = read_steps(where.learner_dir / "steps.jsonl")
+    cfg = DemoConfig(run.workdir, args.minutes, args.target, True, where.redis_url, 0, 16, 4, 0.0, 0)
+    rates = [s["success_rate"] for s in steps]
+    unnamed = sorted(v for v in served if v not in run.named_versions)
+    return {
+        "faults": run.faults,
+        "kills": len(run.kills),
+        "kills_by_service": dict(Counter(k.service for k in run.kills)),
+        "kill_log": [k.__dict__ for k in run.kills],
+        "exits_unasked": {name: p.exits_unasked for name, p in procs.items() if p.exits_unasked},
+        "acknowledged_calls": sum(len(v) for v in acked.values()),
+        "recorded_calls": sum(len(v["calls"]) for v in view.values()),
+        "acknowledged_calls_lost": len(lost),
+        "lost_examples": lost[:5],
+        "episodes_finished": len(finished),
+        "episodes_failed_by_agents": len(failed_by_agent),
+        "episode_status": dict(status),
+        "episodes_trained": status.get("consumed", 0),
+        "episodes_closed_untrained": status.get("closed", 0),
+        "episodes_open_at_end": status.get("open", 0),
+        "episodes_ended_without_reason": len(no_reason),
+        "episodes_trained_twice": len(twice),
+        "episodes_consumed_not_in_ledger": len(consumed_unlisted),
+        "reward_jobs": jobs,
+        "versions_named": len(run.named_versions),
+        "versions_served": len(served),
+        "versions_trained": len(trained_versions),
+        "calls_served_by_unnamed_versions": sum(served[v] for v in unnamed),
+        "steps": len(steps),
+        "success_first_step": rates[0] if rates else None,
+        "success_final": sum(s["success_rate"] for s in cfg.recent(steps)) / len(cfg.recent(steps))
+        if steps
+        else None,
+        "reached_target": cfg.reached(steps),
+        "seconds_to_target": run.target_s,
+        "drain_seconds": round(drained_s, 1),
+        "seconds": round(time.monotonic() - run.started, 1),
+    }
+
+
+def run_once(args: argparse.Namespace, faults: bool, model: Path) -> dict:
+    workdir = args.workdir / ("chaos" if faults else "baseline")
+    shutil.rmtree(workdir, ignore_errors=True)
+    (workdir / "logs").mkdir(parents=True)
+    run = Run(faults, workdir)
+    where = Where(
+        f"redis://127.0.0.1:{free_port()}/0",
+        f"http://127.0.0.1:{free_port()}",
+        free_port(),
+        "chaos",
+        workdir / "learner",
+        workdir / "agent.jsonl",
+    )
+    procs = services(args, run, model, where)
+    stopping, kills_stop = threading.Event(), threading.Event()
+    say(f"{'chaos' if faults else 'baseline (no faults)'}: starting {', '.join(procs)} in {workdir}")
+    for name in ("redis", "inference", "gateway", "worker", "learner"):
+        procs[name].thread = threading.Thread(target=procs[name].supervise, args=(stopping,), daemon=True)
+        procs[name].thread.start()
+        deadline = time.monotonic() + 600
+        while procs[name].up_for() == 0:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"chaos: {name} did not come up; see {workdir / 'logs'}")
+            time.sleep(0.2)
+    cfg_plan = commands(
+        DemoConfig(
+            workdir,
+            args.minutes,
+            args.target,
+            True,
+            where.redis_url,
+            args.concurrency,
+            16,
+            4,
+            2e-3,
+            args.seed,
+        ),
+        model,
+        where,
+        ("--ledger", str(where.agent_stats)),
+    )
+    group_deadline = time.monotonic() + 300
+    client = redis.Redis.from_url(where.redis_url, socket_timeout=5)
+    while time.monotonic() < group_deadline:  # the agents start once the learner reads the stream
+        with contextlib.suppress(redis.RedisError):
+            if client.exists(f"{where.prefix}:episodes") and client.xinfo_groups(f"{where.prefix}:episodes"):
+                break
+        time.sleep(0.2)
+    run.started = time.monotonic()
+    agent = _popen(cfg_plan["agent"][0], cfg_plan["agent"][1], workdir / "logs" / "agent.log")
+    watcher = threading.Thread(target=watch_pointer, args=(run, where, stopping), daemon=True)
+    watcher.start()
+    chaos = threading.Thread(target=killer, args=(args, run, procs, where, kills_stop), daemon=True)
+    if faults:
+        chaos.start()
+    drained = 0.0
+    try:
+        cfg = DemoConfig(workdir, args.minutes, args.target, True, where.redis_url, 0, 16, 4, 0.0, 0)
+        shown = 0
+        while time.monotonic() - run.started < args.minutes * 60:
+            steps = read_steps(where.learner_dir / "steps.jsonl")
+            if len(steps) > shown:
+                shown = len(steps)
+                last = steps[-1]
+                say(f"step {last['step']}: v{last['policy_version']} success {last['success_rate']:.0%}")
+            if run.target_s is None and cfg.reached(steps):
+                run.target_s = round(time.monotonic() - run.started, 1)
+                say(f"target reached in {run.target_s} s")
+            if run.target_s is not None and not chaos.is_alive():
+                break
+            time.sleep(0.5)
+        kills_stop.set()
+        if faults:
+            chaos.join(timeout=90)
+        say("stopping the agents; draining")
+        agent.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            agent.wait(timeout=30)
+        _, finished, _ = ledger(where.agent_stats)
+        drained = drain(args, where, list(finished), client)
+        result = count(args, run, where, procs, drained)
+    finally:
+        kills_stop.set()
+        stopping.set()
+        if agent.poll() is None:
+            agent.kill()
+        for name in ("learner", "worker", "gateway", "inference", "redis"):
+            procs[name].stop()
+    return result
+
+
+def table(baseline: dict | None, chaos: dict) -> str:
+    rows = [
+        ("kills", "kills"),
+        ("services that died unasked", "exits_unasked"),
+        ("calls acknowledged", "acknowledged_calls"),
+        ("calls recorded", "recorded_calls"),
+        ("acknowledged calls lost", "acknowledged_calls_lost"),
+        ("episodes finished by agents", "episodes_finished"),
+        ("episodes failed by agents", "episodes_failed_by_agents"),
+        ("episodes trained", "episodes_trained"),
+        ("closed, untrained at the end", "episodes_closed_untrained"),
+        ("open at the end", "episodes_open_at_end"),
+        ("ended without a reason", "episodes_ended_without_reason"),
+        ("episodes trained twice", "episodes_trained_twice"),
+        ("reward jobs asked / finished", None),
+        ("reward jobs failed", None),
+        ("jobs started or queued at the end", None),
+        ("versions named / served", None),
+        ("calls served by unnamed versions", "calls_served_by_unnamed_versions"),
+        ("training steps", "steps"),
+        ("success: first step -> final", None),
+        ("reached target", "reached_target"),
+        ("seconds to target", "seconds_to_target"),
+    ]
+
+    def cell(r: dict | None, label: str, key: str | None) -> str:
+        if r is None:
+            return "-"
+        j = r["reward_jobs"]
+        special = {
+            "reward jobs asked / finished": f"{j['asked']} / {j['finished']}",
+            "reward jobs failed": str(j["failed"]),
+            "jobs started or queued at the end": str(j["started_at_end"] + j["queued_at_end"]),
+            "versions named / served": f"{r['versions_named']} / {r['versions_served']}",
+            "success: first step -> final": (
+                f"{r['success_first_step']:.0%} -> {r['success_final']:.0%}" if r["steps"] else "no step"
+            ),
+        }
+        if label in special:
+            return special[label]
+        value = r[key]
+        if isinstance(value, dict):
+            return ", ".join(f"{k} {v}" for k, v in value.items()) or "0"
+        return str(value)
+
+    lines = [f"| {'':34} | {'no faults':>16} | {'chaos':>16} |", f"|{'-' * 36}|{'-' * 18}|{'-' * 18}|"]
+    for label, key in rows:
+        lines.append(f"| {label:34} | {cell(baseline, label, key):>16} | {cell(chaos, label, key):>16} |")
+    return "\n".join(lines)
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="scripts/chaos", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="12 kills, at most 8 minutes of loop.")
+    parser.add_argument("--kills", type=int, default=None, help="Kills (at least 2 per service; default 40).")
+    parser.add_argument("--minutes", type=float, default=None, help="Bound of each run's loop (default 25).")
+    parser.add_argument("--interval", type=float, nargs=2, default=None, metavar=("MIN", "MAX"))
+    parser.add_argument("--min-up-s", type=float, default=3.0, help="A service is killed once up this long.")
+    parser.add_argument("--drain-s", type=float, default=150.0, help="Wait for jobs and episodes at the end.")
+    parser.add_argument("--target", type=float, default=0.9, help="The demo's target success rate.")
+    parser.add_argument("--concurrency", type=int, default=16, help="Agent episodes in flight.")
+    parser.add_argument("--seed", type=int, default=0, help="Seed of the kills, the model and the questions.")
+    parser.add_argument("--inference", default="auto", choices=["auto", "vllm", "rlgate-serve"])
+    parser.add_argument("--vllm-python", type=Path, default=None, help="Python of vLLM's venv.")
+    parser.add_argument("--workdir", type=Path, default=Path("runs/chaos"))
+    parser.add_argument("--no-baseline", action="store_true", help="Skip the run without faults.")
+    parser.add_argument("--json", type=Path, default=None, help="Write the results here.")
+    args = parser.parse_args(argv)
+    quick = args.quick
+    args.kills = args.kills if args.kills is not None else (12 if quick else 40)
+    args.minutes = args.minutes if args.minutes is not None else (8.0 if quick else 25.0)
+    args.interval = tuple(args.interval) if args.interval else ((3.0, 8.0) if quick else (5.0, 20.0))
+    if args.kills < 2 * len(SERVICES):
+        parser.error(f"--kills: at least {2 * len(SERVICES)} (two per service)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    if shutil.which("redis-server") is None:
+        print(
+            "chaos: redis-server is not installed (it restarts Redis with AOF): apt-get install redis-server"
+        )
+        return 2
+    from demo.engines import choose
+
+    try:
+        args.engine, reason = choose(args.inference, args.vllm_python)
+        if args.engine == "vllm":
+            args.vllm_python = vllm_server.find_python(args.vllm_python)
+    except vllm_server.VllmUnavailable as exc:
+        print(f"chaos: {exc}")
+        return 2
+    say(f"inference: {args.engine}" + (f" (not vLLM: {reason})" if reason else ""))
+    from inference.tiny_model import build_tiny_model
+
+    model = args.workdir / "model"
+    if not (model / "config.json").is_file():
+        build_tiny_model(model, seed=args.seed)
+    baseline = None if args.no_baseline else run_once(args, False, model)
+    chaos = run_once(args, True, model)
+    print(table(baseline, chaos), flush=True)
+    results = {**chaos, "engine": args.engine, "baseline": baseline}
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    jobs = chaos["reward_jobs"]
+    bad = {
+        "acknowledged calls lost": chaos["acknowledged_calls_lost"],
+        "episodes trained twice": chaos["episodes_trained_twice"],
+        "reward jobs left hanging": jobs["started_at_end"] + jobs["queued_at_end"],
+        "calls served by a version never named": chaos["calls_served_by_unnamed_versions"],
+        "episodes ended without a reason": chaos["episodes_ended_without_reason"],
+        "target not reached": int(not chaos["reached_target"]),
+    }
+    failed = {k: v for k, v in bad.items() if v}
+    print("chaos: " + ("; ".join(f"{k}: {v}" for k, v in failed.items()) if failed else "everything held"))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
