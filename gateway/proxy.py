@@ -491,8 +491,23 @@ class Proxy:
         raise errors.PayloadTooLarge(message, code="record_too_large")
 
     async def _upstream_failed(self, call: Call, status: int, raw: bytes, send: Any) -> None:
-        """An upstream error answer: recorded as a failed call, passed on with its status."""
+        """An upstream error answer: recorded as a failed call, passed on with its status. A 404 for the
+        adapter the gateway put in place of the base model the agent named is a server that has not
+        loaded it (restarted: the learner loads it again within `server_check_s`): 503 with Retry-After,
+        which the SDKs retry, not a 404 for a model the agent never asked for."""
         payload = errors.upstream_error_payload(status, raw)
+        headers = [_JSON, call.rollout_header]
+        if status == 404 and call.served_model is not None:
+            status = 503
+            payload = {
+                "message": f"the inference server has not loaded the policy's adapter {call.served_model} "
+                f"(it restarted?); the learner loads it again within seconds: retry. "
+                f"The server said: {str(payload.get('message') or '')[:300]}",
+                "type": "service_unavailable",
+                "param": None,
+                "code": "policy_not_loaded",
+            }
+            headers.append((b"retry-after", b"1"))
         error = CallError(
             status=status,
             type=str(payload.get("type") or "upstream_error"),
@@ -506,7 +521,7 @@ class Proxy:
             if call.agent_api is None
             else messages.error_body(status, error.message)
         )
-        await send_body(send, status, body, [_JSON, call.rollout_header])
+        await send_body(send, status, body, headers)
 
     # -----------------------------------------------------------------------------------------------------
     # Streaming: chunks pass through as they arrive; the final event waits for the commit.

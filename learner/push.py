@@ -17,7 +17,7 @@ Two ways, the same calls against `rlgate serve` and vLLM: `LoraPusher` and `Full
 A server that restarts comes back without adapters, and every call the gateway sends it for the pointer's
 adapter would be a 404 until the next push, which needs episodes those calls cannot make.
 `LoraPusher.reload_missing` (the learner runs it every `server_check_s`) asks each server's
-`/v1/models` and loads the last pushed adapter where it is missing.
+`/v1/models` and loads the adapter the policy pointer names where it is missing.
 """
 
 from __future__ import annotations
@@ -69,49 +69,53 @@ class LoraPusher:
         self.store = store
         self.base_model = base_model
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self.pushed: int | None = None  # the version the pointer names since this pusher's last push
         self.lock = asyncio.Lock()  # a push and a reload never interleave
 
     def path(self, version: int) -> Path:
         return (self.adapters_dir / adapter_name(version)).resolve()
 
     async def reload_missing(self, check_timeout_s: float = 5.0) -> list[str]:
-        """Load the last pushed adapter on every server whose `/v1/models` does not list it (it restarted);
-        the servers it was loaded on. A server that does not answer is left for the next check."""
-        if self.pushed is None:
-            return []
-        reloaded = []
-        async with self.lock, aiohttp.ClientSession(timeout=self.timeout, headers=self.headers) as session:
-            version = self.pushed
-            name = adapter_name(version)
-            for url in self.server_urls:
-                try:
-                    async with session.get(
-                        f"{url}/v1/models", timeout=aiohttp.ClientTimeout(total=check_timeout_s)
-                    ) as response:
-                        if response.status != 200:
-                            continue
-                        served = {m.get("id") for m in (await response.json()).get("data", [])}
-                except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError):
-                    continue
-                if name in served:
-                    continue
-                try:
-                    await _post(
-                        session,
-                        f"{url}/v1/load_lora_adapter",
-                        {"lora_name": name, "lora_path": str(self.path(version)), "load_inplace": True},
+        """Load the adapter the policy pointer names on every server whose `/v1/models` does not list it
+        (it restarted); the servers it was loaded on. A server that does not answer is left for the next
+        check. The pointer, not this process's last push: a learner that restarted names the same adapter
+        before its own first push succeeds."""
+        async with self.lock:
+            pointer = await self.store.policy()
+            if not pointer.adapter or not ADAPTER_NAME.fullmatch(pointer.adapter):
+                return []
+            name, path = pointer.adapter, (self.adapters_dir / pointer.adapter).resolve()
+            if not (path / "adapter_config.json").is_file():
+                return []  # another learner's folder, or retired: nothing this learner can load
+            reloaded = []
+            async with aiohttp.ClientSession(timeout=self.timeout, headers=self.headers) as session:
+                for url in self.server_urls:
+                    try:
+                        async with session.get(
+                            f"{url}/v1/models", timeout=aiohttp.ClientTimeout(total=check_timeout_s)
+                        ) as response:
+                            if response.status != 200:
+                                continue
+                            served = {m.get("id") for m in (await response.json()).get("data", [])}
+                    except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError):
+                        continue
+                    if name in served:
+                        continue
+                    try:
+                        await _post(
+                            session,
+                            f"{url}/v1/load_lora_adapter",
+                            {"lora_name": name, "lora_path": str(path), "load_inplace": True},
+                        )
+                    except PushError as exc:
+                        log.warning("adapter_reload_failed", server=url, adapter=name, error=str(exc))
+                        continue
+                    log.warning(
+                        "adapter_reloaded", server=url, adapter=name, reason="the server did not list it"
                     )
-                except PushError as exc:
-                    log.warning("adapter_reload_failed", server=url, version=version, error=str(exc))
-                    continue
-                log.warning(
-                    "adapter_reloaded", server=url, version=version, reason="the server did not list it"
-                )
-                if len(self.server_urls) > 1:
-                    await self.store.set_server_version(server_name(url), version)
-                reloaded.append(url)
-        return reloaded
+                    if len(self.server_urls) > 1:
+                        await self.store.set_server_version(server_name(url), pointer.version)
+                    reloaded.append(url)
+            return reloaded
 
     async def push(self, version: int, policy: Any) -> float:
         """Save `policy`'s adapter as version `version`, load it everywhere, move the pointer, retire
@@ -141,7 +145,6 @@ class LoraPusher:
             if len(failed) == len(self.server_urls):
                 raise PushError(f"no inference server loaded {name}: {'; '.join(failed.values())}")
             await self.store.set_policy(Policy(version=version, adapter=name, base_model=self.base_model))
-            self.pushed = version
             old = version - 2
             if old >= 1:
                 for url in self.server_urls:
