@@ -152,6 +152,7 @@ class Run:
     named_versions: set[int] = field(default_factory=lambda: {0})
     started: float = field(default_factory=time.monotonic)
     target_s: float | None = None
+    success_at_target: float | None = None  # the demo's recent success rate when the target was met
 
 
 def _popen(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
@@ -392,11 +393,8 @@ def count(
                 trained_versions.add(entry["policy_version"])
                 trained_in.update(entry["rollouts"])
     twice = sorted(rid for rid, n in trained_in.items() if n > 1)
-    consumed_unlisted = [
-        rid
-        for rid in finished
-        if status and view[rid]["hash"].get("status") == "consumed" and rid not in trained_in
-    ]
+    consumed = [rid for rid in finished if view[rid]["hash"].get("status") == "consumed"]
+    consumed_untrained = [rid for rid in consumed if rid not in trained_in]  # dropped: alone in its group
     queue = where.queue
     jobs = {
         "asked": sum(1 for s in finished.values() if s == 202),
@@ -422,12 +420,12 @@ def count(
         "episodes_finished": len(finished),
         "episodes_failed_by_agents": len(failed_by_agent),
         "episode_status": dict(status),
-        "episodes_trained": status.get("consumed", 0),
+        "episodes_trained": len(consumed) - len(consumed_untrained),
+        "episodes_consumed_untrained": len(consumed_untrained),
         "episodes_closed_untrained": status.get("closed", 0),
         "episodes_open_at_end": status.get("open", 0),
         "episodes_ended_without_reason": len(no_reason),
         "episodes_trained_twice": len(twice),
-        "episodes_consumed_not_in_ledger": len(consumed_unlisted),
         "reward_jobs": jobs,
         "versions_named": len(run.named_versions),
         "versions_served": len(served),
@@ -438,7 +436,8 @@ def count(
         "success_final": sum(s["success_rate"] for s in cfg.recent(steps)) / len(cfg.recent(steps))
         if steps
         else None,
-        "reached_target": cfg.reached(steps),
+        "reached_target": run.target_s is not None,  # during the run (the drain's last groups come after)
+        "success_at_target": run.success_at_target,
         "seconds_to_target": run.target_s,
         "drain_seconds": round(drained_s, 1),
         "seconds": round(time.monotonic() - run.started, 1),
@@ -512,6 +511,8 @@ def run_once(args: argparse.Namespace, faults: bool, model: Path) -> dict:
                 say(f"step {last['step']}: v{last['policy_version']} success {last['success_rate']:.0%}")
             if run.target_s is None and cfg.reached(steps):
                 run.target_s = round(time.monotonic() - run.started, 1)
+                recent = cfg.recent(steps)
+                run.success_at_target = sum(s["success_rate"] for s in recent) / len(recent)
                 say(f"target reached in {run.target_s} s")
             if run.target_s is not None and not chaos.is_alive():
                 break
@@ -546,6 +547,7 @@ def table(baseline: dict | None, chaos: dict) -> str:
         ("episodes finished by agents", "episodes_finished"),
         ("episodes failed by agents", "episodes_failed_by_agents"),
         ("episodes trained", "episodes_trained"),
+        ("dropped untrained (alone in a group)", "episodes_consumed_untrained"),
         ("closed, untrained at the end", "episodes_closed_untrained"),
         ("open at the end", "episodes_open_at_end"),
         ("ended without a reason", "episodes_ended_without_reason"),
@@ -556,7 +558,7 @@ def table(baseline: dict | None, chaos: dict) -> str:
         ("versions named / served", None),
         ("calls served by unnamed versions", "calls_served_by_unnamed_versions"),
         ("training steps", "steps"),
-        ("success: first step -> final", None),
+        ("success: first step -> target", None),
         ("reached target", "reached_target"),
         ("seconds to target", "seconds_to_target"),
     ]
@@ -570,8 +572,10 @@ def table(baseline: dict | None, chaos: dict) -> str:
             "reward jobs failed": str(j["failed"]),
             "jobs started or queued at the end": str(j["started_at_end"] + j["queued_at_end"]),
             "versions named / served": f"{r['versions_named']} / {r['versions_served']}",
-            "success: first step -> final": (
-                f"{r['success_first_step']:.0%} -> {r['success_final']:.0%}" if r["steps"] else "no step"
+            "success: first step -> target": (
+                f"{r['success_first_step']:.0%} -> {r['success_at_target'] or r['success_final']:.0%}"
+                if r["steps"]
+                else "no step"
             ),
         }
         if label in special:
