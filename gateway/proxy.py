@@ -497,13 +497,14 @@ class Proxy:
         which the SDKs retry, not a 404 for a model the agent never asked for."""
         payload = errors.upstream_error_payload(status, raw)
         headers = [_JSON, call.rollout_header]
-        if status == 404 and call.served_model is not None:
+        said = str(payload.get("message") or "")
+        if status == 404 and call.served_model is not None and f"`{call.served_model}`" in said:
             status = 503
             payload = {
                 "message": f"the inference server has not loaded the policy's adapter {call.served_model} "
                 f"(it restarted?); the learner loads it again within seconds: retry. "
-                f"The server said: {str(payload.get('message') or '')[:300]}",
-                "type": "service_unavailable",
+                f"The server said: {said[:300]}",
+                "type": "service_unavailable_error",
                 "param": None,
                 "code": "policy_not_loaded",
             }

@@ -105,7 +105,8 @@ class Learner:
             )
         self.step = 0
         self.version = 0
-        self.settled = 0  # the last step whose push and acknowledgements are done
+        self.pushed = 0  # the last step whose version the servers took
+        self.settled = 0  # the last step whose episodes are acknowledged
         self.unsettled: list[ClosedEpisode] = []  # the entries of a checkpointed step not settled yet
         self.writer = None
         if settings.tensorboard and self.ranks.leader:
@@ -173,11 +174,17 @@ class Learner:
             await self._keeping_ranks(asyncio.sleep(wait))
             wait = min(wait * 2, 10.0)
             try:
-                if self.settled < self.step:
+                if self.pushed < self.step:
                     await self._keeping_ranks(self.pusher.push(self.version, self.policy))
+                    self.pushed = self.step
+                if self.settled < self.step:
                     await self._ack(self.unsettled)
                     self.episodes_trained += len(self.unsettled)
                     self.settled, self.unsettled = self.step, []
+                # what this learner held in memory is pending in Redis under its name: read it back afresh
+                # (an entry half-handled when Redis went away stays in neither place otherwise)
+                self.collector.waiting.clear()
+                self.collector.seen.clear()
                 await self.collector.start()
             except (StoreUnavailable, PushError) as exc:
                 error = exc
@@ -219,6 +226,7 @@ class Learner:
         if self.version > 0:
             # harmless if it had already been pushed
             await self._keeping_ranks(self.pusher.push(self.version, self.policy))
+        self.pushed = self.step
         for entry in saved.trained:  # trained in the checkpoint, perhaps never acknowledged
             await self.stream.ack(entry)
         self.settled = self.step
@@ -274,6 +282,7 @@ class Learner:
         self.unsettled = entries  # checkpointed; pushed and acknowledged below (or by `_recover`)
         self.ranks.agree()  # every rank trained and saved its part: only now push and acknowledge
         push_s = await self._keeping_ranks(self.pusher.push(self.version, self.policy))
+        self.pushed = self.step
         await self._ack(entries)
         self.episodes_trained += len(entries)
         self.settled, self.unsettled = self.step, []
@@ -512,15 +521,11 @@ class Learner:
         learner died before writing it. Which episodes made a version, and how a check (`scripts/chaos`)
         finds an episode trained twice. It grows by one line per step (about 40 bytes per episode)."""
         path = self.output_dir / "trained.jsonl"
-        if path.is_file() and path.stat().st_size:
-            with path.open("rb") as f:  # the last line: is this step written already?
-                f.seek(max(0, path.stat().st_size - 65536))
-                last = f.read().rstrip(b"\n").rsplit(b"\n", 1)[-1]
-            try:
-                if json.loads(last).get("step", -1) >= self.step:
-                    return
-            except ValueError:  # a torn last line (a crash mid-write): a line of its own follows
-                pass
+        try:  # the last line: is this step written already?
+            if json.loads(_last_line(path) or b"{}").get("step", -1) >= self.step:
+                return
+        except ValueError:  # a torn last line (a crash mid-write): a line of its own follows
+            pass
         line = {
             "step": self.step,
             "policy_version": self.version,
@@ -547,6 +552,24 @@ class Learner:
                 if key not in ("step", "time") and isinstance(value, (int, float)) and math.isfinite(value):
                     self.writer.add_scalar(f"learner/{key}", value, metrics["step"])
             self.writer.flush()
+
+
+def _last_line(path: Path, block: int = 65536) -> bytes | None:
+    """The file's last non-empty line (None: no file or nothing in it), read backwards block by block."""
+    if not path.is_file():
+        return None
+    with path.open("rb") as f:
+        end = f.seek(0, 2)
+        tail = b""
+        while end > 0:
+            start = max(0, end - block)
+            f.seek(start)
+            tail = f.read(end - start) + tail
+            end = start
+            stripped = tail.rstrip(b"\n")
+            if b"\n" in stripped or end == 0:
+                return stripped.rsplit(b"\n", 1)[-1] or None
+    return None
 
 
 def _ends_in_newline(path: Path) -> bool:

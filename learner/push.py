@@ -87,7 +87,9 @@ class LoraPusher:
             if not (path / "adapter_config.json").is_file():
                 return []  # another learner's folder, or retired: nothing this learner can load
             reloaded = []
-            async with aiohttp.ClientSession(timeout=self.timeout, headers=self.headers) as session:
+            # bounded well below a push's timeout: the lock holds the next push back meanwhile
+            timeout = aiohttp.ClientTimeout(total=min(self.timeout.total or 30.0, 30.0))
+            async with aiohttp.ClientSession(timeout=timeout, headers=self.headers) as session:
                 for url in self.server_urls:
                     try:
                         async with session.get(

@@ -178,8 +178,9 @@ class WorkerCommand(SharedSettings):
         15,
         ge=1,
         description="How often to look for reward jobs whose worker died mid-job (rq's maintenance, "
-        "600 s by rq's default): such a job is retried, or fails its episode, once its time limit "
-        "(RLGATE_REWARD_JOB_TIMEOUT_S) plus 60 s has passed since it started.",
+        "600 s by rq's default): such a job is retried, or fails its episode, once its worker's last "
+        "heartbeat is 60-90 s old (with --no-fork: once its time limit, RLGATE_REWARD_JOB_TIMEOUT_S, "
+        "plus 60 s has passed since it started).",
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
     log_format: Literal["auto", "json", "console"] = Field("auto", description="auto, json or console.")
@@ -190,7 +191,8 @@ class WorkerCommand(SharedSettings):
 
         import redis
         import structlog
-        from rq import SimpleWorker, Worker
+        from rq import Queue, SimpleWorker, Worker
+        from rq.exceptions import StopRequested
         from rq.serializers import JSONSerializer
 
         from reward_hooks.queue import connect, queue_url
@@ -222,10 +224,31 @@ class WorkerCommand(SharedSettings):
         stop_signals: list[int] = []
 
         class RewardWorker(Worker if self.fork else SimpleWorker):  # type: ignore[misc,valid-type]
+            """rq's worker, kept working through Redis outages by the loop below, stopping on a signal
+            whenever it comes, and never holding rq's cleaning lock past a failed clean."""
+
             def request_stop(self, signum: int, frame: Any) -> None:  # SIGTERM, SIGINT: a stop asked for
                 stop_signals.append(signum)
                 super().request_stop(signum, frame)
 
+            def _install_signal_handlers(self) -> None:
+                super()._install_signal_handlers()
+                if stop_signals:  # asked for while the loop was starting a worker again
+                    self._stop_requested = True
+
+            def clean_registries(self) -> None:
+                try:
+                    super().clean_registries()
+                except Exception:
+                    # rq holds the lock 899 s unless it is released: a clean cut short (Redis gone) must
+                    # not keep every worker from looking for abandoned jobs that long
+                    with contextlib.suppress(redis.RedisError):
+                        for queue in self.queues:
+                            queue.release_maintenance_lock()
+                    raise
+
+        # a worker killed while it cleaned left rq's lock behind: cleaning twice at once is harmless
+        Queue(self.reward_queue, connection=connection).release_maintenance_lock()
         wait = 0.5
         while True:
             worker = RewardWorker(
@@ -242,14 +265,18 @@ class WorkerCommand(SharedSettings):
                 failure = "rq's loop quit (its log says why)"
             except redis.RedisError as exc:  # rq's own teardown on a Redis that went away
                 failure = str(exc)
+            except StopRequested:  # a signal between rq's loop and its teardown
+                return
+            for signum in (signal.SIGTERM, signal.SIGINT):  # rq's handlers expect its loop
+                signal.signal(signum, lambda signum, frame: stop_signals.append(signum))
             if stop_signals or self.burst:
                 return
             # rq quits its loop on any error, a Redis restarting among them: a worker works on until stopped
             wait = 0.5 if time.monotonic() - started > 60 else wait
             structlog.get_logger("rlgate.worker").warning("worker_restarting", error=failure, retry_in_s=wait)
-            for signum in (signal.SIGTERM, signal.SIGINT):  # (rq's handlers expect its loop)
-                signal.signal(signum, lambda signum, frame: stop_signals.append(signum))
-            time.sleep(wait)
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline and not stop_signals:
+                time.sleep(0.1)
             if stop_signals:
                 return
             wait = min(wait * 2, 10.0)

@@ -110,13 +110,17 @@ def command(
     served_model_names: tuple[str, ...],
     max_lora_rank: int = 16,
     max_model_len: int | None = None,
+    prefix_caching: bool = True,
 ) -> list[str]:
-    """The server's command line, with the flags the learner needs (module docstring)."""
+    """The server's command line, with the flags the learner needs (module docstring). Without
+    `prefix_caching` two equal seeded requests compute alike (a cached prefix is not recomputed, and the
+    sums of a partial prefill differ in their last bits): the tests compare answers that way."""
     args = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
     args += ["--served-model-name", *served_model_names, "--host", "127.0.0.1", "--port", str(port)]
     args += ["--enable-lora", "--max-lora-rank", str(max_lora_rank), "--enable-auto-tool-choice"]
     args += ["--tool-call-parser", "hermes", "--logprobs-mode", "processed_logprobs", "--dtype", "float32"]
     args += [] if max_model_len is None else ["--max-model-len", str(max_model_len)]
+    args += [] if prefix_caching else ["--no-enable-prefix-caching"]
     return args
 
 
@@ -183,6 +187,7 @@ def start(
     max_model_len: int | None = None,
     kv_cache_gib: int = 1,
     on_start: Callable[[VllmServer], None] | None = None,
+    prefix_caching: bool = True,
 ) -> VllmServer:
     """Start vLLM on `model` and return once `/health` answers and one completion was served (the first
     request warms the engine up: about 2 s). Its output goes to `log_path`. Raises `VllmUnavailable` with
@@ -197,7 +202,12 @@ def start(
     with log_path.open("ab") as log:
         process = subprocess.Popen(
             command(
-                python, model, port=port, served_model_names=served_model_names, max_model_len=max_model_len
+                python,
+                model,
+                port=port,
+                served_model_names=served_model_names,
+                max_model_len=max_model_len,
+                prefix_caching=prefix_caching,
             ),
             env={**os.environ, **environment(kv_cache_gib)},
             stdout=log,

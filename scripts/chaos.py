@@ -69,7 +69,9 @@ class Service:
     """One process, restarted by its own supervisor thread whenever it dies (the thread that starts a
     process stays alive as long as it: the process's parent-death signal is tied to it)."""
 
-    def __init__(self, name: str, launch: Callable[[], subprocess.Popen], ready: Callable[[], bool]) -> None:
+    def __init__(
+        self, name: str, launch: Callable[[Service], subprocess.Popen], ready: Callable[[], bool]
+    ) -> None:
         self.name = name
         self.launch = launch
         self.ready = ready
@@ -99,7 +101,7 @@ class Service:
     def supervise(self, stopping: threading.Event) -> None:
         while not stopping.is_set():
             try:
-                process = self.launch()
+                process = self.launch(self)
             except Exception as exc:  # noqa: BLE001 (vLLM that did not come up: try again)
                 say(f"{self.name}: did not start ({exc}); again in 2 s")
                 stopping.wait(2)
@@ -153,6 +155,7 @@ class Run:
     started: float = field(default_factory=time.monotonic)
     target_s: float | None = None
     success_at_target: float | None = None  # the demo's recent success rate when the target was met
+    kills_before_target: int | None = None
 
 
 def _popen(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
@@ -205,14 +208,20 @@ def services(args: argparse.Namespace, run: Run, model: Path, where: Where) -> d
     plan = commands(cfg, model, where)
     job_timeout = {"RLGATE_REWARD_JOB_TIMEOUT_S": str(REWARD_JOB_TIMEOUT_S)}
 
-    def inference() -> subprocess.Popen:
+    def inference(service: Service) -> subprocess.Popen:
         if args.engine == "vllm":
+
+            def starting(server: vllm_server.VllmServer) -> None:  # stoppable while it comes up
+                with service.lock:
+                    service.process, service.killed = server.process, False
+
             server = vllm_server.start(
                 args.vllm_python,
                 model,
                 logs / "inference.log",
                 port=serve_port,
                 served_model_names=(MODEL_NAME,),
+                on_start=starting,
             )
             return server.process
         serve = [sys.executable, "-m", "rlgate", "serve", "--model", str(model), "--port", str(serve_port)]
@@ -230,16 +239,16 @@ def services(args: argparse.Namespace, run: Run, model: Path, where: Where) -> d
     gateway_url = f"http://127.0.0.1:{where.gateway_port}"
     return {
         "redis": Service(
-            "redis", lambda: _popen(redis_args, {}, logs / "redis.log"), lambda: _redis_ok(where.redis_url)
+            "redis", lambda _: _popen(redis_args, {}, logs / "redis.log"), lambda: _redis_ok(where.redis_url)
         ),
         "inference": Service("inference", inference, lambda: _http_ok(f"{where.serve_url}/v1/models")),
         "gateway": Service(
             "gateway",
-            lambda: _popen(plan["gateway"][0], {**plan["gateway"][1], **job_timeout}, logs / "gateway.log"),
+            lambda _: _popen(plan["gateway"][0], {**plan["gateway"][1], **job_timeout}, logs / "gateway.log"),
             lambda: _http_ok(f"{gateway_url}/healthz"),
         ),
-        "worker": Service("worker", lambda: _popen(*plan["worker"], logs / "worker.log"), lambda: True),
-        "learner": Service("learner", lambda: _popen(*plan["learner"], logs / "learner.log"), lambda: True),
+        "worker": Service("worker", lambda _: _popen(*plan["worker"], logs / "worker.log"), lambda: True),
+        "learner": Service("learner", lambda _: _popen(*plan["learner"], logs / "learner.log"), lambda: True),
     }
 
 
@@ -264,10 +273,8 @@ def killer(
     args: argparse.Namespace, run: Run, procs: dict[str, Service], where: Where, stopping: threading.Event
 ) -> None:
     rng = random.Random(args.seed)
-    rounds = -(-args.kills // len(SERVICES))
-    plan = [name for _ in range(rounds) for name in SERVICES]
-    rng.shuffle(plan)
-    plan = plan[: max(args.kills, 2 * len(SERVICES))]
+    plan = [*SERVICES, *SERVICES] + [rng.choice(SERVICES) for _ in range(args.kills - 2 * len(SERVICES))]
+    rng.shuffle(plan)  # every service at least twice
     client = redis.Redis.from_url(where.redis_url, socket_timeout=1, socket_connect_timeout=1)
     aimed: Counter = Counter()
     for name in plan:
@@ -293,7 +300,7 @@ def killer(
             while time.monotonic() < deadline and not stopping.is_set():
                 with contextlib.suppress(redis.RedisError):
                     if client.zcard(f"rq:wip:{where.queue}"):
-                        context = "with a reward job in flight"
+                        context = "as a reward job was in flight"
                         break
                 time.sleep(0.001)
         pid = service.kill()
@@ -342,13 +349,23 @@ def store_view(client: redis.Redis, prefix: str, rollouts: list[str]) -> dict[st
     return view
 
 
+def _jobs_waiting(client: redis.Redis, queue: str) -> int:
+    """rq's jobs not started: queued, being moved to a worker (its intermediate list), or scheduled for a
+    retry with backoff (rq 3's keys)."""
+    return (
+        client.llen(f"rq:queue:{queue}")
+        + client.llen(f"rq:queue:{queue}:intermediate")
+        + client.zcard(f"rq:scheduled:{queue}")
+    )
+
+
 def drain(args: argparse.Namespace, where: Where, finished: list[str], client: redis.Redis) -> float:
     """Wait until no reward job is queued or started and no finished episode is still open or closed
     untrained (up to --drain-s); seconds waited."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < args.drain_s:
         try:
-            jobs = client.llen(f"rq:queue:{where.queue}") + client.zcard(f"rq:wip:{where.queue}")
+            jobs = _jobs_waiting(client, where.queue) + client.zcard(f"rq:wip:{where.queue}")
             pipe = client.pipeline(transaction=False)
             for rid in finished:
                 pipe.hget(f"{where.prefix}:rollout:{{{rid}}}", "status")
@@ -396,12 +413,12 @@ def count(
     consumed = [rid for rid in finished if view[rid]["hash"].get("status") == "consumed"]
     consumed_untrained = [rid for rid in consumed if rid not in trained_in]  # dropped: alone in its group
     queue = where.queue
-    jobs = {
-        "asked": sum(1 for s in finished.values() if s == 202),
-        "finished": client.zcard(f"rq:finished:{queue}"),
-        "failed": client.zcard(f"rq:failed:{queue}"),
+    jobs = {  # per episode an agent finished (its finish asked for a job, perhaps twice on a retry)
+        "asked": len(finished),
+        "ended": sum(1 for rid in finished if view[rid]["hash"].get("status") not in (None, "open")),
+        "failed": sum(1 for rid in finished if view[rid]["hash"].get("status") == "failed"),
         "started_at_end": client.zcard(f"rq:wip:{queue}"),
-        "queued_at_end": client.llen(f"rq:queue:{queue}"),
+        "queued_at_end": _jobs_waiting(client, queue),
     }
     steps = read_steps(where.learner_dir / "steps.jsonl")
     cfg = DemoConfig(run.workdir, args.minutes, args.target, True, where.redis_url, 0, 16, 4, 0.0, 0)
@@ -436,6 +453,7 @@ def count(
         "success_final": sum(s["success_rate"] for s in cfg.recent(steps)) / len(cfg.recent(steps))
         if steps
         else None,
+        "kills_before_target": run.kills_before_target,
         "reached_target": run.target_s is not None,  # during the run (the drain's last groups come after)
         "success_at_target": run.success_at_target,
         "seconds_to_target": run.target_s,
@@ -459,6 +477,31 @@ def run_once(args: argparse.Namespace, faults: bool, model: Path) -> dict:
     )
     procs = services(args, run, model, where)
     stopping, kills_stop = threading.Event(), threading.Event()
+    agents: list[subprocess.Popen] = []  # the agents' process, once started
+    try:
+        return _run(args, run, where, procs, model, faults, stopping, kills_stop, agents.append)
+    finally:
+        kills_stop.set()
+        stopping.set()
+        for process in agents:
+            if process.poll() is None:
+                process.kill()
+        for name in ("learner", "worker", "gateway", "inference", "redis"):
+            procs[name].stop()
+
+
+def _run(
+    args: argparse.Namespace,
+    run: Run,
+    where: Where,
+    procs: dict[str, Service],
+    model: Path,
+    faults: bool,
+    stopping: threading.Event,
+    kills_stop: threading.Event,
+    register: Callable[[subprocess.Popen], None],
+) -> dict:
+    workdir = run.workdir
     say(f"{'chaos' if faults else 'baseline (no faults)'}: starting {', '.join(procs)} in {workdir}")
     for name in ("redis", "inference", "gateway", "worker", "learner"):
         procs[name].thread = threading.Thread(target=procs[name].supervise, args=(stopping,), daemon=True)
@@ -468,23 +511,10 @@ def run_once(args: argparse.Namespace, faults: bool, model: Path) -> dict:
             if time.monotonic() > deadline:
                 raise SystemExit(f"chaos: {name} did not come up; see {workdir / 'logs'}")
             time.sleep(0.2)
-    cfg_plan = commands(
-        DemoConfig(
-            workdir,
-            args.minutes,
-            args.target,
-            True,
-            where.redis_url,
-            args.concurrency,
-            16,
-            4,
-            2e-3,
-            args.seed,
-        ),
-        model,
-        where,
-        ("--ledger", str(where.agent_stats)),
+    config = DemoConfig(
+        workdir, args.minutes, args.target, True, where.redis_url, args.concurrency, 16, 4, 2e-3, args.seed
     )
+    agent_args, agent_env = commands(config, model, where, ("--ledger", str(where.agent_stats)))["agent"]
     group_deadline = time.monotonic() + 300
     client = redis.Redis.from_url(where.redis_url, socket_timeout=5)
     while time.monotonic() < group_deadline:  # the agents start once the learner reads the stream
@@ -493,48 +523,38 @@ def run_once(args: argparse.Namespace, faults: bool, model: Path) -> dict:
                 break
         time.sleep(0.2)
     run.started = time.monotonic()
-    agent = _popen(cfg_plan["agent"][0], cfg_plan["agent"][1], workdir / "logs" / "agent.log")
-    watcher = threading.Thread(target=watch_pointer, args=(run, where, stopping), daemon=True)
-    watcher.start()
+    agent = _popen(agent_args, agent_env, workdir / "logs" / "agent.log")
+    register(agent)
+    threading.Thread(target=watch_pointer, args=(run, where, stopping), daemon=True).start()
     chaos = threading.Thread(target=killer, args=(args, run, procs, where, kills_stop), daemon=True)
     if faults:
         chaos.start()
-    drained = 0.0
-    try:
-        cfg = DemoConfig(workdir, args.minutes, args.target, True, where.redis_url, 0, 16, 4, 0.0, 0)
-        shown = 0
-        while time.monotonic() - run.started < args.minutes * 60:
-            steps = read_steps(where.learner_dir / "steps.jsonl")
-            if len(steps) > shown:
-                shown = len(steps)
-                last = steps[-1]
-                say(f"step {last['step']}: v{last['policy_version']} success {last['success_rate']:.0%}")
-            if run.target_s is None and cfg.reached(steps):
-                run.target_s = round(time.monotonic() - run.started, 1)
-                recent = cfg.recent(steps)
-                run.success_at_target = sum(s["success_rate"] for s in recent) / len(recent)
-                say(f"target reached in {run.target_s} s")
-            if run.target_s is not None and not chaos.is_alive():
-                break
-            time.sleep(0.5)
-        kills_stop.set()
-        if faults:
-            chaos.join(timeout=90)
-        say("stopping the agents; draining")
-        agent.send_signal(signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            agent.wait(timeout=30)
-        _, finished, _ = ledger(where.agent_stats)
-        drained = drain(args, where, list(finished), client)
-        result = count(args, run, where, procs, drained)
-    finally:
-        kills_stop.set()
-        stopping.set()
-        if agent.poll() is None:
-            agent.kill()
-        for name in ("learner", "worker", "gateway", "inference", "redis"):
-            procs[name].stop()
-    return result
+    shown = 0
+    while time.monotonic() - run.started < args.minutes * 60:
+        steps = read_steps(where.learner_dir / "steps.jsonl")
+        if len(steps) > shown:
+            shown = len(steps)
+            last = steps[-1]
+            say(f"step {last['step']}: v{last['policy_version']} success {last['success_rate']:.0%}")
+        if run.target_s is None and config.reached(steps):
+            run.target_s = round(time.monotonic() - run.started, 1)
+            run.kills_before_target = len(run.kills)
+            recent = config.recent(steps)
+            run.success_at_target = sum(s["success_rate"] for s in recent) / len(recent)
+            say(f"target reached in {run.target_s} s")
+        if run.target_s is not None and not chaos.is_alive():
+            break
+        time.sleep(0.5)
+    kills_stop.set()
+    if faults:
+        chaos.join(timeout=90)
+    say("stopping the agents; draining")
+    agent.send_signal(signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        agent.wait(timeout=30)
+    _, finished, _ = ledger(where.agent_stats)
+    drained = drain(args, where, list(finished), client)
+    return count(args, run, where, procs, drained)
 
 
 def table(baseline: dict | None, chaos: dict) -> str:
@@ -552,8 +572,8 @@ def table(baseline: dict | None, chaos: dict) -> str:
         ("open at the end", "episodes_open_at_end"),
         ("ended without a reason", "episodes_ended_without_reason"),
         ("episodes trained twice", "episodes_trained_twice"),
-        ("reward jobs asked / finished", None),
-        ("reward jobs failed", None),
+        ("episodes with a reward job / ended", None),
+        ("ended failed by their job", None),
         ("jobs started or queued at the end", None),
         ("versions named / served", None),
         ("calls served by unnamed versions", "calls_served_by_unnamed_versions"),
@@ -561,6 +581,7 @@ def table(baseline: dict | None, chaos: dict) -> str:
         ("success: first step -> target", None),
         ("reached target", "reached_target"),
         ("seconds to target", "seconds_to_target"),
+        ("kills before the target", "kills_before_target"),
     ]
 
     def cell(r: dict | None, label: str, key: str | None) -> str:
@@ -568,8 +589,8 @@ def table(baseline: dict | None, chaos: dict) -> str:
             return "-"
         j = r["reward_jobs"]
         special = {
-            "reward jobs asked / finished": f"{j['asked']} / {j['finished']}",
-            "reward jobs failed": str(j["failed"]),
+            "episodes with a reward job / ended": f"{j['asked']} / {j['ended']}",
+            "ended failed by their job": str(j["failed"]),
             "jobs started or queued at the end": str(j["started_at_end"] + j["queued_at_end"]),
             "versions named / served": f"{r['versions_named']} / {r['versions_served']}",
             "success: first step -> target": (
@@ -650,7 +671,10 @@ def main(argv: list[str] | None = None) -> int:
     bad = {
         "acknowledged calls lost": chaos["acknowledged_calls_lost"],
         "episodes trained twice": chaos["episodes_trained_twice"],
-        "reward jobs left hanging": jobs["started_at_end"] + jobs["queued_at_end"],
+        "reward jobs left hanging": jobs["started_at_end"]
+        + jobs["queued_at_end"]
+        + jobs["asked"]
+        - jobs["ended"],
         "calls served by a version never named": chaos["calls_served_by_unnamed_versions"],
         "episodes ended without a reason": chaos["episodes_ended_without_reason"],
         "target not reached": int(not chaos["reached_target"]),

@@ -311,13 +311,19 @@ def vllm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def vllm(vllm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
     """Real vLLM (the CPU build, `rlgate.vllm_server`) on the default tiny model, started once, serving
-    it under the fake upstream's model name with the flags the learner needs; `url` ends in /v1."""
+    it under the fake upstream's model name with the flags the learner needs; `url` ends in /v1. Without
+    its prefix cache, so that two equal seeded requests give the same answer to the last bit."""
     from rlgate import vllm_server
 
     python = vllm_python()
     log_dir = tmp_path_factory.mktemp("vllm")
     server = vllm_server.start(
-        python, vllm_model, log_dir / "vllm.log", port=free_port(), served_model_names=("fake-model",)
+        python,
+        vllm_model,
+        log_dir / "vllm.log",
+        port=free_port(),
+        served_model_names=("fake-model",),
+        prefix_caching=False,
     )
     yield Proc(server.process, f"{server.url}/v1", server.log_path, engine="vllm")
     server.stop()

@@ -39,5 +39,5 @@ def test_chaos_quick_reaches_the_target_losing_nothing(tmp_path: Path):
     assert chaos["episodes_ended_without_reason"] == 0
     assert chaos["reward_jobs"]["started_at_end"] + chaos["reward_jobs"]["queued_at_end"] == 0
     assert chaos["calls_served_by_unnamed_versions"] == 0
-    assert chaos["reached_target"] is True
+    assert chaos["reached_target"] is True and chaos["kills_before_target"] >= 5  # it learned under faults
     assert "| acknowledged calls lost" in result.stdout and "chaos: everything held" in result.stdout

@@ -181,3 +181,52 @@ def test_the_gateway_records_exactly_what_real_vllm_returned(vllm_gateway: Proc,
         for c in sorted(calls, key=lambda c: c["choice_index"])
     ]
     assert recorded == answered
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_through_the_gateway_the_record_is_what_real_vllm_answers_the_same_seeded_request(
+    vllm: Proc, vllm_gateway: Proc, endpoint: str, stream: bool
+):
+    """The same seeded request twice, once straight to real vLLM asking for the token ids and log-probs,
+    once through the gateway as an agent sends it (asking for neither: the gateway adds what it records):
+    the record holds exactly vLLM's answer (prompt ids, completion ids, sampled log-probs, to the last
+    bit), for each of n choices, streamed or not. (The session's vLLM runs without its prefix cache, so
+    equal requests compute alike: the test asks it twice first to show that.)"""
+    import uuid
+
+    common = {
+        "model": "fake-model",
+        "max_tokens": 12,
+        "temperature": 1.0,
+        "seed": 11,
+        "n": 2,
+        "stream": stream,
+    }
+    if endpoint == "chat":
+        plain = {**common, "messages": [{"role": "user", "content": "count on: 4 5 6"}]}
+        asked = {**plain, "logprobs": True, "return_token_ids": True}
+        path = "chat/completions"
+    else:
+        plain = {**common, "prompt": "count on: 4 5 6"}
+        asked = {**plain, "logprobs": 0, "return_token_ids": True}
+        path = "completions"
+    direct = [
+        _answered(endpoint, asked, httpx.post(f"{vllm.url}/{path}", json=asked, timeout=120).content)
+        for _ in range(2)
+    ]
+    assert direct[0] == direct[1], "real vLLM answered the same seeded request differently"
+    assert len(direct[0]) == 2 and all(c["ids"] and c["prompt"] and c["logprobs"] for c in direct[0])
+    rid = uuid.uuid4().hex
+    response = httpx.post(f"{vllm_gateway.url}/rollouts/{rid}/v1/{path}", json=plain, timeout=120)
+    assert response.status_code == 200, response.text
+    calls = httpx.get(f"{vllm_gateway.url}/rollouts/{rid}", timeout=30).json()["calls"]
+    recorded = [
+        {
+            "prompt": c["prompt_token_ids"],
+            "ids": c["completion_token_ids"],
+            "logprobs": c["completion_logprobs"],
+        }
+        for c in sorted(calls, key=lambda c: c["choice_index"])
+    ]
+    assert recorded == direct[0]
