@@ -251,16 +251,16 @@ class WorkerCommand(SharedSettings):
         Queue(self.reward_queue, connection=connection).release_maintenance_lock()
         wait = 0.5
         while True:
-            worker = RewardWorker(
-                [self.reward_queue],
-                connection=connection,
-                serializer=JSONSerializer,
-                maintenance_interval=self.abandoned_check_s,
-                # rq looks only between jobs or when a wait for one times out, after worker_ttl - 15 s
-                worker_ttl=self.abandoned_check_s + 15,
-            )
             started = time.monotonic()
             try:
+                worker = RewardWorker(
+                    [self.reward_queue],
+                    connection=connection,
+                    serializer=JSONSerializer,
+                    maintenance_interval=self.abandoned_check_s,
+                    # rq looks only between jobs or when a wait for one times out, after worker_ttl - 15 s
+                    worker_ttl=self.abandoned_check_s + 15,
+                )
                 worker.work(burst=self.burst, with_scheduler=True)
                 failure = "rq's loop quit (its log says why)"
             except redis.RedisError as exc:  # rq's own teardown on a Redis that went away

@@ -172,8 +172,9 @@ def jobs_path(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_the_gateway_worker_and_learner_ride_out_a_redis_restart(
     model: Path, store: AofRedis, tmp_path: Path, jobs_path: None
 ):
-    """Redis is killed (SIGKILL) after the first step and started again: the same gateway, worker and
-    learner processes record, reward and train the next episodes (the learner then stops at max_steps)."""
+    """Redis is killed (SIGKILL) after the first step, while the worker runs a job, and started again: the
+    same gateway, worker and learner processes record, reward and train the next episodes (the learner then
+    stops at max_steps)."""
     serve = start_rlgate_serve(model, tmp_path, MODEL, lora=True, weights_root=tmp_path)
     gateway = gateway_with_jobs(tmp_path, serve, store, policy_poll_s="0.1")
     jobs = worker(store, tmp_path / "worker.log")
@@ -193,8 +194,14 @@ def test_the_gateway_worker_and_learner_ride_out_a_redis_restart(
             )
             assert status(store, by_job) == b"consumed"
             if round_ == 1:
+                # Redis dies while the worker runs a job (its end cannot be written: rq's loop quits)
+                stalled = call(gateway, "stalled")
+                finish_by_job(gateway, stalled, store, seconds=3.0)
+                wait_until(
+                    lambda r=stalled: store.client().get(f"runs:{r}") == b"1", 30, "the job started", jobs
+                )
                 store.kill()
-                time.sleep(3)  # every service meets a Redis that is gone
+                time.sleep(4)  # every service meets a Redis that is gone
                 store.start()
         assert trainer.wait(timeout=60) == 0, (tmp_path / "learner.log").read_text()[-3000:]
         assert jobs.poll() is None and gateway.process.poll() is None  # the same processes
