@@ -567,7 +567,7 @@ def table(baseline: dict | None, chaos: dict) -> str:
         ("episodes finished by agents", "episodes_finished"),
         ("episodes failed by agents", "episodes_failed_by_agents"),
         ("episodes trained", "episodes_trained"),
-        ("dropped untrained (alone in a group)", "episodes_consumed_untrained"),
+        ("dropped untrained (alone in group)", "episodes_consumed_untrained"),
         ("closed, untrained at the end", "episodes_closed_untrained"),
         ("open at the end", "episodes_open_at_end"),
         ("ended without a reason", "episodes_ended_without_reason"),
