@@ -247,11 +247,22 @@ class WorkerCommand(SharedSettings):
                             queue.release_maintenance_lock()
                     raise
 
-        # a worker killed while it cleaned left rq's lock behind: cleaning twice at once is harmless
+        # a worker killed while it cleaned left rq's lock behind (899 s): cleaning twice at once is harmless
+        # (an abandoned job's retry and an episode's close or failure each happen once)
         Queue(self.reward_queue, connection=connection).release_maintenance_lock()
+
+        def stop_asked(signum: int, frame: Any) -> None:  # outside rq's loop (it installs its own inside)
+            stop_signals.append(signum)
+
+        def own_handlers() -> None:
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(signum, stop_asked)
+
+        own_handlers()
         wait = 0.5
-        while True:
+        while not stop_signals:
             started = time.monotonic()
+            worker = None
             try:
                 worker = RewardWorker(
                     [self.reward_queue],
@@ -262,23 +273,34 @@ class WorkerCommand(SharedSettings):
                     worker_ttl=self.abandoned_check_s + 15,
                 )
                 worker.work(burst=self.burst, with_scheduler=True)
-                failure = "rq's loop quit (its log says why)"
-            except redis.RedisError as exc:  # rq's own teardown on a Redis that went away
-                failure = str(exc)
-            except StopRequested:  # a signal between rq's loop and its teardown
+                failure: Exception | None = None
+            except redis.RedisError as exc:  # rq's own teardown (or its start) on a Redis that went away
+                failure = exc
+            except StopRequested:  # a signal to rq's handlers outside its loop
                 return
-            for signum in (signal.SIGTERM, signal.SIGINT):  # rq's handlers expect its loop
-                signal.signal(signum, lambda signum, frame: stop_signals.append(signum))
-            if stop_signals or self.burst:
+            finally:
+                own_handlers()
+                if (
+                    worker is not None
+                    and worker.pubsub_thread is not None
+                    and worker.pubsub_thread.is_alive()
+                ):
+                    with contextlib.suppress(Exception):  # rq's teardown failed before unsubscribing
+                        worker.pubsub_thread.stop()
+                        worker.pubsub_thread.join(timeout=1)
+            if stop_signals:
+                return
+            if self.burst:
+                if failure is not None:
+                    raise failure
                 return
             # rq quits its loop on any error, a Redis restarting among them: a worker works on until stopped
             wait = 0.5 if time.monotonic() - started > 60 else wait
-            structlog.get_logger("rlgate.worker").warning("worker_restarting", error=failure, retry_in_s=wait)
+            reason = str(failure) if failure is not None else "rq's loop quit (its log says why)"
+            structlog.get_logger("rlgate.worker").warning("worker_restarting", error=reason, retry_in_s=wait)
             deadline = time.monotonic() + wait
             while time.monotonic() < deadline and not stop_signals:
                 time.sleep(0.1)
-            if stop_signals:
-                return
             wait = min(wait * 2, 10.0)
 
 

@@ -17,16 +17,19 @@ killed and when, and at the end a table counted apart from the services' own rep
 - calls: acknowledged (the agents' ledger) against recorded (the store, read directly, by response id);
 - episodes: finished by an agent against closed, trained (`consumed` in the store), failed or expired with
   a reason, and trained twice (in two steps of the learner's `trained.jsonl`);
-- reward jobs: asked for against finished, retried, failed, and left started or queued at the end;
+- reward jobs: per episode an agent finished, whether a job ended it (closed or failed it), and rq's jobs
+  left started, queued or scheduled at the end;
 - policy versions: named by the pointer (polled) against those the recorded calls were served with;
 - the success rate's rise (the learner's steps, the demo's target) and the time to the target, against the
   same run without faults first (`--no-baseline` skips it).
 
-The run ends when every kill is done and the target is met (or at `--minutes`), then the agents stop and
-it waits up to `--drain-s` for every reward job and closed episode to be done before counting.
+The run ends when every kill is done and the target is met on a step trained after the last kill (or at
+`--minutes`), then the agents stop and it waits up to `--drain-s` for every reward job and closed episode
+to be done before counting.
 `--json PATH` writes the table (keys `kills`, `acknowledged_calls_lost`, `episodes_trained_twice`,
-`reached_target`, ...). The exit status is 1 when a call was lost, an episode was trained twice, a job was
-left hanging, a call was served by a version the pointer never named, or the target was not reached.
+`reached_target`, ...). The exit status is 1 when a call was lost, an episode was trained twice or left
+untrained, a job was left hanging, a service died unasked, a call was served by a version the pointer
+never named, or the target was not reached after the last kill.
 """
 
 from __future__ import annotations
@@ -156,6 +159,7 @@ class Run:
     target_s: float | None = None
     success_at_target: float | None = None  # the demo's recent success rate when the target was met
     kills_before_target: int | None = None
+    held_after_kills: bool = False  # the target met on a step trained after the last kill
 
 
 def _popen(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
@@ -403,15 +407,20 @@ def count(
     trained_in: Counter = Counter()
     steps_file = where.learner_dir / "trained.jsonl"
     trained_versions = set()
+    unreadable = 0  # a torn line (the learner killed mid-write) is followed by a whole one; more is a bug
     if steps_file.is_file():
         for line in steps_file.read_text().splitlines():
-            with contextlib.suppress(ValueError):
+            try:
                 entry = json.loads(line)
-                trained_versions.add(entry["policy_version"])
-                trained_in.update(entry["rollouts"])
+            except ValueError:
+                unreadable += 1
+                continue
+            trained_versions.add(entry["policy_version"])
+            trained_in.update(entry["rollouts"])
     twice = sorted(rid for rid, n in trained_in.items() if n > 1)
     consumed = [rid for rid in finished if view[rid]["hash"].get("status") == "consumed"]
-    consumed_untrained = [rid for rid in consumed if rid not in trained_in]  # dropped: alone in its group
+    # acknowledged without training: alone in its group, or every call dropped (stale, failed, ...)
+    consumed_untrained = [rid for rid in consumed if rid not in trained_in]
     queue = where.queue
     jobs = {  # per episode an agent finished (its finish asked for a job, perhaps twice on a retry)
         "asked": len(finished),
@@ -443,6 +452,7 @@ def count(
         "episodes_open_at_end": status.get("open", 0),
         "episodes_ended_without_reason": len(no_reason),
         "episodes_trained_twice": len(twice),
+        "trained_ledger_unreadable_lines": unreadable,
         "reward_jobs": jobs,
         "versions_named": len(run.named_versions),
         "versions_served": len(served),
@@ -454,7 +464,8 @@ def count(
         if steps
         else None,
         "kills_before_target": run.kills_before_target,
-        "reached_target": run.target_s is not None,  # during the run (the drain's last groups come after)
+        # met on a step trained after the last kill (the drain's last partial groups come after)
+        "reached_target": run.held_after_kills,
         "success_at_target": run.success_at_target,
         "seconds_to_target": run.target_s,
         "drain_seconds": round(drained_s, 1),
@@ -530,6 +541,7 @@ def _run(
     if faults:
         chaos.start()
     shown = 0
+    steps_when_kills_ended: int | None = None
     while time.monotonic() - run.started < args.minutes * 60:
         steps = read_steps(where.learner_dir / "steps.jsonl")
         if len(steps) > shown:
@@ -542,7 +554,15 @@ def _run(
             recent = config.recent(steps)
             run.success_at_target = sum(s["success_rate"] for s in recent) / len(recent)
             say(f"target reached in {run.target_s} s")
-        if run.target_s is not None and not chaos.is_alive():
+        if steps_when_kills_ended is None and not chaos.is_alive():
+            steps_when_kills_ended = len(steps)
+        # done when the target holds on a step trained after the last kill: the loop learned through them
+        if (
+            steps_when_kills_ended is not None
+            and len(steps) > steps_when_kills_ended
+            and config.reached(steps)
+        ):
+            run.held_after_kills = True
             break
         time.sleep(0.5)
     kills_stop.set()
@@ -567,7 +587,7 @@ def table(baseline: dict | None, chaos: dict) -> str:
         ("episodes finished by agents", "episodes_finished"),
         ("episodes failed by agents", "episodes_failed_by_agents"),
         ("episodes trained", "episodes_trained"),
-        ("dropped untrained (alone in group)", "episodes_consumed_untrained"),
+        ("consumed, in no step", "episodes_consumed_untrained"),
         ("closed, untrained at the end", "episodes_closed_untrained"),
         ("open at the end", "episodes_open_at_end"),
         ("ended without a reason", "episodes_ended_without_reason"),
@@ -619,7 +639,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--minutes", type=float, default=None, help="Bound of each run's loop (default 25).")
     parser.add_argument("--interval", type=float, nargs=2, default=None, metavar=("MIN", "MAX"))
     parser.add_argument("--min-up-s", type=float, default=3.0, help="A service is killed once up this long.")
-    parser.add_argument("--drain-s", type=float, default=150.0, help="Wait for jobs and episodes at the end.")
+    parser.add_argument("--drain-s", type=float, default=240.0, help="Wait for jobs and episodes at the end.")
     parser.add_argument("--target", type=float, default=0.9, help="The demo's target success rate.")
     parser.add_argument("--concurrency", type=int, default=16, help="Agent episodes in flight.")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the kills, the model and the questions.")
@@ -677,6 +697,9 @@ def main(argv: list[str] | None = None) -> int:
         - jobs["ended"],
         "calls served by a version never named": chaos["calls_served_by_unnamed_versions"],
         "episodes ended without a reason": chaos["episodes_ended_without_reason"],
+        "episodes finished but never trained nor dropped": chaos["episodes_closed_untrained"]
+        + chaos["episodes_open_at_end"],
+        "services that died unasked": sum(chaos["exits_unasked"].values()),
         "target not reached": int(not chaos["reached_target"]),
     }
     failed = {k: v for k, v in bad.items() if v}

@@ -16,6 +16,7 @@ from conftest import ROOT, vllm_python
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1300)
 def test_chaos_quick_reaches_the_target_losing_nothing(tmp_path: Path):
     python = vllm_python()  # real vLLM, as scripts/chaos uses where it is installed
     result = subprocess.run(
@@ -39,5 +40,7 @@ def test_chaos_quick_reaches_the_target_losing_nothing(tmp_path: Path):
     assert chaos["episodes_ended_without_reason"] == 0
     assert chaos["reward_jobs"]["started_at_end"] + chaos["reward_jobs"]["queued_at_end"] == 0
     assert chaos["calls_served_by_unnamed_versions"] == 0
-    assert chaos["reached_target"] is True and chaos["kills_before_target"] >= 5  # it learned under faults
+    assert chaos["reached_target"] is True  # the target held on a step trained after the last kill
+    assert chaos["exits_unasked"] == {}  # nothing died but what was killed
+    assert chaos["trained_ledger_unreadable_lines"] == 0
     assert "| acknowledged calls lost" in result.stdout and "chaos: everything held" in result.stdout

@@ -169,6 +169,7 @@ def jobs_path(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_the_gateway_worker_and_learner_ride_out_a_redis_restart(
     model: Path, store: AofRedis, tmp_path: Path, jobs_path: None
 ):
@@ -217,6 +218,7 @@ def test_the_gateway_worker_and_learner_ride_out_a_redis_restart(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_the_learner_waits_for_a_server_to_push_to_and_gives_a_restarted_one_its_adapter(
     model: Path, store: AofRedis, tmp_path: Path
 ):
@@ -262,6 +264,7 @@ def test_the_learner_waits_for_a_server_to_push_to_and_gives_a_restarted_one_its
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_a_reward_job_whose_worker_died_mid_job_is_retried(
     model: Path, store: AofRedis, tmp_path: Path, jobs_path: None
 ):
