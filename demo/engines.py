@@ -104,13 +104,7 @@ def start(
     started = time.monotonic()
     serve = spawn(
         "serve",
-        [
-            *(sys.executable, "-m", "rlgate", "serve"),
-            *("--model", str(model), "--port", str(port), "--served-model-name", model_name),
-            *("--log-format", "json", "--logprobs-mode", "processed_logprobs"),
-            # the learner loads its adapters (saved under the workdir) at runtime
-            *("--allow-runtime-lora-updating", "true", "--weights-root", str(workdir)),
-        ],
+        serve_command(model, model_name, port, workdir),
         stdout=subprocess.PIPE,
     )
     line = serve.stdout.readline()
@@ -125,6 +119,17 @@ def start(
         rss_mb=rss,
         fallback_reason=reason,
     )
+
+
+def serve_command(model: Path, model_name: str, port: int, workdir: Path) -> list[str]:
+    """`rlgate serve` on `model` as the learner needs it: runtime LoRA (its adapters under `workdir`) and the
+    log-probs of the distribution it samples from."""
+    return [
+        *(sys.executable, "-m", "rlgate", "serve"),
+        *("--model", str(model), "--port", str(port), "--served-model-name", model_name),
+        *("--log-format", "json", "--logprobs-mode", "processed_logprobs"),
+        *("--allow-runtime-lora-updating", "true", "--weights-root", str(workdir)),
+    ]
 
 
 def _rss_mb(pid: int) -> float | None:

@@ -105,9 +105,10 @@ class Learner:
             )
         self.step = 0
         self.version = 0
-        self.pushed = 0  # the last step whose version the servers took
-        self.settled = 0  # the last step whose episodes are acknowledged
-        self.unsettled: list[ClosedEpisode] = []  # the entries of a checkpointed step not settled yet
+        # a checkpointed step not finished yet (`_recover` finishes it): its version not pushed, its
+        # episodes not acknowledged
+        self.unpushed = False
+        self.unsettled: list[ClosedEpisode] = []
         self.writer = None
         if settings.tensorboard and self.ranks.leader:
             from torch.utils.tensorboard import SummaryWriter
@@ -174,13 +175,13 @@ class Learner:
             await self._keeping_ranks(asyncio.sleep(wait))
             wait = min(wait * 2, 10.0)
             try:
-                if self.pushed < self.step:
+                if self.unpushed:
                     await self._keeping_ranks(self.pusher.push(self.version, self.policy))
-                    self.pushed = self.step
-                if self.settled < self.step:
+                    self.unpushed = False
+                if self.unsettled:
                     await self._ack(self.unsettled)
                     self.episodes_trained += len(self.unsettled)
-                    self.settled, self.unsettled = self.step, []
+                    self.unsettled = []
                 # what this learner held in memory is pending in Redis under its name: read it back afresh
                 # (an entry half-handled when Redis went away stays in neither place otherwise)
                 self.collector.waiting.clear()
@@ -221,15 +222,15 @@ class Learner:
         self.ranks.send(Order("resume", policy_dir=str(saved.policy_dir)))
         self.ranks.guard("loading the checkpoint", self.policy.load, saved.policy_dir)
         self.step, self.version = saved.step, saved.version
-        self.unsettled = saved.trained  # (settled below, or by `_recover` if a server or Redis is down)
+        # pushed and acknowledged below (or by `_recover` if a server or Redis is down)
+        self.unpushed, self.unsettled = self.version > 0, saved.trained
         self._provenance(saved.trained)  # (if the learner died before writing it)
-        if self.version > 0:
+        if self.unpushed:
             # harmless if it had already been pushed
             await self._keeping_ranks(self.pusher.push(self.version, self.policy))
-        self.pushed = self.step
-        for entry in saved.trained:  # trained in the checkpoint, perhaps never acknowledged
-            await self.stream.ack(entry)
-        self.settled = self.step
+            self.unpushed = False
+        await self._ack(saved.trained)  # trained in the checkpoint, perhaps never acknowledged
+        self.unsettled = []
         log.info("resumed", step=self.step, policy_version=self.version, acknowledged=len(saved.trained))
 
     async def train_step(self, groups: list[Group]) -> dict[str, Any] | None:
@@ -279,13 +280,13 @@ class Learner:
             self.ranks,
         )
         self._provenance(entries)
-        self.unsettled = entries  # checkpointed; pushed and acknowledged below (or by `_recover`)
+        self.unpushed, self.unsettled = True, entries  # checkpointed; finished below (or by `_recover`)
         self.ranks.agree()  # every rank trained and saved its part: only now push and acknowledge
         push_s = await self._keeping_ranks(self.pusher.push(self.version, self.policy))
-        self.pushed = self.step
+        self.unpushed = False
         await self._ack(entries)
         self.episodes_trained += len(entries)
-        self.settled, self.unsettled = self.step, []
+        self.unsettled = []
 
         val, train = self.collector.validation, self.collector.uniform
         self.collector.validation = Tally(s.success_threshold)
@@ -521,8 +522,9 @@ class Learner:
         learner died before writing it. Which episodes made a version, and how a check (`scripts/chaos`)
         finds an episode trained twice. It grows by one line per step (about 40 bytes per episode)."""
         path = self.output_dir / "trained.jsonl"
-        try:  # the last line: is this step written already?
-            if json.loads(_last_line(path) or b"{}").get("step", -1) >= self.step:
+        last, whole = _last_line(path)
+        try:  # is this step written already?
+            if json.loads(last or b"{}").get("step", -1) >= self.step:
                 return
         except ValueError:  # a torn last line (a crash mid-write): a line of its own follows
             pass
@@ -532,8 +534,7 @@ class Learner:
             "rollouts": [e.rollout_id for e in entries],
         }
         with path.open("a") as f:
-            torn = path.stat().st_size and not _ends_in_newline(path)
-            f.write(("\n" if torn else "") + json.dumps(line) + "\n")
+            f.write(("" if whole else "\n") + json.dumps(line) + "\n")
 
     def _log(self, metrics: dict[str, Any]) -> None:
         log.info("step", **{k: round(v, 6) if isinstance(v, float) else v for k, v in metrics.items()})
@@ -554,10 +555,11 @@ class Learner:
             self.writer.flush()
 
 
-def _last_line(path: Path, block: int = 65536) -> bytes | None:
-    """The file's last non-empty line (None: no file or nothing in it), read backwards block by block."""
+def _last_line(path: Path, block: int = 65536) -> tuple[bytes | None, bool]:
+    """The file's last non-empty line (None: no file or nothing in it), read backwards block by block,
+    and whether the file ends in a newline (a line cut short by a crash does not)."""
     if not path.is_file():
-        return None
+        return None, True
     with path.open("rb") as f:
         end = f.seek(0, 2)
         tail = b""
@@ -568,17 +570,8 @@ def _last_line(path: Path, block: int = 65536) -> bytes | None:
             end = start
             stripped = tail.rstrip(b"\n")
             if b"\n" in stripped or end == 0:
-                return stripped.rsplit(b"\n", 1)[-1] or None
-    return None
-
-
-def _ends_in_newline(path: Path) -> bool:
-    with path.open("rb") as f:
-        f.seek(0, 2)
-        if f.tell() == 0:
-            return True
-        f.seek(-1, 2)
-        return f.read(1) == b"\n"
+                return stripped.rsplit(b"\n", 1)[-1] or None, tail.endswith(b"\n")
+    return None, True
 
 
 def _finite_rewards(view: RolloutView) -> bool:

@@ -103,21 +103,26 @@ class LoraPusher:
                     if name in served:
                         continue
                     try:
-                        await _post(
-                            session,
-                            f"{url}/v1/load_lora_adapter",
-                            {"lora_name": name, "lora_path": str(path), "load_inplace": True},
-                        )
+                        await self._load(session, url, pointer.version, path)
                     except PushError as exc:
                         log.warning("adapter_reload_failed", server=url, adapter=name, error=str(exc))
                         continue
                     log.warning(
                         "adapter_reloaded", server=url, adapter=name, reason="the server did not list it"
                     )
-                    if len(self.server_urls) > 1:
-                        await self.store.set_server_version(server_name(url), pointer.version)
                     reloaded.append(url)
             return reloaded
+
+    async def _load(self, session: aiohttp.ClientSession, url: str, version: int, path: Path) -> None:
+        """Load (in place) version `version`'s adapter on one server, and record that it holds it: with
+        several servers, gateways route only to those that loaded the pointer's version."""
+        await _post(
+            session,
+            f"{url}/v1/load_lora_adapter",
+            {"lora_name": adapter_name(version), "lora_path": str(path), "load_inplace": True},
+        )
+        if len(self.server_urls) > 1:
+            await self.store.set_server_version(server_name(url), version)
 
     async def push(self, version: int, policy: Any) -> float:
         """Save `policy`'s adapter as version `version`, load it everywhere, move the pointer, retire
@@ -133,17 +138,10 @@ class LoraPusher:
             failed: dict[str, str] = {}
             for url in self.server_urls:  # one server failing does not stop the others
                 try:
-                    await _post(
-                        session,
-                        f"{url}/v1/load_lora_adapter",
-                        {"lora_name": name, "lora_path": str(path), "load_inplace": True},
-                    )
+                    await self._load(session, url, version, path)
                 except PushError as exc:
                     failed[url] = str(exc)
                     log.warning("push_failed_on_server", server=url, version=version, error=str(exc))
-                    continue
-                if len(self.server_urls) > 1:  # gateways route only to servers that loaded the pointer's
-                    await self.store.set_server_version(server_name(url), version)
             if len(failed) == len(self.server_urls):
                 raise PushError(f"no inference server loaded {name}: {'; '.join(failed.values())}")
             await self.store.set_policy(Policy(version=version, adapter=name, base_model=self.base_model))

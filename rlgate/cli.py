@@ -186,14 +186,7 @@ class WorkerCommand(SharedSettings):
     log_format: Literal["auto", "json", "console"] = Field("auto", description="auto, json or console.")
 
     def cli_cmd(self) -> None:
-        import signal
-        import time
-
         import redis
-        import structlog
-        from rq import Queue, SimpleWorker, Worker
-        from rq.exceptions import StopRequested
-        from rq.serializers import JSONSerializer
 
         from reward_hooks.queue import connect, queue_url
 
@@ -221,87 +214,15 @@ class WorkerCommand(SharedSettings):
         import asyncio
 
         asyncio.run(_check_redis(settings.redis_url, settings.key_prefix, settings.redis_timeout_s))
-        stop_signals: list[int] = []
+        from reward_hooks.worker import work
 
-        class RewardWorker(Worker if self.fork else SimpleWorker):  # type: ignore[misc,valid-type]
-            """rq's worker, kept working through Redis outages by the loop below, stopping on a signal
-            whenever it comes, and never holding rq's cleaning lock past a failed clean."""
-
-            def request_stop(self, signum: int, frame: Any) -> None:  # SIGTERM, SIGINT: a stop asked for
-                stop_signals.append(signum)
-                super().request_stop(signum, frame)
-
-            def _install_signal_handlers(self) -> None:
-                super()._install_signal_handlers()
-                if stop_signals:  # asked for while the loop was starting a worker again
-                    self._stop_requested = True
-
-            def clean_registries(self) -> None:
-                try:
-                    super().clean_registries()
-                except Exception:
-                    # rq holds the lock 899 s unless it is released: a clean cut short (Redis gone) must
-                    # not keep every worker from looking for abandoned jobs that long
-                    with contextlib.suppress(redis.RedisError):
-                        for queue in self.queues:
-                            queue.release_maintenance_lock()
-                    raise
-
-        # a worker killed while it cleaned left rq's lock behind (899 s): cleaning twice at once is harmless
-        # (an abandoned job's retry and an episode's close or failure each happen once)
-        Queue(self.reward_queue, connection=connection).release_maintenance_lock()
-
-        def stop_asked(signum: int, frame: Any) -> None:  # outside rq's loop (it installs its own inside)
-            stop_signals.append(signum)
-
-        def own_handlers() -> None:
-            for signum in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(signum, stop_asked)
-
-        own_handlers()
-        wait = 0.5
-        while not stop_signals:
-            started = time.monotonic()
-            worker = None
-            try:
-                worker = RewardWorker(
-                    [self.reward_queue],
-                    connection=connection,
-                    serializer=JSONSerializer,
-                    maintenance_interval=self.abandoned_check_s,
-                    # rq looks only between jobs or when a wait for one times out, after worker_ttl - 15 s
-                    worker_ttl=self.abandoned_check_s + 15,
-                )
-                worker.work(burst=self.burst, with_scheduler=True)
-                failure: Exception | None = None
-            except redis.RedisError as exc:  # rq's own teardown (or its start) on a Redis that went away
-                failure = exc
-            except StopRequested:  # a signal to rq's handlers outside its loop
-                return
-            finally:
-                own_handlers()
-                if (
-                    worker is not None
-                    and worker.pubsub_thread is not None
-                    and worker.pubsub_thread.is_alive()
-                ):
-                    with contextlib.suppress(Exception):  # rq's teardown failed before unsubscribing
-                        worker.pubsub_thread.stop()
-                        worker.pubsub_thread.join(timeout=1)
-            if stop_signals:
-                return
-            if self.burst:
-                if failure is not None:
-                    raise failure
-                return
-            # rq quits its loop on any error, a Redis restarting among them: a worker works on until stopped
-            wait = 0.5 if time.monotonic() - started > 60 else wait
-            reason = str(failure) if failure is not None else "rq's loop quit (its log says why)"
-            structlog.get_logger("rlgate.worker").warning("worker_restarting", error=reason, retry_in_s=wait)
-            deadline = time.monotonic() + wait
-            while time.monotonic() < deadline and not stop_signals:
-                time.sleep(0.1)
-            wait = min(wait * 2, 10.0)
+        work(
+            connection,
+            self.reward_queue,
+            fork=self.fork,
+            burst=self.burst,
+            abandoned_check_s=self.abandoned_check_s,
+        )
 
 
 class RewardCommand(SharedSettings):

@@ -57,6 +57,7 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 import redis  # noqa: E402
 
+from demo import engines  # noqa: E402
 from demo.run import MODEL_NAME, DemoConfig, Where, commands, free_port, read_steps  # noqa: E402
 from rlgate import vllm_server  # noqa: E402
 
@@ -80,7 +81,6 @@ class Service:
         self.ready = ready
         self.process: subprocess.Popen | None = None
         self.up_since: float | None = None
-        self.starts = 0
         self.exits_unasked = 0  # deaths nobody asked for (a service that fell over after another's kill)
         self.killed = False
         self.lock = threading.Lock()
@@ -111,7 +111,6 @@ class Service:
                 continue
             with self.lock:
                 self.process, self.killed = process, False
-                self.starts += 1
             while process.poll() is None and not stopping.is_set() and not self.ready():
                 stopping.wait(0.1)
             with self.lock:
@@ -153,6 +152,7 @@ class Kill:
 class Run:
     faults: bool
     workdir: Path
+    config: DemoConfig  # the demo's settings this run starts its processes with (and judges the target by)
     kills: list[Kill] = field(default_factory=list)
     named_versions: set[int] = field(default_factory=lambda: {0})
     started: float = field(default_factory=time.monotonic)
@@ -197,19 +197,7 @@ def services(args: argparse.Namespace, run: Run, model: Path, where: Where) -> d
     redis_args = [shutil.which("redis-server") or "redis-server", "--bind", "127.0.0.1"]
     redis_args += ["--port", str(redis_port), "--dir", str(run.workdir / "redis"), "--save", ""]
     redis_args += ["--appendonly", "yes", "--appendfsync", "everysec"]
-    cfg = DemoConfig(
-        workdir=run.workdir,
-        minutes=args.minutes,
-        target=args.target,
-        quick=True,
-        redis_url=where.redis_url,
-        concurrency=args.concurrency,
-        tasks_per_step=16,
-        rollouts_per_task=4,
-        learning_rate=2e-3,
-        seed=args.seed,
-    )
-    plan = commands(cfg, model, where)
+    plan = commands(run.config, model, where)
     job_timeout = {"RLGATE_REWARD_JOB_TIMEOUT_S": str(REWARD_JOB_TIMEOUT_S)}
 
     def inference(service: Service) -> subprocess.Popen:
@@ -228,16 +216,7 @@ def services(args: argparse.Namespace, run: Run, model: Path, where: Where) -> d
                 on_start=starting,
             )
             return server.process
-        serve = [sys.executable, "-m", "rlgate", "serve", "--model", str(model), "--port", str(serve_port)]
-        serve += [
-            "--served-model-name",
-            MODEL_NAME,
-            "--log-format",
-            "json",
-            "--logprobs-mode",
-            "processed_logprobs",
-        ]
-        serve += ["--allow-runtime-lora-updating", "true", "--weights-root", str(run.workdir)]
+        serve = engines.serve_command(model, MODEL_NAME, serve_port, run.workdir)
         return _popen(serve, {}, logs / "inference.log")
 
     gateway_url = f"http://127.0.0.1:{where.gateway_port}"
@@ -430,7 +409,7 @@ def count(
         "queued_at_end": _jobs_waiting(client, queue),
     }
     steps = read_steps(where.learner_dir / "steps.jsonl")
-    cfg = DemoConfig(run.workdir, args.minutes, args.target, True, where.redis_url, 0, 16, 4, 0.0, 0)
+    cfg = run.config
     rates = [s["success_rate"] for s in steps]
     unnamed = sorted(v for v in served if v not in run.named_versions)
     return {
@@ -477,7 +456,6 @@ def run_once(args: argparse.Namespace, faults: bool, model: Path) -> dict:
     workdir = args.workdir / ("chaos" if faults else "baseline")
     shutil.rmtree(workdir, ignore_errors=True)
     (workdir / "logs").mkdir(parents=True)
-    run = Run(faults, workdir)
     where = Where(
         f"redis://127.0.0.1:{free_port()}/0",
         f"http://127.0.0.1:{free_port()}",
@@ -486,6 +464,19 @@ def run_once(args: argparse.Namespace, faults: bool, model: Path) -> dict:
         workdir / "learner",
         workdir / "agent.jsonl",
     )
+    config = DemoConfig(
+        workdir=workdir,
+        minutes=args.minutes,
+        target=args.target,
+        quick=True,
+        redis_url=where.redis_url,
+        concurrency=args.concurrency,
+        tasks_per_step=16,  # the demo's defaults (rlgate demo --help)
+        rollouts_per_task=4,
+        learning_rate=2e-3,
+        seed=args.seed,
+    )
+    run = Run(faults, workdir, config)
     procs = services(args, run, model, where)
     stopping, kills_stop = threading.Event(), threading.Event()
     agents: list[subprocess.Popen] = []  # the agents' process, once started
@@ -522,9 +513,7 @@ def _run(
             if time.monotonic() > deadline:
                 raise SystemExit(f"chaos: {name} did not come up; see {workdir / 'logs'}")
             time.sleep(0.2)
-    config = DemoConfig(
-        workdir, args.minutes, args.target, True, where.redis_url, args.concurrency, 16, 4, 2e-3, args.seed
-    )
+    config = run.config
     agent_args, agent_env = commands(config, model, where, ("--ledger", str(where.agent_stats)))["agent"]
     group_deadline = time.monotonic() + 300
     client = redis.Redis.from_url(where.redis_url, socket_timeout=5)
@@ -665,10 +654,8 @@ def main(argv: list[str] | None = None) -> int:
             "chaos: redis-server is not installed (it restarts Redis with AOF): apt-get install redis-server"
         )
         return 2
-    from demo.engines import choose
-
     try:
-        args.engine, reason = choose(args.inference, args.vllm_python)
+        args.engine, reason = engines.choose(args.inference, args.vllm_python)
         if args.engine == "vllm":
             args.vllm_python = vllm_server.find_python(args.vllm_python)
     except vllm_server.VllmUnavailable as exc:

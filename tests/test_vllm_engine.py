@@ -143,6 +143,51 @@ def _answered(endpoint: str, body: dict, answer: bytes) -> list[dict]:
     return [choices[i] for i in sorted(choices)]
 
 
+def _request(endpoint: str, stream: bool, text: str, seed: int) -> tuple[str, dict, dict]:
+    """(path, the request as an agent sends it, the same asking for token ids and log-probs): n=2, seeded."""
+    plain = {
+        "model": "fake-model",
+        "max_tokens": 12,
+        "temperature": 1.0,
+        "seed": seed,
+        "n": 2,
+        "stream": stream,
+    }
+    if endpoint == "chat":
+        plain["messages"] = [{"role": "user", "content": text}]
+        return "chat/completions", plain, {**plain, "logprobs": True, "return_token_ids": True}
+    return (
+        "completions",
+        {**plain, "prompt": text},
+        {**plain, "prompt": text, "logprobs": 0, "return_token_ids": True},
+    )
+
+
+def _recorded(gateway: Proc, rid: str) -> list[dict]:
+    """The rollout's records per choice, in `_answered`'s shape."""
+    calls = httpx.get(f"{gateway.url}/rollouts/{rid}", timeout=30).json()["calls"]
+    return [
+        {
+            "prompt": c["prompt_token_ids"],
+            "ids": c["completion_token_ids"],
+            "logprobs": c["completion_logprobs"],
+        }
+        for c in sorted(calls, key=lambda c: c["choice_index"])
+    ]
+
+
+def _same_within_an_ulp(got: list[dict], want: list[dict]) -> None:
+    """The same prompt and completion ids per choice; log-probs equal or a float32 ulp apart (two equal
+    requests to vLLM can differ so: docs/vllm-wire-format.md)."""
+    assert [(c["prompt"], c["ids"]) for c in got] == [(c["prompt"], c["ids"]) for c in want]
+    for mine, theirs in zip(got, want, strict=True):
+        assert len(mine["logprobs"]) == len(theirs["logprobs"])
+        assert all(
+            abs(a - b) <= 1e-6 * max(1.0, abs(b))
+            for a, b in zip(mine["logprobs"], theirs["logprobs"], strict=True)
+        )
+
+
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
 def test_the_gateway_records_exactly_what_real_vllm_returned(vllm_gateway: Proc, endpoint: str, stream: bool):
@@ -152,35 +197,12 @@ def test_the_gateway_records_exactly_what_real_vllm_returned(vllm_gateway: Proc,
     import uuid
 
     rid = uuid.uuid4().hex
-    common = {
-        "model": "fake-model",
-        "max_tokens": 12,
-        "temperature": 1.0,
-        "seed": 5,
-        "n": 2,
-        "stream": stream,
-    }
-    common["return_token_ids"] = True
-    if endpoint == "chat":
-        body = {**common, "messages": [{"role": "user", "content": "count: 1 2 3"}], "logprobs": True}
-        path = "chat/completions"
-    else:
-        body = {**common, "prompt": "count: 1 2 3", "logprobs": 0}
-        path = "completions"
+    path, _, body = _request(endpoint, stream, "count: 1 2 3", seed=5)
     response = httpx.post(f"{vllm_gateway.url}/rollouts/{rid}/v1/{path}", json=body, timeout=120)
     assert response.status_code == 200, response.text
     answered = _answered(endpoint, body, response.content)
     assert len(answered) == 2 and all(a["ids"] and a["prompt"] for a in answered), answered
-    calls = httpx.get(f"{vllm_gateway.url}/rollouts/{rid}", timeout=30).json()["calls"]
-    recorded = [
-        {
-            "prompt": c["prompt_token_ids"],
-            "ids": c["completion_token_ids"],
-            "logprobs": c["completion_logprobs"],
-        }
-        for c in sorted(calls, key=lambda c: c["choice_index"])
-    ]
-    assert recorded == answered
+    assert _recorded(vllm_gateway, rid) == answered
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -188,57 +210,22 @@ def test_the_gateway_records_exactly_what_real_vllm_returned(vllm_gateway: Proc,
 def test_through_the_gateway_the_record_is_what_real_vllm_answers_the_same_seeded_request(
     vllm: Proc, vllm_gateway: Proc, endpoint: str, stream: bool
 ):
-    """The same seeded request twice, once straight to real vLLM asking for the token ids and log-probs,
-    once through the gateway as an agent sends it (asking for neither: the gateway adds what it records):
-    the record holds exactly vLLM's answer (prompt ids, completion ids, sampled log-probs, to the last
-    bit), for each of n choices, streamed or not. (The session's vLLM runs without its prefix cache, so
-    equal requests compute alike: the test asks it twice first to show that.)"""
+    """The same seeded request twice straight to real vLLM asking for the token ids and log-probs, then
+    through the gateway as an agent sends it (asking for neither: the gateway adds what it records): the
+    record holds vLLM's answer (the same prompt and completion ids, the sampled log-probs equal or a
+    float32 ulp apart, as between the two direct requests), for each of n choices, streamed or not. (The
+    session's vLLM runs without its prefix cache, so equal requests compute alike.) Record and answer of
+    one call are compared bit for bit above."""
     import uuid
 
-    common = {
-        "model": "fake-model",
-        "max_tokens": 12,
-        "temperature": 1.0,
-        "seed": 11,
-        "n": 2,
-        "stream": stream,
-    }
-    if endpoint == "chat":
-        plain = {**common, "messages": [{"role": "user", "content": "count on: 4 5 6"}]}
-        asked = {**plain, "logprobs": True, "return_token_ids": True}
-        path = "chat/completions"
-    else:
-        plain = {**common, "prompt": "count on: 4 5 6"}
-        asked = {**plain, "logprobs": 0, "return_token_ids": True}
-        path = "completions"
+    path, plain, asked = _request(endpoint, stream, "count on: 4 5 6", seed=11)
     direct = [
         _answered(endpoint, asked, httpx.post(f"{vllm.url}/{path}", json=asked, timeout=120).content)
         for _ in range(2)
     ]
-    # the same tokens; log-probs equal or a float32 ulp apart (docs/vllm-wire-format.md: the batch's sums)
-    assert [(c["prompt"], c["ids"]) for c in direct[0]] == [(c["prompt"], c["ids"]) for c in direct[1]]
-    for one, other in zip(direct[0], direct[1], strict=True):
-        assert all(
-            abs(a - b) <= 1e-6 * max(1.0, abs(b))
-            for a, b in zip(one["logprobs"], other["logprobs"], strict=True)
-        )
+    _same_within_an_ulp(direct[1], direct[0])
     assert len(direct[0]) == 2 and all(c["ids"] and c["prompt"] and c["logprobs"] for c in direct[0])
     rid = uuid.uuid4().hex
     response = httpx.post(f"{vllm_gateway.url}/rollouts/{rid}/v1/{path}", json=plain, timeout=120)
     assert response.status_code == 200, response.text
-    calls = httpx.get(f"{vllm_gateway.url}/rollouts/{rid}", timeout=30).json()["calls"]
-    recorded = [
-        {
-            "prompt": c["prompt_token_ids"],
-            "ids": c["completion_token_ids"],
-            "logprobs": c["completion_logprobs"],
-        }
-        for c in sorted(calls, key=lambda c: c["choice_index"])
-    ]
-    assert [(c["prompt"], c["ids"]) for c in recorded] == [(c["prompt"], c["ids"]) for c in direct[0]]
-    for mine, theirs in zip(recorded, direct[0], strict=True):
-        assert len(mine["logprobs"]) == len(theirs["logprobs"])
-        assert all(
-            abs(a - b) <= 1e-6 * max(1.0, abs(b))
-            for a, b in zip(mine["logprobs"], theirs["logprobs"], strict=True)
-        )
+    _same_within_an_ulp(_recorded(vllm_gateway, rid), direct[0])
