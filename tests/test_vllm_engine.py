@@ -229,3 +229,32 @@ def test_through_the_gateway_the_record_is_what_real_vllm_answers_the_same_seede
     response = httpx.post(f"{vllm_gateway.url}/rollouts/{rid}/v1/{path}", json=plain, timeout=120)
     assert response.status_code == 200, response.text
     _same_within_an_ulp(_recorded(vllm_gateway, rid), direct[0])
+
+
+def test_a_server_without_the_pointers_adapter_is_a_503_to_retry(vllm_gateway: Proc, redis_client):
+    """Real vLLM's own 404 for an adapter it has not loaded (a restarted server) reaches the agent, which
+    named the base model, as 503 `policy_not_loaded` with Retry-After (its SDK retries), recorded so."""
+    import time
+    import uuid
+
+    redis_client.hset(
+        "rlgate:policy", mapping={"version": 9, "adapter": "policy-v9", "base_model": "fake-model"}
+    )
+    try:
+        body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        deadline = time.monotonic() + 20
+        while True:  # until the gateway's policy poll has seen the pointer (each try its own rollout)
+            rid = uuid.uuid4().hex
+            answer = httpx.post(
+                f"{vllm_gateway.url}/rollouts/{rid}/v1/chat/completions", json=body, timeout=60
+            )
+            if answer.status_code != 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert answer.status_code == 503 and answer.headers["retry-after"] == "1", answer.text
+        error = answer.json()["error"]
+        assert error["code"] == "policy_not_loaded" and "`policy-v9` does not exist" in error["message"]
+        [call] = httpx.get(f"{vllm_gateway.url}/rollouts/{rid}", timeout=30).json()["calls"]
+        assert call["error"]["status"] == 503 and call["error"]["code"] == "policy_not_loaded"
+    finally:
+        redis_client.hset("rlgate:policy", mapping={"version": 0, "adapter": "", "base_model": ""})
