@@ -44,6 +44,7 @@ def warm_policy(
     from transformers.utils import logging as transformers_logging
 
     from demo.base_model import cached_base_model
+    from demo.run import cleanup
     from demo.warm_start import warm_start
 
     transformers_logging.disable_progress_bar()  # the demo prints its own progress lines
@@ -154,7 +155,7 @@ def warm_policy(
     finally:  # also when something above failed: the warm-start processes stop, their keys go
         stop_named(("warm-agent", "warm-worker", "warm-gateway", "teacher"))
         with contextlib.suppress(redis.RedisError):  # never in place of the error that got here
-            removed = _remove_keys(redis_url, prefix)
+            removed = cleanup({"redis": redis_url, "prefix": prefix, "queue": f"{prefix}-rewards"})
     print(f"warm start: exported {json.loads(exported.stdout)['rows']} chat rows to {sft}", flush=True)
     warm = cfg.workdir / "warm"
     result = warm_start(
@@ -174,6 +175,7 @@ def warm_policy(
         "teacher_success_rate": sum(e["right"] for e in episodes) / max(len(episodes), 1),
         "teacher_tool_use": sum(e["used_tool"] for e in episodes) / max(len(episodes), 1),
         "sft_rows": json.loads(exported.stdout)["rows"],
+        "key_prefix": prefix,
         "keys_removed": removed,
         **{f"sft_{k}": v for k, v in result.items()},
         "seconds": round(time.monotonic() - started, 1),
@@ -192,19 +194,6 @@ def _wait_closed(redis_url: str, prefix: str, episodes: int, timeout_s: float = 
     finally:
         client.close()
     raise RuntimeError("the warm-start episodes were not all rewarded in time")
-
-
-def _remove_keys(redis_url: str, prefix: str) -> int:
-    client = redis.Redis.from_url(redis_url, socket_timeout=10)
-    removed = 0
-    try:
-        for pattern in (f"{prefix}:*", f"rq:*{prefix}-rewards*"):
-            keys = list(client.scan_iter(match=pattern, count=1000))
-            for i in range(0, len(keys), 500):
-                removed += client.unlink(*keys[i : i + 500])
-    finally:
-        client.close()
-    return removed
 
 
 def step_agent_stats(steps: list[dict[str, Any]], stats_path: Path) -> list[dict[str, float | None]]:

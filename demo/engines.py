@@ -60,11 +60,13 @@ def start(
     port: int,
     vllm_python: Path | None = None,
     servers: list[Any] | None = None,
+    name: str = "serve",
 ) -> Engine:
     """Start (or find) the inference server on `model`. A vLLM it starts is appended to `servers` as soon
     as its process exists (the demo stops it with the rest); `rlgate serve` is started through `spawn`,
     which registers it with the demo's processes. With `auto`, a vLLM that is installed but cannot serve
-    this model falls back to `rlgate serve` too, saying why."""
+    this model falls back to `rlgate serve` too, saying why. `name` names the process and its log (the
+    demo's second server is `serve-2`: `logs/serve-2.log`, or `logs/vllm-2.log` for vLLM)."""
     import time
 
     import httpx
@@ -84,7 +86,7 @@ def start(
             server = vllm_server.start(
                 vllm_server.find_python(vllm_python),
                 model,
-                workdir / "logs" / "vllm.log",
+                workdir / "logs" / f"{name.replace('serve', 'vllm')}.log",
                 port=port,
                 served_model_names=(model_name,),
                 on_start=(servers if servers is not None else []).append,
@@ -103,7 +105,7 @@ def start(
             )
     started = time.monotonic()
     serve = spawn(
-        "serve",
+        name,
         serve_command(model, model_name, port, workdir),
         stdout=subprocess.PIPE,
     )

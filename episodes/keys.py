@@ -148,6 +148,11 @@ def server_name(url: str) -> str:
     return f"{parts.scheme.lower()}://{netloc}{path}"
 
 
+def rq_queue_key(queue: str) -> str:
+    """The list rq keeps a queue's waiting job ids in (rq's own name for it; not under the prefix)."""
+    return f"rq:queue:{queue}"
+
+
 def parent_of(episode_id: str) -> str | None:
     """The rollout an attempt episode belongs to; None for a rollout itself."""
     base, sep, _ = episode_id.partition(ATTEMPT_SEPARATOR)

@@ -24,6 +24,7 @@ from typing import Any
 
 import orjson
 
+from episodes.keys import rq_queue_key
 from episodes.records import Policy
 from episodes.store import EpisodeStore
 
@@ -65,7 +66,7 @@ class StoreOverview:
     def __init__(self, store: EpisodeStore, reward_queue: str | None = None, group: str = "learners") -> None:
         self.store = store
         self.keys = store.keys
-        self.queue_key = f"rq:queue:{reward_queue}" if reward_queue else None
+        self.queue_key = rq_queue_key(reward_queue) if reward_queue else None
         self.group = group
 
     async def counts(self, window_s: float = 60.0) -> StoreCounts:

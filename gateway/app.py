@@ -230,7 +230,7 @@ class Gateway:
             try:
                 signed = any(route.matches(scope)[0] == Match.FULL for route in self._signed)
                 self.credentials.authorize_operator(authorization, signed)
-            except errors.GatewayError as exc:
+            except errors.ApiError as exc:
                 await _send_error(send, exc)
                 return
         if scope["method"] in ("GET", "HEAD"):
@@ -275,7 +275,7 @@ class Gateway:
             try:
                 if self.credentials.agent_checked:
                     self.credentials.authorize_agent(authorization, _agent_route_rollout(scope["path"]))
-            except errors.GatewayError as exc:
+            except errors.ApiError as exc:
                 await _send_error(send, exc)
                 return
         scope.setdefault("state", {})["credential"] = credential
@@ -320,7 +320,7 @@ class Gateway:
                 if scope["method"] != "POST":
                     raise _method_not_allowed(scope, "POST")
                 await self.proxy.call(scope, receive, tracked_send, endpoint, rollout_id, task_id, attempt)
-        except errors.GatewayError as exc:
+        except errors.ApiError as exc:
             if exc.status >= 500:
                 log.warning("call_failed", path=scope["path"], status=exc.status, error=exc.message)
             if started:
@@ -416,13 +416,13 @@ async def _liveness(send: Any) -> None:
     await send_body(send, 200, b'{"status":"ok"}', [(b"content-type", b"application/json")])
 
 
-def _not_found(scope: dict[str, Any]) -> errors.GatewayError:
+def _not_found(scope: dict[str, Any]) -> errors.ApiError:
     """The same 404 as any unknown path: an operator path's existence is not told on the agent port."""
     message = f"{scope['method']} {scope['path']}: Not Found"
     return errors.NotFound(message, code=404)  # type: ignore[arg-type]  # FastAPI's 404s carry the int
 
 
-async def _send_error(send: Any, exc: errors.GatewayError, body: bytes | None = None) -> None:
+async def _send_error(send: Any, exc: errors.ApiError, body: bytes | None = None) -> None:
     headers = [
         (b"content-type", b"application/json"),
         *((k.encode(), v.encode()) for k, v in exc.headers.items()),
@@ -444,7 +444,7 @@ def _tune_gc() -> None:
     gc.set_threshold(10_000, 20, 10)
 
 
-def _method_not_allowed(scope: dict[str, Any], allowed: str) -> errors.GatewayError:
+def _method_not_allowed(scope: dict[str, Any], allowed: str) -> errors.ApiError:
     return errors.MethodNotAllowed(
         f"{scope['method']} {scope['path']}: method not allowed, use {allowed}", headers={"allow": allowed}
     )

@@ -1,6 +1,8 @@
 """The gateway's errors: a shallow tree, each class with its HTTP status and OpenAI error `type`.
 
 Handlers raise; `error_body` (shared, `episodes.api_error`) renders the OpenAI error shape `{"error": {message, type, param, code}}`.
+The errors every service answers alike (400, 401, 403, 404, 405, 409, 413, 503 store) are the shared tree's,
+imported here; the rest are the gateway's own.
 Client faults are 4xx; only trouble on our side or upstream is 5xx.
 """
 
@@ -10,55 +12,20 @@ from typing import Any
 
 import orjson
 
-from episodes.api_error import ApiError
+from episodes.api_error import (
+    ApiError,
+    BadRequest,
+    Conflict,
+    Forbidden,
+    MethodNotAllowed,
+    NotFound,
+    PayloadTooLarge,
+    StoreUnavailable,
+    Unauthorized,
+)
 
 
-class GatewayError(ApiError):
-    """Base of the gateway's errors (the shape and rendering are shared: `episodes.api_error`)."""
-
-
-class BadRequest(GatewayError):
-    status = 400
-    type = "invalid_request_error"
-
-
-class Unauthorized(GatewayError):
-    status = 401
-    type = "authentication_error"
-    code = "invalid_api_key"
-
-
-class Forbidden(GatewayError):
-    """A valid credential used where it does not open the door (another rollout, the other surface)."""
-
-    status = 403
-    type = "permission_error"
-    code = "forbidden"
-
-
-class NotFound(GatewayError):
-    status = 404
-    type = "not_found_error"
-
-
-class MethodNotAllowed(GatewayError):
-    status = 405
-    type = "invalid_request_error"
-    code = "method_not_allowed"
-
-
-class Conflict(GatewayError):
-    status = 409
-    type = "conflict_error"
-
-
-class PayloadTooLarge(GatewayError):
-    status = 413
-    type = "invalid_request_error"
-    code = "payload_too_large"
-
-
-class PolicyPushing(GatewayError):
+class PolicyPushing(ApiError):
     """A full-weight push is under way and the gateway is set to refuse calls meanwhile (or waited too long)."""
 
     status = 429
@@ -66,7 +33,7 @@ class PolicyPushing(GatewayError):
     code = "policy_push_in_progress"
 
 
-class BacklogFull(GatewayError):
+class BacklogFull(ApiError):
     """Too many episodes wait for rewards or training: a new rollout is refused for now (`max_backlog`)."""
 
     status = 429
@@ -74,14 +41,14 @@ class BacklogFull(GatewayError):
     code = "backlog_full"
 
 
-class UpstreamError(GatewayError):
+class UpstreamError(ApiError):
     """The inference server could not be reached or did not answer in time."""
 
     status = 502
     type = "upstream_error"
 
 
-class BadUpstreamAnswer(GatewayError):
+class BadUpstreamAnswer(ApiError):
     """The inference server answered 200 with something that is not what its protocol promises."""
 
     status = 502
@@ -99,14 +66,6 @@ class NoUpstream(UpstreamError):
 class UpstreamTimeout(UpstreamError):
     status = 504
     code = "upstream_timeout"
-
-
-class StoreUnavailable(GatewayError):
-    """Redis cannot record the call, so the call is not released to the agent."""
-
-    status = 503
-    type = "service_unavailable_error"
-    code = "store_unavailable"
 
 
 def upstream_error_payload(status: int, raw: bytes) -> dict[str, Any]:
@@ -132,3 +91,23 @@ def upstream_error_payload(status: int, raw: bytes) -> dict[str, Any]:
         "param": None,
         "code": status,
     }
+
+
+__all__ = [
+    "ApiError",
+    "BacklogFull",
+    "BadRequest",
+    "BadUpstreamAnswer",
+    "Conflict",
+    "Forbidden",
+    "MethodNotAllowed",
+    "NoUpstream",
+    "NotFound",
+    "PayloadTooLarge",
+    "PolicyPushing",
+    "StoreUnavailable",
+    "Unauthorized",
+    "UpstreamError",
+    "UpstreamTimeout",
+    "upstream_error_payload",
+]

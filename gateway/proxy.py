@@ -14,13 +14,14 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Literal, NoReturn
+from typing import Any, Literal, NamedTuple, NoReturn
 
 import orjson
 import structlog
 
 import episodes
 from episodes import CallError, CallRecord, Endpoint, EpisodeStore
+from episodes.api_error import from_store
 from gateway import capture, errors, messages
 from gateway._asgi import disconnected, error_event, read_json, send_body
 from gateway._http import BodyTooLarge
@@ -79,6 +80,20 @@ class Call:
 
     def log_keys(self) -> dict[str, Any]:
         return {"rollout_id": self.rollout_id, "task_id": self.task_id, "policy_version": self.policy_version}
+
+
+class Caller(NamedTuple):
+    """Who a call is from (`Proxy._identify`): its rollout (an attempt's episode id for a later attempt), task,
+    agent name, whether a rollout key named the rollout, the mode its URL names, whether the agent named the
+    rollout (a made-up id sticks to no server), and whether the agent keeps the token ids."""
+
+    rollout_id: str
+    task_id: str | None
+    agent_name: str | None
+    keyed: bool
+    mode: episodes.Mode | None
+    named: bool
+    keep_token_ids: bool
 
 
 class Proxy:
@@ -188,7 +203,39 @@ class Proxy:
         task_id: str | None,
         attempt: tuple[str, str] | None = None,
     ) -> None:
+        """A recorded call, in four steps: who calls (`_identify`: credentials, ids), whether it may
+        (`_admit_call`: lost rollouts, the backlog hold, the body read and bounded, a push's drain), what
+        goes upstream (`_upstream_request`: injection, aliases, the adapter, the record's size), then routed,
+        served and committed (`_dispatch`)."""
         started_at, t0 = time.time(), time.perf_counter()
+        caller = self._identify(scope, rollout_id, task_id, attempt)
+        body, endpoint, agent_api, policy = await self._admit_call(receive, endpoint, caller.rollout_id)
+        call = Call(
+            caller.rollout_id,
+            caller.task_id,
+            caller.agent_name,
+            endpoint,
+            body,
+            policy.version,
+            started_at,
+            t0,
+            (b"x-rollout-id", caller.rollout_id.encode()),
+            keyed=caller.keyed,
+            mode=caller.mode,
+            agent_api=agent_api,
+        )
+        upstream_raw, injected = self._upstream_request(call, policy, caller.keep_token_ids)
+        await self._dispatch(call, policy, upstream_raw, injected, receive, send, sticky=caller.named)
+
+    def _identify(
+        self,
+        scope: dict[str, Any],
+        rollout_id: str | None,
+        task_id: str | None,
+        attempt: tuple[str, str] | None,
+    ) -> Caller:
+        """The call's rollout, task, agent name and credential, from its path and headers: checked before
+        anything is read, recorded or sent upstream (401/403, 400 for an id no rollout can have)."""
         agent_name = None
         authorization = b""
         keep_token_ids = (
@@ -208,10 +255,11 @@ class Proxy:
             elif name == b"x-rlgate-keep-token-ids":
                 keep_token_ids = capture.is_true(value.decode("latin-1"))
         keyed = False
-        if self.check_credentials:  # before anything is read, recorded or sent upstream
+        if self.check_credentials:
             rollout_id, keyed = self.credentials.authorize_agent(authorization, rollout_id)
+        named = rollout_id is not None  # a rollout id made up here is nobody's to stick to a server
+        mode = None
         try:
-            named = rollout_id is not None  # a rollout id made up here is nobody's to stick to a server
             if rollout_id is None:
                 if self.settings.require_rollout_id:
                     raise errors.BadRequest(
@@ -223,21 +271,26 @@ class Proxy:
                 episodes.validate_id(rollout_id, "rollout id")
             if task_id is not None:
                 episodes.validate_id(task_id, "task id")
+            if attempt is not None:  # Agent Lightning: a later attempt of a rollout is an episode of its own
+                attempt_id, mode = attempt
+                rollout_id = episodes.attempt_episode(rollout_id, attempt_id)
         except episodes.InvalidId as exc:
-            raise errors.BadRequest(str(exc), code="invalid_id") from exc
+            raise from_store(exc) from exc
         if agent_name is not None and len(agent_name) > AGENT_NAME_MAX:  # kept in every record and listing
             raise errors.BadRequest(
                 f"X-Agent-Name is {len(agent_name)} characters: at most {AGENT_NAME_MAX}",
                 code="invalid_agent_name",
                 param="X-Agent-Name",
             )
-        mode = None
-        if attempt is not None:  # Agent Lightning: a later attempt of a rollout is an episode of its own
-            attempt_id, mode = attempt
-            try:
-                rollout_id = episodes.attempt_episode(rollout_id, attempt_id)
-            except episodes.InvalidId as exc:
-                raise errors.BadRequest(str(exc), code="invalid_id") from exc
+        return Caller(rollout_id, task_id, agent_name, keyed, mode, named, keep_token_ids)
+
+    async def _admit_call(
+        self, receive: Any, endpoint: Endpoint | Literal["messages"], rollout_id: str
+    ) -> tuple[dict[str, Any], Endpoint, episodes.AgentApi | None, episodes.Policy]:
+        """(body, endpoint, the API the agent spoke, the policy it is served by) once the call may go on: not
+        a rollout Redis lost (409), held while new rollouts are (`max_backlog`, Redis memory), its body read
+        within `max_body_bytes` (a Messages request translated to chat as vLLM does), its fields and answer
+        bounds checked (400), and after a push's drain."""
         watch = self.watch
         if watch.lost and rollout_id in watch.lost:
             self.metrics.calls.labels(endpoint, "rollout_data_lost").inc()
@@ -260,22 +313,17 @@ class Proxy:
         policy = self.policy  # one read: the version tag and the adapter the call goes to agree
         if policy.draining:
             policy = await self._after_push()
-        call = Call(
-            rollout_id,
-            task_id,
-            agent_name,
-            endpoint,
-            body,
-            policy.version,
-            started_at,
-            t0,
-            (b"x-rollout-id", rollout_id.encode()),
-            keyed=keyed,
-            mode=mode,
-            agent_api=agent_api,
-        )
+        return body, endpoint, agent_api, policy
+
+    def _upstream_request(
+        self, call: Call, policy: episodes.Policy, keep_token_ids: bool
+    ) -> tuple[bytes, capture.Injected]:
+        """The body sent upstream (what the learner needs injected: token ids, log-probs; a model alias
+        resolved; the base model replaced by the policy's adapter) and what was injected, to strip from the
+        agent's answer. 413 before the upstream when its record could not be kept."""
+        body = call.request
         upstream_body, injected = (
-            capture.inject(endpoint, body) if self.inject else (body, capture.Injected())
+            capture.inject(call.endpoint, body) if self.inject else (body, capture.Injected())
         )
         if keep_token_ids:
             injected.token_ids = False  # left in the answer for the agent
@@ -287,8 +335,6 @@ class Proxy:
             # The agent names the base model; the learner's latest weights are served as an adapter.
             upstream_body = {**upstream_body, "model": policy.adapter}
             call.served_model = policy.adapter
-        # Resolves when the agent hangs up: its call is then recorded as failed (it never saw the answer)
-        # and a stream stops reading upstream, which makes vLLM abort the request.
         try:  # the body is written once anyway; what orjson cannot write back cannot be stored either
             upstream_raw = orjson.dumps(upstream_body)
         except orjson.JSONEncodeError as exc:
@@ -297,35 +343,52 @@ class Proxy:
                 code="invalid_json",
             ) from exc
         if len(upstream_raw) > self.settings.max_record_bytes:  # its record could not be kept: not sent
-            self.metrics.calls.labels(endpoint, "record_too_large").inc()
+            self.metrics.calls.labels(call.endpoint, "record_too_large").inc()
             raise errors.PayloadTooLarge(
                 f"this request ({len(upstream_raw)} bytes) is larger than a call's record may be "
                 f"(max_record_bytes {self.settings.max_record_bytes})",
                 code="record_too_large",
-                headers={"x-rollout-id": rollout_id},
+                headers={"x-rollout-id": call.rollout_id},
             )
+        return upstream_raw, injected
+
+    async def _dispatch(
+        self,
+        call: Call,
+        policy: episodes.Policy,
+        upstream_raw: bytes,
+        injected: capture.Injected,
+        receive: Any,
+        send: Any,
+        sticky: bool,
+    ) -> None:
+        """Route the call to a server (`gateway.servers`), serve it (streamed or not) and record it; an
+        upstream that cannot be reached or times out is recorded as the call's error (502/504). Every error
+        names the rollout (`x-rollout-id`), so the agent can find its failed call."""
+        # Resolves when the agent hangs up: its call is then recorded as failed (it never saw the answer)
+        # and a stream stops reading upstream, which makes vLLM abort the request.
         disconnect = asyncio.ensure_future(disconnected(receive))
         serve = self._stream if call.stream else self._unary
         try:
-            call.server, call.rerouted_from = await self.servers.pick(rollout_id, policy, sticky=named)
+            call.server, call.rerouted_from = await self.servers.pick(call.rollout_id, policy, sticky=sticky)
             call.server.in_flight += 1
             try:
                 await serve(call, upstream_raw, injected, send, disconnect)
             finally:
                 call.server.in_flight -= 1
             if self.air is not None:  # only for a call that was recorded: the rollout takes rewards
-                self._automatic_rewards(rollout_id, body)
+                self._automatic_rewards(call.rollout_id, call.request)
         except errors.UpstreamError as exc:
             # Unreachable or timed out before any answer: the agent gets 502/504, the call is kept.
             if call.server is not None and type(exc) is errors.UpstreamError:  # it could not be reached
                 self.servers.failed(call.server)
-            exc.headers.setdefault("x-rollout-id", rollout_id)
+            exc.headers.setdefault("x-rollout-id", call.rollout_id)
             error = CallError(status=exc.status, type=exc.type, message=exc.message, code=exc.code)
             latency_ms = (time.perf_counter() - call.t0) * 1000
             await self._commit(call, self._records(call, [], error, latency_ms, None), "upstream_unreachable")
             raise
-        except errors.GatewayError as exc:
-            exc.headers.setdefault("x-rollout-id", rollout_id)  # the agent can find its failed call
+        except errors.ApiError as exc:
+            exc.headers.setdefault("x-rollout-id", call.rollout_id)
             raise
         finally:
             disconnect.cancel()
@@ -542,10 +605,7 @@ class Proxy:
         if call.agent_api is not None:
             relay = messages.MessagesRelay(relay.assembler)
         assembler = relay.assembler
-        failure: CallError | None = None  # what went wrong on our side of the stream, if anything
-        ttfb_ms = None
-        too_large = False  # the answer passed max_answer_bytes: its reading stopped there
-        limit, received = self.settings.max_answer_bytes, 0
+        limit = self.settings.max_answer_bytes
         assert call.server is not None
         upstream = call.server.upstream
         async with upstream.request("POST", UPSTREAM_PATHS[endpoint], upstream_body) as response:
@@ -564,32 +624,13 @@ class Proxy:
                     "headers": [(b"content-type", content_type), call.rollout_header],
                 }
             )
-            try:
-                async for data in upstream.chunks(response):
-                    if disconnect.done():
-                        break  # leaving the block closes the upstream connection: vLLM aborts the request
-                    if ttfb_ms is None:
-                        ttfb_ms = (time.perf_counter() - call.t0) * 1000
-                    received += len(data)
-                    if received > limit:  # more than is read of an answer: stop here, vLLM aborts it
-                        too_large = True
-                        break
-                    out = relay.relay(data)
-                    if out:
-                        await send({"type": "http.response.body", "body": out, "more_body": True})
-            except errors.GatewayError as exc:
-                failure = CallError(status=exc.status, type=exc.type, message=exc.message)
-            except (ValueError, AttributeError, TypeError) as exc:
-                failure = CallError(
-                    status=502,
-                    type="upstream_error",
-                    message=f"malformed stream chunk from upstream: {str(exc)[:300]}",
-                )
+            # leaving the block closes the upstream connection: vLLM aborts the request
+            failure, ttfb_ms, too_large = await self._relay(call, response, relay, send, disconnect)
         client_gone = disconnect.done()
         if too_large and not client_gone:
             try:
                 await self._answer_too_large(call, limit, ttfb_ms)
-            except errors.GatewayError as exc:  # the agent has part of the content: it sees the error last
+            except errors.ApiError as exc:  # the agent has part of the content: it sees the error last
                 tail = _error_tail(call, exc.status, exc.type, exc.message, exc.code, done=True)
                 await send({"type": "http.response.body", "body": tail})
                 return
@@ -616,7 +657,7 @@ class Proxy:
         )
         try:
             logged = await self._commit(call, records, outcome, write_log=False)
-        except errors.GatewayError as exc:
+        except errors.ApiError as exc:
             # The agent has the content but not the end of the stream: it sees an error, never a success.
             await send(
                 {
@@ -634,6 +675,39 @@ class Proxy:
             tail = b"" if relay.held is None else relay.held + b"\n\n"
         await send({"type": "http.response.body", "body": tail})
         self._log_call(call, records, *logged)  # after the answer: off the agent's latency
+
+    async def _relay(
+        self,
+        call: Call,
+        response: Any,
+        relay: StreamRelay | messages.MessagesRelay,
+        send: Any,
+        disconnect: asyncio.Future[None],
+    ) -> tuple[CallError | None, float | None, bool]:
+        """Relay the upstream's stream to the agent chunk by chunk (the relay strips what was injected and
+        keeps what the record needs) until it ends, the agent hangs up, or it passes `max_answer_bytes`.
+        Returns (what went wrong on our side of the stream, if anything; time to the first chunk; whether
+        it passed the bound: its reading stopped there)."""
+        assert call.server is not None
+        upstream, limit, received, ttfb_ms = call.server.upstream, self.settings.max_answer_bytes, 0, None
+        try:
+            async for data in upstream.chunks(response):
+                if disconnect.done():
+                    break
+                if ttfb_ms is None:
+                    ttfb_ms = (time.perf_counter() - call.t0) * 1000
+                received += len(data)
+                if received > limit:  # more than is read of an answer: stop here, vLLM aborts it
+                    return None, ttfb_ms, True
+                out = relay.relay(data)
+                if out:
+                    await send({"type": "http.response.body", "body": out, "more_body": True})
+        except errors.ApiError as exc:
+            return CallError(status=exc.status, type=exc.type, message=exc.message), ttfb_ms, False
+        except (ValueError, AttributeError, TypeError) as exc:
+            message = f"malformed stream chunk from upstream: {str(exc)[:300]}"
+            return CallError(status=502, type="upstream_error", message=message), ttfb_ms, False
+        return None, ttfb_ms, False
 
     # -----------------------------------------------------------------------------------------------------
     # Records
@@ -720,13 +794,7 @@ class Proxy:
                 "record_too_large",
                 limit=False,
             )
-            raise errors.PayloadTooLarge(str(exc), code="record_too_large") from exc
-        except episodes.ModeMismatch as exc:
-            self.metrics.calls.labels(call.endpoint, "mode_mismatch").inc()
-            raise errors.Conflict(str(exc), code="mode_mismatch") from exc
-        except episodes.RolloutFull as exc:
-            self.metrics.calls.labels(call.endpoint, "rollout_full").inc()
-            raise errors.Conflict(str(exc), code="rollout_full") from exc
+            raise from_store(exc) from exc
         except episodes.RolloutMissing as exc:
             if not call.keyed:  # an attempt of a rollout nobody created
                 self.metrics.calls.labels(call.endpoint, "rollout_not_found").inc()
@@ -735,12 +803,8 @@ class Proxy:
                     "(POST /rollouts) or call attempt 0",
                     code="rollout_not_found",
                 ) from exc
-            self.metrics.calls.labels(call.endpoint, "rollout_data_lost").inc()
             self.metrics.errors.labels("rollout_data_lost").inc()
-            raise errors.Conflict(str(exc), code="rollout_data_lost") from exc
-        except episodes.TooManyAttempts as exc:
-            self.metrics.calls.labels(call.endpoint, "too_many_attempts").inc()
-            raise errors.Conflict(str(exc), code="too_many_attempts") from exc
+            raise self._refused(call, exc) from exc
         except episodes.StoreUnavailable as exc:
             self.metrics.errors.labels("store").inc()
             if self.settings.on_store_error == "pass":
@@ -762,17 +826,20 @@ class Proxy:
                 "the gateway cannot record this call (Redis unavailable); retry later",
                 headers={"retry-after": "1"},
             ) from exc
-        except episodes.RolloutNotOpen as exc:
-            self.metrics.calls.labels(call.endpoint, "rollout_not_open").inc()
-            raise errors.Conflict(str(exc), code="rollout_not_open") from exc
-        except episodes.TaskMismatch as exc:
-            self.metrics.calls.labels(call.endpoint, "task_mismatch").inc()
-            raise errors.Conflict(str(exc), code="task_mismatch") from exc
+        except episodes.StoreError as exc:  # refused: the rollout is full, closed, of another task, ...
+            raise self._refused(call, exc) from exc
         finally:
             self.metrics.store_latency.observe(time.perf_counter() - t)
         if write_log:
             self._log_call(call, records, outcome, index)
         return outcome, index
+
+    def _refused(self, call: Call, exc: episodes.StoreError) -> errors.ApiError:
+        """The store refused the call's records: counted under the error's code, answered as every route
+        answers that store outcome (`episodes.api_error.STORE_ERRORS`)."""
+        error = from_store(exc)
+        self.metrics.calls.labels(call.endpoint, error.code).inc()
+        return error
 
     def _log_call(self, call: Call, records: list[CallRecord], outcome: str, index: int | None) -> None:
         first = records[0]

@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import episodes
 from episodes import RolloutView
-from episodes.api_error import ApiError, error_body
+from episodes.api_error import ApiError, error_body, from_store
 from episodes.records import RolloutListing
 from gateway import errors, openapi
 
@@ -136,10 +136,8 @@ def build_api(gateway: Gateway) -> FastAPI:
             raise watch.backlog_full()
         try:
             rollout = await store.create_rollout(rollout_id, body.task_id, body.metadata, body.mode)
-        except episodes.InvalidId as exc:
-            raise errors.BadRequest(str(exc), code="invalid_id") from exc
-        except episodes.RolloutExists as exc:
-            raise errors.Conflict(str(exc), code="rollout_exists") from exc
+        except (episodes.InvalidId, episodes.RolloutExists) as exc:
+            raise from_store(exc) from exc
         base = (gateway.settings.public_url or _agent_base(request, gateway)).rstrip("/")
         if rollout.task_id is not None:
             base_url = f"{base}/tasks/{rollout.task_id}/rollouts/{rollout.rollout_id}/v1"
@@ -195,7 +193,7 @@ def build_api(gateway: Gateway) -> FastAPI:
         try:
             episodes.validate_episode_id(rollout_id)
         except episodes.InvalidId as exc:
-            raise errors.BadRequest(str(exc), code="invalid_id") from exc
+            raise from_store(exc) from exc
         view = await store.get_rollout_view(rollout_id, offset, limit + 1)  # one more: is there a next page?
         if view is None:
             raise errors.NotFound(f"no rollout {rollout_id!r}", code="rollout_not_found")
@@ -226,7 +224,7 @@ def build_api(gateway: Gateway) -> FastAPI:
             try:
                 async with servers.first.upstream.request("GET", "/models", timeout_s=5.0) as response:
                     checks["upstream"] = "ok" if response.status == 200 else f"error: HTTP {response.status}"
-            except errors.GatewayError as exc:
+            except errors.ApiError as exc:
                 checks["upstream"] = f"error: {exc.message}"
         ok = all(value == "ok" for value in checks.values())
         # degraded: the gateway works, but something an operator must look at happened (gateway.watch)

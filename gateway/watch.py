@@ -54,7 +54,7 @@ class StoreWatch:
         self.problems: dict[str, str] = {}  # what /healthz reports as degraded, by kind
         self.recent: dict[str, None] = {}  # rollouts this process recorded, oldest first (bounded)
         self.lost: frozenset[str] = frozenset()  # of those, the ones recorded before Redis lost its data
-        self.queue_key = f"rq:queue:{settings.reward_queue}" if settings.reward_queue else None
+        self.queue_key = episodes.rq_queue_key(settings.reward_queue) if settings.reward_queue else None
 
     def refuse_lost(self, rollout_id: str) -> None:
         """409 for a rollout recorded here before Redis lost its data: it would reopen empty."""

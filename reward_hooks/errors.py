@@ -1,60 +1,35 @@
-"""Errors of the reward hooks, in the OpenAI error shape (`episodes.api_error`)."""
+"""Errors of the reward hooks: the shared tree (`episodes.api_error`), with the webhook's own code for a
+bad credential."""
 
 from __future__ import annotations
 
-from episodes.api_error import ApiError
+from episodes import api_error
+from episodes.api_error import (
+    ApiError,
+    BadRequest,
+    Conflict,
+    Forbidden,
+    Gone,
+    NotFound,
+    PayloadTooLarge,
+    StoreUnavailable,
+    Unprocessable,
+)
 
 
-class WebhookError(ApiError):
-    pass
-
-
-class BadRequest(WebhookError):
-    status = 400
-    type = "invalid_request_error"
-
-
-class Unauthorized(WebhookError):
-    status = 401
-    type = "authentication_error"
+class Unauthorized(api_error.Unauthorized):
     code = "invalid_signature"
 
 
-class Forbidden(WebhookError):
-    status = 403
-    type = "permission_error"
-    code = "forbidden"
-
-
-class NotFound(WebhookError):
-    status = 404
-    type = "not_found_error"
-
-
-class Conflict(WebhookError):
-    status = 409
-    type = "conflict_error"
-
-
-class Gone(WebhookError):
-    status = 410
-    type = "gone_error"
-    code = "rollout_expired"
-
-
-class PayloadTooLarge(WebhookError):
-    status = 413
-    type = "invalid_request_error"
-    code = "payload_too_large"
-
-
-class Unprocessable(WebhookError):
-    status = 422
-    type = "invalid_request_error"
-    code = "validation_error"
-
-
-class StoreUnavailable(WebhookError):
-    status = 503
-    type = "service_unavailable_error"
-    code = "store_unavailable"
+__all__ = [
+    "ApiError",
+    "BadRequest",
+    "Conflict",
+    "Forbidden",
+    "Gone",
+    "NotFound",
+    "PayloadTooLarge",
+    "StoreUnavailable",
+    "Unauthorized",
+    "Unprocessable",
+]

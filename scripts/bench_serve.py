@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,13 +25,9 @@ from pathlib import Path
 
 import aiohttp
 
+from rlgate._net import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def drive(url: str, body: bytes, concurrency: int, n: int) -> tuple[float, list[float], int]:

@@ -23,7 +23,6 @@ import itertools
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,15 +38,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from rlgate import vllm_server  # noqa: E402
+from rlgate._net import free_port  # noqa: E402
 
 SYSTEM = "You are a careful calculator. Answer with the number only. " * 6  # ~360 tokens all rollouts share
 METRIC = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.M)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def counters(url: str) -> dict[str, float]:

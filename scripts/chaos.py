@@ -59,6 +59,7 @@ import redis  # noqa: E402
 
 from demo import engines  # noqa: E402
 from demo.run import MODEL_NAME, DemoConfig, Where, commands, free_port, read_steps  # noqa: E402
+from episodes import rq_queue_key  # noqa: E402
 from rlgate import vllm_server  # noqa: E402
 
 SERVICES = ("gateway", "worker", "learner", "inference", "redis")
@@ -192,7 +193,7 @@ def _redis_ok(url: str) -> bool:
 def services(args: argparse.Namespace, run: Run, model: Path, where: Where) -> dict[str, Service]:
     logs = run.workdir / "logs"
     redis_port = int(where.redis_url.rsplit(":", 1)[1].split("/")[0])
-    serve_port = int(where.serve_url.rsplit(":", 1)[1])
+    serve_port = int(where.serve_urls[0].rsplit(":", 1)[1])
     (run.workdir / "redis").mkdir(parents=True, exist_ok=True)
     redis_args = [shutil.which("redis-server") or "redis-server", "--bind", "127.0.0.1"]
     redis_args += ["--port", str(redis_port), "--dir", str(run.workdir / "redis"), "--save", ""]
@@ -224,7 +225,7 @@ def services(args: argparse.Namespace, run: Run, model: Path, where: Where) -> d
         "redis": Service(
             "redis", lambda _: _popen(redis_args, {}, logs / "redis.log"), lambda: _redis_ok(where.redis_url)
         ),
-        "inference": Service("inference", inference, lambda: _http_ok(f"{where.serve_url}/v1/models")),
+        "inference": Service("inference", inference, lambda: _http_ok(f"{where.serve_urls[0]}/v1/models")),
         "gateway": Service(
             "gateway",
             lambda _: _popen(plan["gateway"][0], {**plan["gateway"][1], **job_timeout}, logs / "gateway.log"),
@@ -336,8 +337,8 @@ def _jobs_waiting(client: redis.Redis, queue: str) -> int:
     """rq's jobs not started: queued, being moved to a worker (its intermediate list), or scheduled for a
     retry with backoff (rq 3's keys)."""
     return (
-        client.llen(f"rq:queue:{queue}")
-        + client.llen(f"rq:queue:{queue}:intermediate")
+        client.llen(rq_queue_key(queue))
+        + client.llen(f"{rq_queue_key(queue)}:intermediate")
         + client.zcard(f"rq:scheduled:{queue}")
     )
 
@@ -458,7 +459,7 @@ def run_once(args: argparse.Namespace, faults: bool, model: Path) -> dict:
     (workdir / "logs").mkdir(parents=True)
     where = Where(
         f"redis://127.0.0.1:{free_port()}/0",
-        f"http://127.0.0.1:{free_port()}",
+        [f"http://127.0.0.1:{free_port()}"],
         free_port(),
         "chaos",
         workdir / "learner",

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,9 @@ import httpx
 import pytest
 import redis
 
+from episodes import CallRecord
+from rlgate._net import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 # CI (`.ci/run`) sets this: a test that skips is a failure, unless it is marked `gpu`. Every outside program
 # a test needs (real vLLM, chromium and its driver, redis-server and redis-cli) is installed by scripts/test,
@@ -27,12 +29,6 @@ NO_SKIP = os.environ.get("RLGATE_TEST_NO_SKIP", "") not in ("", "0")
 REDIS_BASE = os.environ.get("RLGATE_TEST_REDIS_URL", "redis://127.0.0.1:6379").rstrip("/")
 REDIS_DB = 11  # the gateway tests' own database, flushed before each test
 REDIS_URL = f"{REDIS_BASE}/{REDIS_DB}"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -49,6 +45,41 @@ class Proc:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+
+def rlgate(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess:
+    """`rlgate ARGS` as a process in the checkout, its output captured: this process's RLGATE_* variables
+    left out, `env` on top."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("RLGATE_")}
+    return subprocess.run(
+        [sys.executable, "-m", "rlgate", *args],
+        env={**environ, **(env or {})},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def call_record(rollout_id: str, **fields: Any) -> CallRecord:
+    """A small recorded chat call (three prompt ids, two completion ids with their log-probs); `fields`
+    replace any of its fields."""
+    return CallRecord(
+        **{
+            "rollout_id": rollout_id,
+            "endpoint": "chat.completions",
+            "policy_version": 0,
+            "request": {"messages": [{"role": "user", "content": "hi"}]},
+            "started_at": 1.0,
+            "latency_ms": 2.0,
+            "prompt_token_ids": [1, 2, 3],
+            "completion_token_ids": [4, 5],
+            "completion_logprobs": [-0.1, -0.2],
+            **fields,
+        }
+    )
 
 
 def flush_keeping_epochs(client: redis.Redis) -> None:

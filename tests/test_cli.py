@@ -16,23 +16,9 @@ import uuid
 import httpx
 import pytest
 import redis
-from conftest import REDIS_URL, ROOT, Proc, free_port, start_gateway
+from conftest import REDIS_URL, ROOT, Proc, free_port, rlgate, start_gateway
 
 MODEL = "fake-model"
-
-
-def rlgate(
-    *args: str, env: dict[str, str] | None = None, timeout: float = 120
-) -> subprocess.CompletedProcess:
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("RLGATE_")}
-    return subprocess.run(
-        [sys.executable, "-m", "rlgate", *args],
-        env={**environ, **(env or {})},
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 def dead_redis() -> str:

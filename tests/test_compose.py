@@ -288,6 +288,33 @@ def test_the_learner_writes_adapters_where_vllm_reads_them(gpu: Deployment):
     assert learner["/root/.cache/huggingface"] == vllm["/root/.cache/huggingface"]
 
 
+def test_the_two_servers_override_puts_a_second_vllm_behind_the_gateway(monkeypatch: pytest.MonkeyPatch):
+    """docker-compose.servers.yml as Compose renders it: a second vLLM like the first on a GPU of its own,
+    the gateway routing over both (RLGATE_UPSTREAM_URLS), the learner pushing to both, named alike (the
+    gateway's version check matches the servers by name), both waited for."""
+    from episodes import server_name
+
+    COMPOSE_V2[:] = COMPOSE_V2 or compose_v2()
+    config = render("docker-compose.yml", "docker-compose.servers.yml")
+    two = Deployment(config["services"], set(config.get("volumes", {})), rendered=True)
+    assert two.command("vllm-2") == two.command("vllm")
+    assert two.environment("vllm-2") == two.environment("vllm")
+    assert two.mounts("vllm-2") == two.mounts("vllm")  # the adapters the learner writes, the model cache
+    devices = [two.gpus(name)[0]["device_ids"] for name in ("vllm", "learner", "vllm-2")]
+    assert devices == [[ENV_FILE["VLLM_GPU"]], [ENV_FILE["LEARNER_GPU"]], [ENV_FILE["VLLM_2_GPU"]]]
+    assert len({d for [d] in devices}) == 3
+    upstreams = json.loads(two.environment("gateway")["RLGATE_UPSTREAM_URLS"])
+    pushed_to = json.loads(two.environment("learner")["RLGATE_LEARNER_INFERENCE_URLS"])
+    assert [server_name(u) for u in upstreams] == [server_name(u) for u in pushed_to]
+    assert {server_name(u) for u in upstreams} == {"http://vllm:8000", "http://vllm-2:8000"}
+    for service in ("gateway", "learner"):
+        assert two.depends_on(service)["vllm-2"] == "service_healthy"
+    gateway = parse_command(
+        GatewayCommand, two.command("gateway"), two.environment("gateway"), monkeypatch, "RLGATE_"
+    )
+    assert gateway.upstream_urls == upstreams
+
+
 def test_the_images_are_targets_of_the_dockerfile(gpu: Deployment):
     dockerfile = (ROOT / "Dockerfile").read_text()
     targets = set(re.findall(r"^FROM \S+ AS (\S+)$", dockerfile, re.MULTILINE))

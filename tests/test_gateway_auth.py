@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -16,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 import redis
-from conftest import REDIS_URL, ROOT, Proc, free_port, start_gateway
+from conftest import REDIS_URL, Proc, free_port, rlgate, start_gateway
 from test_gateway_errors import assert_openai_error
 from test_gateway_proxy import MESSAGES, MODEL
 
@@ -339,14 +337,7 @@ def test_unsafe_layouts_refuse_to_start(settings: dict[str, str], message: str, 
         "RLGATE_PORT": str(port),
         **{f"RLGATE_{k.upper()}": v for k, v in settings.items()},
     }
-    done = subprocess.run(
-        [sys.executable, "-m", "rlgate", "gateway"],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = rlgate("gateway", env=env, timeout=60)
     assert done.returncode != 0
     assert message in done.stdout + done.stderr
     assert OPERATOR not in done.stdout + done.stderr

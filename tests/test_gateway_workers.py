@@ -12,7 +12,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 import uuid
 from collections import Counter
@@ -21,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
-from conftest import REDIS_URL, ROOT, Proc, free_port, start_gateway
+from conftest import REDIS_URL, Proc, free_port, rlgate, start_gateway
 from test_gateway_proxy import MESSAGES, MODEL, rollout
 
 from episodes import EpisodeStore
@@ -213,14 +212,7 @@ def test_a_taken_port_is_one_line_and_exit_status_1(workers: str, taken: str, tm
         "RLGATE_LOG_FORMAT": "json",
     }
     try:
-        result = subprocess.run(
-            [sys.executable, "-m", "rlgate", "gateway"],
-            env=env,
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        result = rlgate("gateway", env=env, timeout=60)
     finally:
         holder.close()
     assert result.returncode == 1, result.stderr

@@ -7,23 +7,9 @@ from __future__ import annotations
 import asyncio
 
 import redis
-from conftest import REDIS_URL
+from conftest import REDIS_URL, call_record
 
-from episodes import CallRecord, ClosedEpisodes, EpisodeLifecycle, EpisodeStore, RolloutStatus
-
-
-def _record(rollout_id: str) -> CallRecord:
-    return CallRecord(
-        rollout_id=rollout_id,
-        endpoint="chat.completions",
-        policy_version=0,
-        request={},
-        started_at=1.0,
-        latency_ms=1.0,
-        prompt_token_ids=[1],
-        completion_token_ids=[2],
-        completion_logprobs=[-0.5],
-    )
+from episodes import ClosedEpisodes, EpisodeLifecycle, EpisodeStore, RolloutStatus
 
 
 def run(scenario):
@@ -39,7 +25,7 @@ def run(scenario):
 
 def test_one_learner_wins_a_race_for_an_episode_and_its_claim_lapses_when_it_dies(redis_client: redis.Redis):
     async def scenario(store, lifecycle):
-        await store.record_calls("r", "task", [_record("r")])
+        await store.record_calls("r", "task", [call_record("r")])
         assert await lifecycle.claim("r", "a", 60) == "not_closed"  # open: nothing to train yet
         await lifecycle.close("r", 1.0)
         race = await asyncio.gather(*(lifecycle.claim("r", f"l{i % 5}", 60) for i in range(40)))
@@ -77,7 +63,7 @@ def test_an_entry_whose_episode_another_learner_holds_stays_pending_until_it_can
     from learner.loop import Learner
 
     async def scenario(store, lifecycle):
-        await store.record_calls("h", "task", [_record("h")])
+        await store.record_calls("h", "task", [call_record("h")])
         await lifecycle.close("h", 1.0)
         stream = ClosedEpisodes(store)
         await stream.ensure_group()
@@ -100,7 +86,7 @@ def test_an_entry_whose_episode_another_learner_holds_stays_pending_until_it_can
 
 def test_drop_acknowledges_an_entry_without_consuming_its_rollout(redis_client: redis.Redis):
     async def scenario(store, lifecycle):
-        await store.record_calls("d", "task", [_record("d")])
+        await store.record_calls("d", "task", [call_record("d")])
         await lifecycle.close("d", 0.5)
         stream = ClosedEpisodes(store)
         await stream.ensure_group()

@@ -55,6 +55,21 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, Proc
     serve.kill(signal.SIGTERM)
 
 
+@pytest.fixture(autouse=True)
+def _gateway_at_version_0(request: pytest.FixtureRequest) -> None:
+    """A test on the shared stack starts from the base policy as the gateway sees it: `redis_client` resets
+    the pointer, and the gateway reads it within its poll (50 ms); a call made before would go to the last
+    test's adapter, whose log-probs are not the base model's the learner starts from."""
+    if "stack" not in request.fixturenames or "redis_client" not in request.fixturenames:
+        return
+    request.getfixturevalue("redis_client")  # the flush first
+    gateway = request.getfixturevalue("stack")[1]
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{gateway.url}/healthz", timeout=5).json()["policy_version"] != 0:
+        assert time.monotonic() < deadline, "the gateway kept an earlier test's policy version"
+        time.sleep(0.02)
+
+
 def episode(gateway: Proc, task: str, reward: float, calls: int = 2, agent: str | None = None) -> str:
     rid = uuid.uuid4().hex
     client = openai.OpenAI(

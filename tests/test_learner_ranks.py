@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 import redis
-from conftest import REDIS_URL, ROOT, Proc, free_port, start_gateway, start_rlgate_serve
+from conftest import REDIS_URL, ROOT, Proc, free_port, rlgate, start_gateway, start_rlgate_serve
 
 pytest.importorskip("openrlhf")
 pytest.importorskip("deepspeed")
@@ -158,14 +158,7 @@ def test_settings_several_ranks_cannot_train_with_are_one_line(
         "MASTER_PORT": str(free_port()),
         **settings,
     }
-    result = subprocess.run(
-        [sys.executable, "-m", "rlgate", "learner"],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = rlgate("learner", env=env, timeout=120)
     assert result.returncode == 2, result.stderr[-3000:]
     [line] = [x for x in result.stderr.splitlines() if x.startswith("rlgate learner: error:")]
     assert message in line and "Traceback" not in result.stderr

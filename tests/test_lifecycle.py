@@ -8,11 +8,10 @@ import time
 
 import pytest
 import redis
-from conftest import REDIS_URL
+from conftest import REDIS_URL, call_record
 
 from episodes import (
     CallNotFound,
-    CallRecord,
     ClosedEpisodes,
     EpisodeLifecycle,
     EpisodeStore,
@@ -22,20 +21,6 @@ from episodes import (
     RolloutNotOpen,
     _lua,
 )
-
-
-def _record(rollout_id: str) -> CallRecord:
-    return CallRecord(
-        rollout_id=rollout_id,
-        endpoint="chat.completions",
-        policy_version=0,
-        request={},
-        started_at=1.0,
-        latency_ms=1.0,
-        prompt_token_ids=[1],
-        completion_token_ids=[2],
-        completion_logprobs=[-0.5],
-    )
 
 
 def run(scenario, ttl_s: float = 3600.0):
@@ -55,9 +40,9 @@ def stream_rollouts(client: redis.Redis) -> list[str]:
 
 def test_many_concurrent_closers_close_once_and_publish_once(redis_client: redis.Redis):
     async def scenario(store, lifecycle):
-        await store.record_calls("race", "task", [_record("race")])
+        await store.record_calls("race", "task", [call_record("race")])
         same = await asyncio.gather(*(lifecycle.close("race", 1) for _ in range(30)))
-        await store.record_calls("race2", "task", [_record("race2")])
+        await store.record_calls("race2", "task", [call_record("race2")])
         mixed = await asyncio.gather(
             *(lifecycle.close("race2", r) for r in [0.5] * 10 + [0.25] * 10), return_exceptions=True
         )
@@ -87,7 +72,7 @@ def test_close_errors_and_same_reward_again(redis_client: redis.Redis):
         with pytest.raises(ValueError):
             await lifecycle.close("r1", float("nan"))
         with pytest.raises(RolloutNotOpen):  # a closed rollout takes no more calls
-            await store.record_calls("r1", None, [_record("r1")])
+            await store.record_calls("r1", None, [call_record("r1")])
         return first, again, conflict.value
 
     first, again, conflict = run(scenario)
@@ -98,7 +83,7 @@ def test_close_errors_and_same_reward_again(redis_client: redis.Redis):
 def test_expiry_and_fill_reward(redis_client: redis.Redis):
     async def scenario(store, lifecycle):
         await store.create_rollout("old")
-        await store.record_calls("old-filled", None, [_record("old-filled")])
+        await store.record_calls("old-filled", None, [call_record("old-filled")])
         await store.create_rollout("young")
         redis_client.zadd("t:expiry", {"young": time.time() + 3600})
         redis_client.hset("t:rollout:{young}", "expires_at", time.time() + 3600)
@@ -108,7 +93,7 @@ def test_expiry_and_fill_reward(redis_client: redis.Redis):
         with pytest.raises(RolloutExpired):
             await lifecycle.close("old", 1)
         with pytest.raises(RolloutNotOpen):
-            await store.record_calls("old", None, [_record("old")])
+            await store.record_calls("old", None, [call_record("old")])
         return first, second, await store.get_rollout("old-filled"), await store.get_rollout("young")
 
     first, second, filled, young = run(scenario, ttl_s=0.2)
@@ -123,7 +108,7 @@ def test_outbox_repair_publishes_what_a_dead_closer_left(redis_client: redis.Red
         await store.create_rollout("orphan", "t9")
         for version in (4, 2, 6):  # the entry names the oldest version that served a call
             await store.record_calls(
-                "orphan", None, [_record("orphan").model_copy(update={"policy_version": version})]
+                "orphan", None, [call_record("orphan").model_copy(update={"policy_version": version})]
             )
         # a closer that wrote its intent and closed, then died before publishing
         redis_client.zadd("t:outbox", {"orphan": time.time() - 60})
@@ -143,7 +128,7 @@ def test_outbox_repair_publishes_what_a_dead_closer_left(redis_client: redis.Red
 
 def test_intermediate_rewards_and_failure(redis_client: redis.Redis):
     async def scenario(store, lifecycle):
-        await store.record_calls("r2", None, [_record("r2"), _record("r2")])
+        await store.record_calls("r2", None, [call_record("r2"), call_record("r2")])
         await lifecycle.set_call_reward("r2", 1, 0.5)
         await lifecycle.set_call_reward("r2", 0, -0.1, automatic=True)
         with pytest.raises(CallNotFound):
@@ -170,7 +155,7 @@ def test_consumer_group_acks_and_reclaims_a_dead_consumers_entries(redis_client:
         await closed.ensure_group()
         await closed.ensure_group()  # idempotent
         for i in range(4):
-            await store.record_calls(f"e{i}", "task", [_record(f"e{i}")])
+            await store.record_calls(f"e{i}", "task", [call_record(f"e{i}")])
             await lifecycle.close(f"e{i}", i / 4)
         dead = await closed.read("learner-dead", count=3, block_ms=100)  # reads, then dies without acking
         alive = await closed.read("learner-alive", count=10, block_ms=100)
@@ -284,7 +269,7 @@ def test_call_rewards_stop_when_the_rollout_closes(redis_client: redis.Redis):
     (it would otherwise be kept where no training sees it), the webhook's and AIR's alike."""
 
     async def scenario(store, lifecycle):
-        await store.record_calls("late", None, [_record("late")])
+        await store.record_calls("late", None, [call_record("late")])
         await lifecycle.set_call_reward("late", 0, 0.5)
         await lifecycle.close("late", 1)
         before = {k: redis_client.dump(k) for k in redis_client.keys("*")}
@@ -302,7 +287,7 @@ def test_call_rewards_stop_when_the_rollout_closes(redis_client: redis.Redis):
 
 def test_mark_failed_happens_once_and_is_never_published(redis_client: redis.Redis):
     async def scenario(store, lifecycle):
-        await store.record_calls("f1", "task", [_record("f1")])
+        await store.record_calls("f1", "task", [call_record("f1")])
         await lifecycle.mark_failed("f1", "the harness crashed")
         before = {k: redis_client.dump(k) for k in redis_client.keys("*")}
         refusals = []
@@ -353,7 +338,7 @@ def test_a_finished_rollout_keeps_its_keys_for_the_retention_time_then_they_go(r
         closed = ClosedEpisodes(store)
         await closed.ensure_group()
         for rid in ("trained", "waiting", "failed", "kept"):
-            await store.record_calls(rid, "task", [_record(rid)])
+            await store.record_calls(rid, "task", [call_record(rid)])
             await lifecycle.set_call_reward(rid, 0, 0.5)
             await lifecycle.set_call_reward(rid, 0, 0.25, automatic=True)
             redis_client.rpush(f"t:rollout:{{{rid}}}:events", "{}")
@@ -389,7 +374,7 @@ def test_an_exporter_alone_does_not_let_the_stream_be_trimmed(redis_client: redi
 
     async def scenario(store, lifecycle):
         for i in range(3):
-            await store.record_calls(f"x{i}", "task", [_record(f"x{i}")])
+            await store.record_calls(f"x{i}", "task", [call_record(f"x{i}")])
             await lifecycle.close(f"x{i}", 1.0)
         store.retention_s = 0.001
         exporters = ClosedEpisodes(store, "exporters")
@@ -421,7 +406,7 @@ def test_the_sweeper_trims_only_entries_every_group_acknowledged_past_the_retent
 
     async def scenario(store, lifecycle):
         for i in range(6):
-            await store.record_calls(f"e{i}", "task", [_record(f"e{i}")])
+            await store.record_calls(f"e{i}", "task", [call_record(f"e{i}")])
             await lifecycle.close(f"e{i}", 1.0)
         store.retention_s = 0.001
         await asyncio.sleep(0.01)

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 import redis
-from conftest import Proc, start_gateway
+from conftest import Proc, call_record, start_gateway
 from redis.cluster import RedisCluster as SyncCluster
 from redis.crc import key_slot
 from redis_servers import cluster_ports
@@ -211,20 +211,6 @@ def cluster(_cluster: Cluster) -> Cluster:
     return _cluster
 
 
-def _record(rollout_id: str, text: str = "hi") -> CallRecord:
-    return CallRecord(
-        rollout_id=rollout_id,
-        endpoint="chat.completions",
-        policy_version=0,
-        request={"messages": [{"role": "user", "content": text}]},
-        started_at=1.0,
-        latency_ms=2.0,
-        prompt_token_ids=[1, 2, 3],
-        completion_token_ids=[4, 5],
-        completion_logprobs=[-0.1, -0.2],
-    )
-
-
 def _ids_on_every_master(cluster: Cluster, n: int) -> list[str]:
     """`n` rollout ids spread evenly over the 3 masters (random ids are drawn until each has its share: 12
     ids drawn at random leave a master without one 2% of the time)."""
@@ -259,7 +245,7 @@ def test_every_store_operation_runs_on_a_cluster(cluster: Cluster):
             for i, rid in enumerate(ids):
                 await store.create_rollout(rid, task_id=f"t{i % 3}")
                 indexes = await asyncio.gather(
-                    *(store.record_calls(rid, None, [_record(rid)]) for _ in range(3))
+                    *(store.record_calls(rid, None, [call_record(rid)]) for _ in range(3))
                 )
                 assert sorted(indexes) == [0, 1, 2]
             stats = store.record_stats()
@@ -273,7 +259,7 @@ def test_every_store_operation_runs_on_a_cluster(cluster: Cluster):
                 assert (await lifecycle.close(rid, 1.0)).outcome == "closed"
             assert await lifecycle.fail(ids[6], "crashed")
             with pytest.raises(RolloutNotOpen):
-                await store.record_calls(ids[0], None, [_record(ids[0])])
+                await store.record_calls(ids[0], None, [call_record(ids[0])])
             episodes = await stream.read("learner-0", count=100, block_ms=100)
             assert sorted(e.rollout_id for e in episodes) == sorted(ids[:6])
             for episode in episodes:
@@ -306,7 +292,7 @@ def test_the_record_connection_follows_moved_and_ask(cluster: Cluster):
     client = cluster.client()
 
     async def record(store: EpisodeStore, rid: str) -> int:
-        return await store.record_calls(rid, None, [_record(rid)])
+        return await store.record_calls(rid, None, [call_record(rid)])
 
     # MOVED: a manual failover turns the slot's master into a replica, which answers MOVED
     # (with wait_replicas=1: the old master, a replica now, answers MOVED to the script and refuses the
@@ -554,17 +540,19 @@ def test_waiting_for_a_stalled_replica_is_bounded_and_cancellation_is_per_caller
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        assert await store.record_calls(rid, None, [_record(rid)]) == 0  # connected, script loaded
+        assert await store.record_calls(rid, None, [call_record(rid)]) == 0  # connected, script loaded
         os.kill(cluster.procs[replica].pid, signal.SIGSTOP)
         try:
-            first = asyncio.create_task(store.record_calls(rid, None, [_record(rid)]))
+            first = asyncio.create_task(store.record_calls(rid, None, [call_record(rid)]))
             await asyncio.sleep(0)  # written at once, with a WAIT: in flight
-            cancelled = asyncio.create_task(store.record_calls(rid, None, [_record(rid)]))
-            sharing = asyncio.create_task(store.record_calls(rid, None, [_record(rid)]))  # the same next WAIT
+            cancelled = asyncio.create_task(store.record_calls(rid, None, [call_record(rid)]))
+            sharing = asyncio.create_task(
+                store.record_calls(rid, None, [call_record(rid)])
+            )  # the same next WAIT
             more = []
             for _ in range(8):  # eight more batches, one per loop turn, behind the stalled WAIT
                 await asyncio.sleep(0)
-                more.append(asyncio.create_task(store.record_calls(rid, None, [_record(rid)])))
+                more.append(asyncio.create_task(store.record_calls(rid, None, [call_record(rid)])))
             started = loop.time()
             # the first WAIT returns short at 1 s; then the batch of `cancelled` and `sharing` has its replies
             # and both wait on the second WAIT: cancel one then
@@ -583,7 +571,7 @@ def test_waiting_for_a_stalled_replica_is_bounded_and_cancellation_is_per_caller
         await asyncio.to_thread(cluster.wait_healthy)
         # the writes are on the master (the callers were told they may not be replicated), and recording
         # goes on once the replica is back
-        assert await store.record_calls(rid, None, [_record(rid)]) == 12
+        assert await store.record_calls(rid, None, [call_record(rid)]) == 12
         await store.aclose()
 
     asyncio.run(main())
@@ -642,13 +630,13 @@ def test_a_reward_is_answered_only_once_the_replicas_hold_it(cluster: Cluster):
     async def main() -> None:
         # the outbox's master's replica stopped: the intent is not confirmed, nothing is closed
         quiet = rollout_off(globals_)
-        await store.record_calls(quiet, "t", [_record(quiet)])
+        await store.record_calls(quiet, "t", [call_record(quiet)])
         await with_replica_stopped(replica_of(master(keys.outbox)), lambda: lifecycle.close(quiet, 1.0))
         assert await status(quiet) == "open"
         assert (await lifecycle.close(quiet, 1.0)).outcome == "closed"
         first, second = rollout_off(globals_), rollout_off(globals_)
         for rid in (first, second):
-            await store.record_calls(rid, "t", [_record(rid)])
+            await store.record_calls(rid, "t", [call_record(rid)])
         # the rollout's master's replica stopped: the intermediate reward and the close unconfirmed
         await with_replica_stopped(
             replica_of(master(keys.rollout(first))),
@@ -672,7 +660,7 @@ def test_a_reward_is_answered_only_once_the_replicas_hold_it(cluster: Cluster):
         assert view is not None and view.calls[0].reward == 0.5  # written, though not confirmed then
         # with the replicas up a close answers at once, and a replica holds it when it does
         third = rollout_off(set())
-        await store.record_calls(third, "t", [_record(third)])
+        await store.record_calls(third, "t", [call_record(third)])
         assert (await lifecycle.close(third, 0.25)).outcome == "closed"
         replica = redis.Redis(port=replica_of(master(keys.rollout(third))), single_connection_client=True)
         try:

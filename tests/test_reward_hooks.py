@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 import redis
-from conftest import REDIS_URL, ROOT, Proc, free_port, start_gateway
+from conftest import REDIS_URL, ROOT, Proc, free_port, rlgate, start_gateway
 from rq import Queue, SimpleWorker
 from rq.serializers import JSONSerializer
 from test_gateway_errors import assert_openai_error
@@ -568,14 +568,7 @@ def test_an_empty_or_short_webhook_secret_is_refused_at_startup(secret, tmp_path
         "RLGATE_REDIS_URL": REDIS_URL,
         "RLGATE_PORT": str(free_port()),
     }
-    started = subprocess.run(
-        [sys.executable, "-m", "rlgate", "gateway"],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    started = rlgate("gateway", env=env, timeout=60)
     assert started.returncode != 0
     assert "webhook_secret (RLGATE_WEBHOOK_SECRET) must be at least 16 characters" in started.stderr
     assert not secret or secret not in started.stderr + started.stdout

@@ -19,6 +19,7 @@ transformers = pytest.importorskip("transformers")
 openai = pytest.importorskip("openai")
 
 from conftest import Proc, start_rlgate_serve
+from test_gateway_proxy import MESSAGES, TOOLS
 
 from inference.engine import SamplingParams, processed_logits
 from inference.tiny_model import build_tiny_model
@@ -26,21 +27,6 @@ from inference.tools import hermes_stream_deltas, parse_hermes
 
 MODEL = "tiny"
 EOS, TOOL_CALL = 258, 259
-MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 17 + 25?"}]
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "calculator",
-            "description": "Evaluate an arithmetic expression.",
-            "parameters": {
-                "type": "object",
-                "properties": {"expression": {"type": "string"}},
-                "required": ["expression"],
-            },
-        },
-    }
-]
 
 
 @pytest.fixture(scope="module")

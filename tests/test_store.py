@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 import redis
-from conftest import REDIS_URL
+from conftest import REDIS_URL, call_record
 
 from episodes import (
     CallRecord,
@@ -19,22 +19,6 @@ from episodes import (
     StoreUnavailable,
     TaskMismatch,
 )
-
-
-def _record(rollout_id: str, **kw) -> CallRecord:
-    base = dict(
-        rollout_id=rollout_id,
-        endpoint="chat.completions",
-        policy_version=0,
-        request={"messages": [{"role": "user", "content": "hi"}]},
-        started_at=1.0,
-        latency_ms=2.0,
-        prompt_token_ids=[1, 2, 3],
-        completion_token_ids=[4, 5],
-        completion_logprobs=[-0.1, -0.2],
-    )
-    base.update(kw)
-    return CallRecord(**base)
 
 
 def run(coro):
@@ -57,9 +41,9 @@ def test_record_creates_rollout_and_indexes_calls(redis_client: redis.Redis):
     async def go():
         store = EpisodeStore.from_url(REDIS_URL, prefix="t")
         try:
-            first = await store.record_calls("r1", "task-a", [_record("r1", task_id="task-a")])
+            first = await store.record_calls("r1", "task-a", [call_record("r1", task_id="task-a")])
             second = await store.record_calls(
-                "r1", "task-a", [_record("r1", choice_index=0), _record("r1", choice_index=1)]
+                "r1", "task-a", [call_record("r1", choice_index=0), call_record("r1", choice_index=1)]
             )
             view = await store.get_rollout_view("r1")
             return first, second, view
@@ -83,18 +67,20 @@ def test_the_rollout_hash_keeps_its_agent_and_served_versions(redis_client: redi
     async def go():
         store = EpisodeStore.from_url(REDIS_URL, prefix="t")
         try:
-            await store.record_calls("r9", "t9", [_record("r9", policy_version=4)])  # no agent named
+            await store.record_calls("r9", "t9", [call_record("r9", policy_version=4)])  # no agent named
             before = (await store.list_rollouts(limit=10)).rollouts
-            await store.record_calls("r9", None, [_record("r9", policy_version=2, agent_name="planner")])
-            await store.record_calls("r9", None, [_record("r9", policy_version=7, agent_name="coder")])
-            await store.record_calls("r9", None, [_record("r9", policy_version=3, agent_name="coder")])
+            await store.record_calls("r9", None, [call_record("r9", policy_version=2, agent_name="planner")])
+            await store.record_calls("r9", None, [call_record("r9", policy_version=7, agent_name="coder")])
+            await store.record_calls("r9", None, [call_record("r9", policy_version=3, agent_name="coder")])
             # refused calls change nothing
             with pytest.raises(ModeMismatch):
                 await store.record_calls(
-                    "r9", None, [_record("r9", policy_version=0, agent_name="x")], mode="val"
+                    "r9", None, [call_record("r9", policy_version=0, agent_name="x")], mode="val"
                 )
             with pytest.raises(TaskMismatch):
-                await store.record_calls("r9", "other", [_record("r9", policy_version=99, agent_name="x")])
+                await store.record_calls(
+                    "r9", "other", [call_record("r9", policy_version=99, agent_name="x")]
+                )
             return before, (await store.list_rollouts(limit=10)).rollouts, await store.get_rollout("r9")
         finally:
             await store.aclose()
@@ -118,9 +104,9 @@ def test_create_rollout_once_and_task_mismatch(redis_client: redis.Redis):
             with pytest.raises(RolloutExists):
                 await store.create_rollout("r2", None)
             with pytest.raises(TaskMismatch):
-                await store.record_calls("r2", "other-task", [_record("r2")])
+                await store.record_calls("r2", "other-task", [call_record("r2")])
             # a call without a task id joins the rollout's task
-            await store.record_calls("r2", None, [_record("r2")])
+            await store.record_calls("r2", None, [call_record("r2")])
             return created, await store.get_rollout("r2"), await store.get_calls("r2")
         finally:
             await store.aclose()
@@ -138,7 +124,7 @@ def test_calls_to_a_rollout_that_is_not_open_are_refused(redis_client: redis.Red
             await store.create_rollout("r3")
             redis_client.hset("t:rollout:{r3}", "status", "closed")
             with pytest.raises(RolloutNotOpen) as info:
-                await store.record_calls("r3", None, [_record("r3")])
+                await store.record_calls("r3", None, [call_record("r3")])
             return info.value
         finally:
             await store.aclose()
@@ -164,7 +150,7 @@ def test_unreachable_redis_raises_store_unavailable():
     async def go():
         store = EpisodeStore.from_url("redis://127.0.0.1:1/0", timeout_s=0.5)
         try:
-            await store.record_calls("r4", None, [_record("r4")])
+            await store.record_calls("r4", None, [call_record("r4")])
         finally:
             await store.aclose()
 
@@ -173,12 +159,12 @@ def test_unreachable_redis_raises_store_unavailable():
 
 
 def test_record_round_trips_through_json():
-    record = _record("r5", error=None, ttfb_ms=3.5)
+    record = call_record("r5", error=None, ttfb_ms=3.5)
     assert CallRecord.model_validate_json(record.model_dump_json()) == record
     assert record.trainable
-    assert _record("r5", completion_logprobs=None).trainable  # the learner takes its own log-probs then
-    assert not _record("r5", completion_logprobs=[-0.5]).trainable  # not one per token
-    assert not _record("r5", completion_token_ids=None).trainable
+    assert call_record("r5", completion_logprobs=None).trainable  # the learner takes its own log-probs then
+    assert not call_record("r5", completion_logprobs=[-0.5]).trainable  # not one per token
+    assert not call_record("r5", completion_token_ids=None).trainable
     with pytest.raises(ValueError):
         CallRecord.model_validate({**record.model_dump(), "unknown_field": 1})
 
@@ -189,7 +175,7 @@ def test_concurrent_records_are_group_committed_in_order(redis_client: redis.Red
         try:
             firsts = await asyncio.gather(
                 *(
-                    store.record_calls("r6", None, [_record("r6", choice_index=i)] * (1 + i % 2))
+                    store.record_calls("r6", None, [call_record("r6", choice_index=i)] * (1 + i % 2))
                     for i in range(40)
                 )
             )
@@ -210,9 +196,9 @@ def test_record_survives_a_flushed_script_cache(redis_client: redis.Redis):
     async def go():
         store = EpisodeStore.from_url(REDIS_URL, prefix="t")
         try:
-            await store.record_calls("r7", None, [_record("r7")])
+            await store.record_calls("r7", None, [call_record("r7")])
             redis_client.script_flush()  # as after a Redis restart
-            second = await store.record_calls("r7", None, [_record("r7")])
+            second = await store.record_calls("r7", None, [call_record("r7")])
             return second, await store.get_calls("r7")
         finally:
             await store.aclose()
@@ -227,7 +213,7 @@ def test_a_failed_batch_fails_every_caller_and_none_hangs():
         try:
             results = await asyncio.wait_for(
                 asyncio.gather(
-                    *(store.record_calls(f"r{i}", None, [_record(f"r{i}")]) for i in range(20)),
+                    *(store.record_calls(f"r{i}", None, [call_record(f"r{i}")]) for i in range(20)),
                     return_exceptions=True,
                 ),
                 timeout=10,
@@ -259,14 +245,14 @@ def test_a_hung_redis_times_out_for_every_caller_and_never_stalls_the_batcher():
         try:
             first = await asyncio.wait_for(
                 asyncio.gather(
-                    *(hung.record_calls(f"h{i}", None, [_record(f"h{i}")]) for i in range(5)),
+                    *(hung.record_calls(f"h{i}", None, [call_record(f"h{i}")]) for i in range(5)),
                     hung.get_rollout("h0"),
                     return_exceptions=True,
                 ),
                 timeout=5,
             )
             later = await asyncio.wait_for(
-                asyncio.gather(hung.record_calls("h9", None, [_record("h9")]), return_exceptions=True),
+                asyncio.gather(hung.record_calls("h9", None, [call_record("h9")]), return_exceptions=True),
                 timeout=5,
             )
             return first + later
@@ -360,7 +346,7 @@ def test_the_record_connection_authenticates_and_selects_the_database(password_r
     async def go(url: str):
         store = EpisodeStore.from_url(url, prefix="t", timeout_s=2)
         try:
-            return await store.record_calls("auth", None, [_record("auth")])
+            return await store.record_calls("auth", None, [call_record("auth")])
         finally:
             await store.aclose()
 
@@ -380,13 +366,13 @@ def test_records_are_batched_per_loop_turn_and_survive_a_killed_connection(redis
     async def go():
         store = EpisodeStore.from_url(REDIS_URL, prefix="t")
         try:
-            await store.record_calls("k0", None, [_record("k0")])
+            await store.record_calls("k0", None, [call_record("k0")])
             conn = store._record._pipe._conn
             writes = []
             write = conn.transport.write
             conn.transport.write = lambda data: (writes.append(data), write(data))[1]
             await asyncio.gather(
-                *(store.record_calls(f"k{i}", None, [_record(f"k{i}")]) for i in range(1, 11))
+                *(store.record_calls(f"k{i}", None, [call_record(f"k{i}")]) for i in range(1, 11))
             )
             batches = list(writes)
             # Redis drops the connection (a restart, a failover, `CLIENT KILL`): the next call reconnects.
@@ -395,7 +381,7 @@ def test_records_are_batched_per_loop_turn_and_survive_a_killed_connection(redis
             redis_client.client_kill_filter(_id=client_id)
             await asyncio.sleep(0.1)
             assert conn.lost
-            await store.record_calls("k11", None, [_record("k11")])
+            await store.record_calls("k11", None, [call_record("k11")])
             return batches, store._record._pipe._conn is not conn
         finally:
             await store.aclose()
@@ -415,7 +401,7 @@ def test_the_record_size_limit_counts_utf8_bytes(redis_client):
     async def go():
         store = EpisodeStore.from_url(REDIS_URL)
         try:
-            record = _record("utf8", request={"messages": [{"role": "user", "content": "é" * 3000}]})
+            record = call_record("utf8", request={"messages": [{"role": "user", "content": "é" * 3000}]})
             chars, size = len(record.model_dump_json()), len(record.model_dump_json().encode())
             assert chars < 4000 < size
             with pytest.raises(RecordTooLarge):

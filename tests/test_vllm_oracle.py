@@ -27,23 +27,9 @@ from typing import Any, NoReturn
 import httpx
 import pytest
 from conftest import ROOT, Proc
+from test_gateway_proxy import MESSAGES, TOOLS
 
 ORACLE_SCRIPT = ROOT / "tests" / "vllm_oracle.py"
-MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 17 + 25?"}]
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "calculator",
-            "description": "Evaluate an arithmetic expression.",
-            "parameters": {
-                "type": "object",
-                "properties": {"expression": {"type": "string"}},
-                "required": ["expression"],
-            },
-        },
-    }
-]
 TOOL_CALL_TOKEN = 259  # `<tool_call>` in the tiny model's tokenizer
 
 
