@@ -392,24 +392,30 @@ def backlog(where: dict[str, Any]) -> dict[str, int]:
         client.close()
 
 
-def calls_per_server(where: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each server's share of the run's recorded calls (their `server` field), and how many of them moved
-    there from another server (`rerouted_from`): what the gateway's routing did."""
+def routing(where: dict[str, Any]) -> dict[str, Any]:
+    """What the gateway's routing did, from the run's recorded calls (their `server` and `rerouted_from`):
+    each server's calls and how many of them moved there from another server, and how many rollouts had
+    calls on more than one server."""
     from episodes import server_name
 
-    counts = {server_name(url): {"url": url, "calls": 0, "rerouted_here": 0} for url in where["serve_urls"]}
+    rows = {server_name(url): {"url": url, "calls": 0, "rerouted_here": 0} for url in where["serve_urls"]}
+    rollouts = split = 0
     client = redis.Redis.from_url(where["redis"], socket_timeout=10)
     try:
         for key in client.scan_iter(match=f"{where['prefix']}:rollout:*:calls", count=1000):
+            seen = set()
             for raw in client.lrange(key, 0, -1):
                 record = json.loads(raw)
-                row = counts.get(record.get("server") or "")
+                seen.add(record.get("server"))
+                row = rows.get(record.get("server") or "")
                 if row is not None:
                     row["calls"] += 1
                     row["rerouted_here"] += record.get("rerouted_from") is not None
+            rollouts += 1
+            split += len(seen) > 1
     finally:
         client.close()
-    return list(counts.values())
+    return {"servers": list(rows.values()), "rollouts": rollouts, "rollouts_on_several_servers": split}
 
 
 def cleanup(where: dict[str, Any]) -> int:
@@ -530,7 +536,7 @@ def summarize(
         "dropped_invalid_reward": sum(s.get("dropped_invalid_reward", 0) for s in steps),
         "peak_backlog": (where or {}).get("peak_backlog"),
         "inference": cfg.engines[0].summary() if cfg.engines else None,
-        **({"servers": (where or {}).get("servers")} if cfg.inference_servers > 1 else {}),
+        **({"routing": (where or {}).get("routing")} if cfg.inference_servers > 1 else {}),
         "key_prefix": (where or {}).get(
             "prefix"
         ),  # its keys (removed at the end from a Redis that outlives it)
@@ -627,7 +633,7 @@ def _run(cfg: DemoConfig) -> dict[str, Any]:
     finally:
         if where and cfg.inference_servers > 1:
             with contextlib.suppress(redis.RedisError):
-                where["servers"] = calls_per_server(where)
+                where["routing"] = routing(where)
         if where and cfg.valkey is None and "redis" not in cfg.processes:  # a Redis that outlives the demo
             stop(cfg, keep=("redis",))
             with contextlib.suppress(redis.RedisError):
@@ -667,13 +673,15 @@ def report(cfg: DemoConfig, summary: dict[str, Any]) -> dict[str, Any]:
             f"served by {engine['name']}"
             + (f" (not vLLM: {engine['fallback_reason']})" if engine.get("fallback_reason") else "")
         )
-    if summary.get("servers"):
+    if summary.get("routing"):
+        routed = summary["routing"]
         print(
             "calls per server: "
             + ", ".join(
                 f"{row['url']} {row['calls']} ({row['rerouted_here']} moved there)"
-                for row in summary["servers"]
+                for row in routed["servers"]
             )
+            + f"; {routed['rollouts_on_several_servers']} of {routed['rollouts']} rollouts on more than one server"
         )
     print(f"summary: {summary_path}" + (f"\nreward curve: {png}" if drawn else " (no matplotlib: no PNG)"))
     return summary
