@@ -25,11 +25,13 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
+
+if TYPE_CHECKING:
+    from demo.run import DemoConfig
 
 WARM_EPISODES = 400
 WARM_STEPS = 400
@@ -37,24 +39,16 @@ TEACHER_TOOL_RATE = 0.7
 TEACHER_BROKEN_RATE = 0.6
 
 
-def warm_policy(
-    cfg: Any, redis_url: str, helpers: dict[str, Callable[..., Any]]
-) -> tuple[Path, dict[str, Any]]:
+def warm_policy(cfg: DemoConfig, redis_url: str) -> tuple[Path, dict[str, Any]]:
     """Build the warm-started policy in `cfg.workdir / "warm"`; returns its path and what happened."""
     from transformers.utils import logging as transformers_logging
 
     from demo.base_model import cached_base_model
-    from demo.run import cleanup
+    from demo.run import cleanup, free_port, spawn, stop_named, wait_http
     from demo.warm_start import warm_start
 
     transformers_logging.disable_progress_bar()  # the demo prints its own progress lines
 
-    spawn, wait_http, free_port, stop_named = (
-        helpers["spawn"],
-        helpers["wait_http"],
-        helpers["free_port"],
-        helpers["stop"],
-    )
     started = time.monotonic()
     base = cached_base_model(seed=cfg.seed, log=lambda line: print(line, flush=True))
     base_s = time.monotonic() - started
@@ -70,6 +64,7 @@ def warm_policy(
     try:
         teacher_port = free_port()
         teacher = spawn(
+            cfg,
             "teacher",
             [
                 sys.executable,
@@ -88,6 +83,7 @@ def warm_policy(
         wait_http(f"http://127.0.0.1:{teacher_port}/health", teacher, "the teacher")
         gateway_port = free_port()
         gateway = spawn(
+            cfg,
             "warm-gateway",
             [*rlgate, "gateway"],
             {
@@ -98,11 +94,12 @@ def warm_policy(
         )
         gateway_url = f"http://127.0.0.1:{gateway_port}"
         wait_http(f"{gateway_url}/healthz", gateway, "the warm-start gateway")
-        spawn("warm-worker", [*rlgate, "worker", "--fork", "false", "--log-level", "warning"], common)
+        spawn(cfg, "warm-worker", [*rlgate, "worker", "--fork", "false", "--log-level", "warning"], common)
         stats = cfg.workdir / "warm_agent.jsonl"
         stats.unlink(missing_ok=True)
         print(f"warm start: {WARM_EPISODES} teacher episodes through the gateway {gateway_url}", flush=True)
         agent = spawn(
+            cfg,
             "warm-agent",
             [
                 sys.executable,
@@ -153,7 +150,7 @@ def warm_policy(
         if exported.returncode != 0:
             raise RuntimeError(f"rlgate export failed: {exported.stderr.strip()[-500:]}")
     finally:  # also when something above failed: the warm-start processes stop, their keys go
-        stop_named(("warm-agent", "warm-worker", "warm-gateway", "teacher"))
+        stop_named(cfg, ("warm-agent", "warm-worker", "warm-gateway", "teacher"))
         with contextlib.suppress(redis.RedisError):  # never in place of the error that got here
             removed = cleanup({"redis": redis_url, "prefix": prefix, "queue": f"{prefix}-rewards"})
     print(f"warm start: exported {json.loads(exported.stdout)['rows']} chat rows to {sft}", flush=True)

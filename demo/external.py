@@ -21,10 +21,10 @@ from pathlib import Path
 from demo.run import (
     MODEL_NAME,
     DemoConfig,
-    _spawn,
     read_steps,
     report,
     sigterm_as_interrupt,
+    spawn,
     stop,
     summarize,
     watch,
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     interrupted = False
     try:
         with sigterm_as_interrupt():  # SIGTERM stops the agents too, as Ctrl-C does
-            _spawn(cfg, "agent", agent + (["--control", args.control] if args.control else []))
+            spawn(cfg, "agent", agent + (["--control", args.control] if args.control else []))
             print(
                 f"demo agents: gateway {args.gateway}"
                 + (f", control {args.control}" if args.control else "")

@@ -86,7 +86,7 @@ class DemoConfig:
         return len(steps) >= 5 and enough and _window(recent, 0) >= self.target
 
 
-def _spawn(
+def spawn(
     cfg: DemoConfig, name: str, args: list[str], env: dict[str, str] | None = None, stdout: int | None = None
 ) -> subprocess.Popen:
     log = (cfg.workdir / "logs" / f"{name}.log").open("ab")
@@ -97,7 +97,7 @@ def _spawn(
     return process
 
 
-def _wait_http(url: str, process: subprocess.Popen, name: str, timeout_s: float = 120.0) -> None:
+def wait_http(url: str, process: subprocess.Popen, name: str, timeout_s: float = 120.0) -> None:
     import httpx
 
     deadline = time.monotonic() + timeout_s
@@ -136,7 +136,7 @@ def _redis(cfg: DemoConfig) -> str:
         cfg.valkey = server
         return f"{server.connection_url}/0"
     port = free_port()
-    _spawn(
+    spawn(
         cfg, "redis", [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"]
     )
     url = f"redis://127.0.0.1:{port}/0"
@@ -200,13 +200,7 @@ def start(cfg: DemoConfig) -> dict[str, Any]:
     if cfg.task == "calc-chat":
         from demo.calc_chat_demo import warm_policy
 
-        helpers = {
-            "spawn": lambda name, args, env=None: _spawn(cfg, name, args, env),
-            "wait_http": _wait_http,
-            "free_port": free_port,
-            "stop": lambda names: stop_named(cfg, names),
-        }
-        model, cfg.warm_start = warm_policy(cfg, redis_url, helpers)
+        model, cfg.warm_start = warm_policy(cfg, redis_url)
     else:
         model = cfg.workdir / "model"
         if (model / "config.json").is_file() and not _current_tiny_model(model):
@@ -220,11 +214,11 @@ def start(cfg: DemoConfig) -> dict[str, Any]:
     for i in range(cfg.inference_servers):
         name = "serve" if i == 0 else f"serve-{i + 1}"
         engine = engines.start(
-            cfg.inference,
+            cfg.inference if i == 0 else cfg.engines[0].kind,  # all of one kind: auto decides once
             model,
             MODEL_NAME,
             cfg.workdir,
-            lambda name, args, stdout=None: _spawn(cfg, name, args, stdout=stdout),
+            lambda name, args, stdout=None: spawn(cfg, name, args, stdout=stdout),
             free_port(),
             cfg.vllm_python,
             cfg.servers,
@@ -243,14 +237,14 @@ def start(cfg: DemoConfig) -> dict[str, Any]:
     agent_stats.unlink(missing_ok=True)
     where = Where(redis_url, serve_urls, gateway_port, prefix, learner_dir, agent_stats)
     plan = commands(cfg, model, where)
-    gateway = _spawn(cfg, "gateway", *plan["gateway"])
-    _wait_http(f"{gateway_url}/healthz", gateway, "the gateway")
-    _spawn(cfg, "worker", *plan["worker"])
-    _spawn(cfg, "learner", *plan["learner"])
+    gateway = spawn(cfg, "gateway", *plan["gateway"])
+    wait_http(f"{gateway_url}/healthz", gateway, "the gateway")
+    spawn(cfg, "worker", *plan["worker"])
+    spawn(cfg, "learner", *plan["learner"])
     # the agents start once the learner reads the stream: episodes closed before would wait uncounted by
     # the gateway's backlog (it counts what the learners' group has not acknowledged)
     _wait_group(cfg, redis_url, f"{prefix}:episodes", "learners")
-    _spawn(cfg, "agent", *plan["agent"])
+    spawn(cfg, "agent", *plan["agent"])
     return {
         "redis": redis_url,
         "serve": ", ".join(serve_urls),
@@ -631,14 +625,18 @@ def _run(cfg: DemoConfig) -> dict[str, Any]:
         wall_s = time.monotonic() - started
         where["loop_seconds"] = round(time.monotonic() - loop_started, 1)
     finally:
-        if where and cfg.inference_servers > 1:
-            with contextlib.suppress(redis.RedisError):
-                where["routing"] = routing(where)
-        if where and cfg.valkey is None and "redis" not in cfg.processes:  # a Redis that outlives the demo
-            stop(cfg, keep=("redis",))
-            with contextlib.suppress(redis.RedisError):
-                where["keys_removed"] = cleanup(where)
-        stop(cfg)
+        try:  # read before anything stops; never in place of the stopping and the cleanup below
+            if where and cfg.inference_servers > 1:
+                with contextlib.suppress(Exception):
+                    where["routing"] = routing(where)
+        finally:
+            if (
+                where and cfg.valkey is None and "redis" not in cfg.processes
+            ):  # a Redis that outlives the demo
+                stop(cfg, keep=("redis",))
+                with contextlib.suppress(redis.RedisError):
+                    where["keys_removed"] = cleanup(where)
+            stop(cfg)
     return report(cfg, summarize(cfg, steps, wall_s, where))
 
 

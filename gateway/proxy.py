@@ -363,8 +363,8 @@ class Proxy:
         sticky: bool,
     ) -> None:
         """Route the call to a server (`gateway.servers`), serve it (streamed or not) and record it; an
-        upstream that cannot be reached or times out is recorded as the call's error (502/504). Every error
-        names the rollout (`x-rollout-id`), so the agent can find its failed call."""
+        upstream that cannot be reached or times out is recorded as the call's error (502/504). The errors
+        raised here name the rollout (`x-rollout-id`), so the agent can find its failed call."""
         # Resolves when the agent hangs up: its call is then recorded as failed (it never saw the answer)
         # and a stream stops reading upstream, which makes vLLM abort the request.
         disconnect = asyncio.ensure_future(disconnected(receive))
@@ -385,7 +385,13 @@ class Proxy:
             exc.headers.setdefault("x-rollout-id", call.rollout_id)
             error = CallError(status=exc.status, type=exc.type, message=exc.message, code=exc.code)
             latency_ms = (time.perf_counter() - call.t0) * 1000
-            await self._commit(call, self._records(call, [], error, latency_ms, None), "upstream_unreachable")
+            try:
+                await self._commit(
+                    call, self._records(call, [], error, latency_ms, None), "upstream_unreachable"
+                )
+            except errors.ApiError as failed:  # not recorded either (Redis): that is what the agent hears
+                failed.headers.setdefault("x-rollout-id", call.rollout_id)
+                raise
             raise
         except errors.ApiError as exc:
             exc.headers.setdefault("x-rollout-id", call.rollout_id)

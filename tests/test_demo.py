@@ -136,9 +136,11 @@ def test_the_quick_demo_on_two_vllm_servers_keeps_each_rollout_on_one_and_learns
     calls = [row["calls"] for row in servers]
     # spread: each server took at least a quarter of the calls (the least loaded gets new rollouts)
     assert min(calls) >= 0.25 * sum(calls) > 0, routed
-    # sticky: no server went down, so every rollout's calls went to one server
-    assert sum(row["rerouted_here"] for row in servers) == 0, routed
-    assert routed["rollouts"] > 100 and routed["rollouts_on_several_servers"] == 0, routed
+    # sticky: a rollout's calls leave its server only when the gateway moved them (its server failed a
+    # health check: rare, on two busy cores; measured none), and the record says so
+    moved = sum(row["rerouted_here"] for row in servers)
+    assert moved <= 0.05 * sum(calls), routed
+    assert routed["rollouts"] > 100 and routed["rollouts_on_several_servers"] <= moved, routed
     assert "calls per server:" in result.stdout
     assert summary["keys_removed"] > 0 and not left_behind(redis_client, summary)
 

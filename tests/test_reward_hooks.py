@@ -106,6 +106,11 @@ def test_bad_reward_posts_change_nothing(gateway: Proc, redis_client: redis.Redi
         response = httpx.post(url, content=body, headers={"content-type": "application/json"})
         assert assert_openai_error(response, 422)["code"] == "validation_error", body
     assert_openai_error(httpx.post(f"{gateway.url}/rollouts/nobody/reward", json={"reward": 1}), 404)
+    # an id no rollout can have: 400 invalid_id, on every webhook route as on GET /rollouts/{id}
+    for path, body in (("reward", {"reward": 1}), ("calls/0/reward", {"reward": 1}), ("fail", {})):
+        bad = httpx.post(f"{gateway.url}/rollouts/bad%20id/{path}", json=body)
+        assert assert_openai_error(bad, 400)["code"] == "invalid_id", path
+    assert assert_openai_error(httpx.get(f"{gateway.url}/rollouts/bad%20id"), 400)["code"] == "invalid_id"
     big = {"reward": 1, "metadata": {"x": "y" * (2 << 20)}}
     assert assert_openai_error(httpx.post(url, json=big), 413)["code"] == "payload_too_large"
     # finite to Python, but not to a float32 learner: outside max_abs_reward (default 1e6) is refused
