@@ -23,7 +23,9 @@ Method
 Run
   .venv/bin/python scripts/bench_gateway.py [--rounds 3] [--requests 2000] [--litellm PATH|none]
       [--cells unary:1,unary:32,stream:1,stream:32] [--py-spy PREFIX] [--rollout-keys] [--workers 1,2] [--poll-ui S]
-      [--prompt-chars 0,3000]
+      [--prompt-chars 0,3000] [--baseline DIR]
+  (--baseline DIR: another checkout's gateway too, as target rlgate-baseline, pinned and measured as this
+  one's: `git worktree add /tmp/before REV` then --baseline /tmp/before shows a change's cost in one run)
   (--prompt-chars: each cell once per prompt size, the prompt that many characters longer: the gateway's CPU
   and Redis cost per call for larger calls, side by side with the short ones)
   (--rollout-keys: the gateway requires rollout-scoped keys, and each agent sends its rollout's key)
@@ -356,8 +358,17 @@ def main() -> None:
         help="comma-separated: make the prompt this many characters (about as many prompt tokens) longer, "
         "one set of cells per size, side by side (e.g. 0,3000; the fake vLLM's context is 4,096 tokens)",
     )
+    ap.add_argument(
+        "--baseline",
+        type=Path,
+        metavar="DIR",
+        help="also run the gateway of another checkout (e.g. `git worktree add /tmp/before REV`), target "
+        "rlgate-baseline, interleaved with this one's: a change's hot path before and after in one run",
+    )
     ap.add_argument("--bodies", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.baseline is not None and (args.workers or not (args.baseline / "gateway").is_dir()):
+        ap.error("--baseline: a checkout's folder (with its gateway/), without --workers")
     if args.upstream_only:
         serve_upstream(args.upstream_only, Path(args.bodies))
         return
@@ -406,7 +417,10 @@ def main() -> None:
         )
         secret = os.urandom(16).hex().encode() if args.rollout_keys else None
         targets = {"direct": (upstream_url, None)}
-        for workers in worker_counts:  # 0: one gateway, as `rlgate gateway` starts by default
+        gateways = [(f"rlgate-{n}w" if n else "rlgate", n, ROOT) for n in worker_counts]
+        if args.baseline is not None:
+            gateways.append(("rlgate-baseline", 0, args.baseline.resolve()))
+        for name, workers, root in gateways:  # workers 0: one gateway, as `rlgate gateway` starts by default
             gw_port = free_port()
             env = {
                 **os.environ,
@@ -423,16 +437,20 @@ def main() -> None:
                     RLGATE_OPERATOR_TOKEN=os.urandom(16).hex(),
                 )
             gateway = subprocess.Popen(
-                [sys.executable, "-m", "rlgate", "gateway"],
-                env=env,
-                cwd=ROOT,
-                stdout=(tmp / f"gateway{workers}.log").open("wb"),
+                [
+                    sys.executable,
+                    "-m",
+                    "rlgate",
+                    "gateway",
+                ],  # the code of `root` (python -m: its folder first)
+                env={**env, "RLGATE_KEY_PREFIX": name},
+                cwd=root,
+                stdout=(tmp / f"{name}.log").open("wb"),
                 stderr=subprocess.STDOUT,
                 preexec_fn=pinned(CPU_PROXY),
             )
             procs.append(gateway)
             wait_http(f"http://127.0.0.1:{gw_port}/healthz")
-            name = f"rlgate-{workers}w" if workers else "rlgate"
             targets[name] = (f"http://127.0.0.1:{gw_port}/v1", gateway.pid)
 
         if args.litellm != "none":
