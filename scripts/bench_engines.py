@@ -32,6 +32,8 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from _bench import start_gateway  # noqa: E402
+
 from rlgate import vllm_server  # noqa: E402
 from rlgate._net import free_port  # noqa: E402
 
@@ -96,37 +98,6 @@ def start_engine(engine: str, model: Path, log_dir: Path) -> tuple[str, object]:
     return f"http://127.0.0.1:{port}", process
 
 
-def start_gateway(upstream: str, redis_url: str, log_dir: Path) -> tuple[str, subprocess.Popen]:
-    port = free_port()
-    env = {
-        **os.environ,
-        "RLGATE_UPSTREAM_URL": f"{upstream}/v1",
-        "RLGATE_REDIS_URL": redis_url,
-        "RLGATE_PORT": str(port),
-        "RLGATE_KEY_PREFIX": f"bench-engines-{os.getpid()}",
-        "RLGATE_LOG_LEVEL": "warning",
-    }
-    process = subprocess.Popen(
-        [sys.executable, "-m", "rlgate", "gateway"],
-        cwd=ROOT,
-        env=env,
-        stdout=(log_dir / "gateway.log").open("wb"),
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        if process.poll() is not None:
-            break
-        try:
-            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                return url, process
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    process.kill()
-    raise SystemExit(f"the gateway did not start; see {log_dir / 'gateway.log'}")
-
-
 def latency(engine: str, model: Path, redis_url: str, work: Path, requests: int, max_tokens: int) -> dict:
     log_dir = work / f"latency-{engine}"
     log_dir.mkdir()
@@ -136,7 +107,14 @@ def latency(engine: str, model: Path, redis_url: str, work: Path, requests: int,
     upstream, handle = start_engine(engine, model, log_dir)
     gateway_process = None
     try:
-        gateway, gateway_process = start_gateway(upstream, redis_url, log_dir)
+        gateway, gateway_process = start_gateway(
+            {
+                "RLGATE_UPSTREAM_URL": f"{upstream}/v1",
+                "RLGATE_REDIS_URL": redis_url,
+                "RLGATE_KEY_PREFIX": f"bench-engines-{os.getpid()}",
+            },
+            log_dir / "gateway.log",
+        )
         with httpx.Client(timeout=60) as client:
             for i in range(requests + 20):
                 for url, into, extra in (

@@ -24,7 +24,6 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -36,6 +35,8 @@ from aiohttp import ClientSession, web
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from _bench import start_gateway  # noqa: E402
 
 from rlgate import vllm_server  # noqa: E402
 from rlgate._net import free_port  # noqa: E402
@@ -95,30 +96,6 @@ async def round_robin(upstreams: list[str], port: int) -> web.AppRunner:
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     return runner
-
-
-def start_gateway(env: dict[str, str], log: Path) -> tuple[str, subprocess.Popen]:
-    port = free_port()
-    environ = {**os.environ, **env, "RLGATE_PORT": str(port), "RLGATE_LOG_LEVEL": "warning"}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "rlgate", "gateway"],
-        cwd=ROOT,
-        env=environ,
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        if process.poll() is not None:
-            break
-        try:
-            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                return url, process
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    process.kill()
-    raise SystemExit(f"the gateway did not start; see {log}")
 
 
 async def rollouts(

@@ -19,13 +19,10 @@ import openai
 import pytest
 import redis
 from conftest import REDIS_URL, ROOT, Proc, free_port, rlgate, start_gateway, start_rlgate_serve
+from test_learner_e2e import BIAS, MESSAGES, MODEL  # the same agent as the one-rank tests
 
 pytest.importorskip("openrlhf")
 pytest.importorskip("deepspeed")
-
-MODEL = "tiny"
-MESSAGES = [{"role": "user", "content": "2+3="}]
-BIAS = {str(ord(c)): 30.0 for c in "0123456789"}
 
 
 @pytest.fixture(scope="module")
