@@ -213,17 +213,24 @@ def start(cfg: DemoConfig) -> dict[str, Any]:
 
     for i in range(cfg.inference_servers):
         name = "serve" if i == 0 else f"serve-{i + 1}"
-        engine = engines.start(
-            cfg.inference if i == 0 else cfg.engines[0].kind,  # all of one kind: auto decides once
-            model,
-            MODEL_NAME,
-            cfg.workdir,
-            lambda name, args, stdout=None: spawn(cfg, name, args, stdout=stdout),
-            free_port(),
-            cfg.vllm_python,
-            cfg.servers,
-            name=name,
-        )
+        try:
+            engine = engines.start(
+                cfg.inference if i == 0 else cfg.engines[0].kind,  # all of one kind: auto decides once
+                model,
+                MODEL_NAME,
+                cfg.workdir,
+                lambda name, args, stdout=None: spawn(cfg, name, args, stdout=stdout),
+                free_port(),
+                cfg.vllm_python,
+                cfg.servers,
+                name=name,
+            )
+        except engines.vllm_server.VllmUnavailable as exc:
+            if i == 0:
+                raise
+            raise engines.vllm_server.VllmUnavailable(
+                f"inference server {i + 1} did not start: {exc}"
+            ) from exc
         cfg.engines.append(engine)
         print(engines.describe(engine), flush=True)
     serve_urls = [engine.url for engine in cfg.engines]

@@ -369,6 +369,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.baseline is not None and (args.workers or not (args.baseline / "gateway").is_dir()):
         ap.error("--baseline: a checkout's folder (with its gateway/), without --workers")
+    if args.baseline is not None and args.poll_ui:
+        ap.error("--baseline with --poll-ui: the dashboard reader would load one of the two gateways only")
     if args.upstream_only:
         serve_upstream(args.upstream_only, Path(args.bodies))
         return

@@ -106,7 +106,7 @@ def test_bad_reward_posts_change_nothing(gateway: Proc, redis_client: redis.Redi
         response = httpx.post(url, content=body, headers={"content-type": "application/json"})
         assert assert_openai_error(response, 422)["code"] == "validation_error", body
     assert_openai_error(httpx.post(f"{gateway.url}/rollouts/nobody/reward", json={"reward": 1}), 404)
-    # an id no rollout can have: 400 invalid_id, on every webhook route as on GET /rollouts/{id}
+    # an id no rollout can have: 400 invalid_id on the webhook routes (reward, call reward, fail), as on GET /rollouts/{id}
     for path, body in (("reward", {"reward": 1}), ("calls/0/reward", {"reward": 1}), ("fail", {})):
         bad = httpx.post(f"{gateway.url}/rollouts/bad%20id/{path}", json=body)
         assert assert_openai_error(bad, 400)["code"] == "invalid_id", path
