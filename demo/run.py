@@ -31,7 +31,7 @@ from typing import Any
 
 import redis
 
-from episodes import rq_queue_key
+from episodes import rq_queue_key, server_name
 from rlgate._net import free_port
 
 MODEL_NAME = "tiny"
@@ -397,8 +397,6 @@ def routing(where: dict[str, Any]) -> dict[str, Any]:
     """What the gateway's routing did, from the run's recorded calls (their `server` and `rerouted_from`):
     each server's calls and how many of them moved there from another server, and how many rollouts had
     calls on more than one server."""
-    from episodes import server_name
-
     rows = {server_name(url): {"url": url, "calls": 0, "rerouted_here": 0} for url in where["serve_urls"]}
     rollouts = split = 0
     client = redis.Redis.from_url(where["redis"], socket_timeout=10)

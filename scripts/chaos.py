@@ -58,9 +58,10 @@ import httpx  # noqa: E402
 import redis  # noqa: E402
 
 from demo import engines  # noqa: E402
-from demo.run import MODEL_NAME, DemoConfig, Where, commands, free_port, read_steps  # noqa: E402
+from demo.run import MODEL_NAME, DemoConfig, Where, commands, read_steps  # noqa: E402
 from episodes import rq_queue_key  # noqa: E402
 from rlgate import vllm_server  # noqa: E402
+from rlgate._net import free_port  # noqa: E402
 
 SERVICES = ("gateway", "worker", "learner", "inference", "redis")
 REWARD_JOB_TIMEOUT_S = 20  # math_answer takes milliseconds; a job whose worker died is retried 80 s later
