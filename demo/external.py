@@ -56,6 +56,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--learning-rate", type=float, default=2e-3, help="The learner's (for the summary).")
     parser.add_argument("--max-backlog", type=int, default=128, help="The gateway's (for the summary).")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the questions.")
+    parser.add_argument(
+        "--inference",
+        default=None,
+        help="The inference server's base URL: the summary names it (vLLM's /version) and checks it serves "
+        f"{MODEL_NAME!r}.",
+    )
     return parser.parse_args(argv)
 
 
@@ -76,6 +82,15 @@ def main(argv: list[str] | None = None) -> int:
         max_backlog=args.max_backlog,
     )
     (cfg.workdir / "logs").mkdir(parents=True, exist_ok=True)
+    if args.inference:
+        from demo import engines
+
+        try:
+            cfg.engines.append(engines.running(args.inference, MODEL_NAME))
+        except engines.vllm_server.VllmUnavailable as exc:
+            print(f"demo.external: {exc}", file=sys.stderr)
+            return 1
+        print(engines.describe(cfg.engines[0]), flush=True)
     where = {
         "redis": args.redis_url,
         "prefix": args.key_prefix,

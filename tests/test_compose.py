@@ -5,9 +5,11 @@
   subcommand whose flags parse, every RLGATE_* variable is a setting of that service, the learner writes
   adapters where the inference server reads them, GPUs are reserved (GPU file), start order is healthy;
 - the CPU profile as compose renders it (an override only compose itself merges): every service on the
-  host's network on its own loopback port, vLLM replaced by `rlgate serve`, the learner on the CPU;
+  host's network on its own loopback port, real vLLM for CPUs (vllm-cpu) with the demo's flags, the
+  learner on the CPU; and with docker-compose.cpu-serve.yml, `rlgate serve` in vLLM's place;
 - for real (slow): scripts/compose-up-cpu builds the images, starts the CPU profile with `docker compose
-  up --wait`, runs the demo's agents against it until the success rate rises, and tears it all down.
+  up --wait`, runs the demo's agents against real vLLM in its container until the success rate rises, and
+  tears it all down.
 
 The GPU services themselves (vLLM's image, the CUDA learner) are not run here: no GPU.
 """
@@ -52,7 +54,8 @@ SECRETS = {
     "RLGATE_WEBHOOK_SECRET": "w" * 64,
     "RLGATE_ROLLOUT_KEY_SECRET": "r" * 64,
 }
-CPU_SERVICES = {"redis", "serve", "gateway", "worker", "learner"}
+CPU_SERVICES = {"redis", "model", "vllm", "gateway", "worker", "learner"}
+ONE_OFF = {"model"}  # the tiny model's build, once, before vLLM starts
 
 
 def expand(value: str) -> str:
@@ -167,6 +170,13 @@ def rendered_cpu() -> Deployment:
     return Deployment(config["services"], set(config.get("volumes", {})), rendered=True)
 
 
+@pytest.fixture(scope="module")
+def rendered_cpu_serve() -> Deployment:
+    COMPOSE_V2[:] = COMPOSE_V2 or compose_v2()
+    config = render("docker-compose.yml", "docker-compose.cpu.yml", "docker-compose.cpu-serve.yml")
+    return Deployment(config["services"], set(config.get("volumes", {})), rendered=True)
+
+
 @pytest.fixture(params=["as written", "as compose renders it"])
 def gpu(request: pytest.FixtureRequest) -> Deployment:
     if request.param == "as written":
@@ -222,11 +232,16 @@ def test_every_long_running_service_restarts_when_it_dies(gpu: Deployment, rende
     """`scripts/chaos` kills each of them and the loop goes on because something starts it again: in compose,
     a restart policy (the learner resumes from its checkpoint, Redis from its append-only file)."""
     for deployment in (gpu, rendered_cpu):
-        running = [name for name, spec in deployment.services.items() if not spec.get("profiles")]
+        running = [
+            name
+            for name, spec in deployment.services.items()
+            if not spec.get("profiles") and name not in ONE_OFF
+        ]
         assert running and all(
             deployment.services[name].get("restart") == "unless-stopped" for name in running
         ), {name: deployment.services[name].get("restart") for name in running}
-        assert {"redis", "gateway", "worker", "learner"} <= set(running)
+        assert {"redis", "vllm", "gateway", "worker", "learner"} <= set(running)
+    assert rendered_cpu.services["model"]["restart"] == "no"  # it ends when the model is there
 
 
 @pytest.mark.parametrize("service", sorted(COMMANDS))
@@ -347,24 +362,27 @@ def listens(deployment: Deployment, service: str) -> list[tuple[str, int]]:
         return [(flag("--bind"), int(flag("--port")))]
     if service == "gateway":
         return [(flag("--host"), int(flag("--port"))), (flag("--control-host"), int(flag("--control-port")))]
-    if service == "serve":
+    if service == "vllm" and command[0] == "rlgate":  # rlgate serve in vLLM's place
         return [(env["RLGATE_SERVE_HOST"], int(env["RLGATE_SERVE_PORT"]))]
+    if service == "vllm":
+        return [(flag("--host"), int(flag("--port")))]
     return []
 
 
 def test_the_cpu_profile_runs_every_service_on_its_own_loopback_port(rendered_cpu: Deployment):
     cpu = rendered_cpu
-    assert set(cpu.services) == CPU_SERVICES  # vLLM is left out (its profile is "gpu")
+    assert set(cpu.services) == CPU_SERVICES
     ports = []
     for name, spec in cpu.services.items():
         assert spec["network_mode"] == "host", name  # no bridge, no NAT, no iptables
         assert not spec.get("ports") and not spec.get("expose"), f"{name} publishes a port"
-        assert not cpu.gpus(name), f"{name} reserves a GPU"
-        assert cpu.healthcheck(name)[0] == "CMD", name  # `up --wait` waits for every service
+        assert not cpu.gpus(name) and not spec.get("ipc"), f"{name} reserves a GPU or the host's IPC"
+        if name not in ONE_OFF:
+            assert cpu.healthcheck(name)[0] == "CMD", name  # `up --wait` waits for every service
         for host, port in listens(cpu, name):
             assert host == "127.0.0.1", (name, host)
             ports.append(port)
-    assert len(ports) == len(set(ports)) == 4  # Redis, serve, the gateway's two
+    assert len(ports) == len(set(ports)) == 4  # Redis, vLLM, the gateway's two
     # the defaults stay clear of the tests' Redis (6379) and of common development ports
     assert all(18100 <= port <= 18199 for port in ports), ports
     # Redis persists the episodes (AOF on a volume)
@@ -373,38 +391,114 @@ def test_the_cpu_profile_runs_every_service_on_its_own_loopback_port(rendered_cp
     assert redis[redis.index("--dir") + 1] == "/data"
     # start order: the gateway and the learner once Redis and the inference server are healthy
     for name in ("gateway", "learner"):
-        assert cpu.depends_on(name) == {"redis": "service_healthy", "serve": "service_healthy"}
+        assert cpu.depends_on(name) == {"redis": "service_healthy", "vllm": "service_healthy"}
     assert cpu.depends_on("worker") == {"redis": "service_healthy"}
+    assert cpu.depends_on("vllm") == {"model": "service_completed_successfully"}
 
 
-@pytest.mark.parametrize("service", sorted(CPU_SERVICES - {"redis"}))
+def learner_reads_what_the_server_serves(cpu: Deployment, served_model_name: str, adapters_root: str) -> None:
+    """The learner trains the model served, under the name served, and writes its adapters where the server
+    loads them from: the same volume at the same path (the push names them by the learner's path)."""
+    learner = cpu.environment("learner")
+    assert learner["RLGATE_LEARNER_MODEL"] == "/models/tiny"
+    assert served_model_name == learner["RLGATE_LEARNER_SERVED_MODEL_NAME"] == "tiny"
+    output_dir = Path(learner["RLGATE_LEARNER_OUTPUT_DIR"])
+    assert output_dir.is_relative_to(adapters_root)
+    [(target, source)] = [(t, s) for t, s in cpu.mounts("learner").items() if output_dir.is_relative_to(t)]
+    assert cpu.mounts("vllm")[target] == source
+    assert cpu.mounts("vllm")["/models"] == cpu.mounts("learner")["/models"] == cpu.mounts("model")["/models"]
+
+
+def test_the_cpu_profile_serves_with_vllm_as_the_demo_starts_it(rendered_cpu: Deployment):
+    """The engine's command line is the one `rlgate demo --inference vllm` runs (rlgate.vllm_server: the
+    learner's flags in one place), on the model the one-off `model` service builds; the flags are vLLM's
+    own (its parser, from the vllm-cpu the suite installs, takes them)."""
+    from rlgate import vllm_server
+
+    cpu = rendered_cpu
+    [(host, port)] = listens(cpu, "vllm")
+    assert cpu.services["vllm"]["build"]["target"] == "vllm-cpu"
+    demo_command = vllm_server.command(
+        Path("python"), Path("/models/tiny"), port=port, served_model_names=("tiny",)
+    )
+    assert demo_command[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]  # the image's entry point
+    assert cpu.command("vllm") == demo_command[3:]
+    environment = cpu.environment("vllm")
+    demo_environment = vllm_server.environment()
+    assert environment == {k: v for k, v in demo_environment.items() if k in environment}
+    # the rest (usage statistics off) the image sets
+    dockerfile = (ROOT / "Dockerfile").read_text().split("AS vllm-cpu", 1)[1]
+    for name in set(demo_environment) - set(environment):
+        assert f"{name}={demo_environment[name]}" in dockerfile, name
+    assert f"ARG VLLM_CPU_VERSION={vllm_server.VLLM_CPU_VERSION}" in dockerfile
+    assert "pip uninstall -y torchvision torchaudio torchcodec" in dockerfile  # the install's trap
+    model = cpu.command("model")
+    assert model[:2] == ["sh", "-c"] and "rlgate make-tiny-model /models/tiny" in model[2]
+    assert "--num-heads" not in model[2]  # the default model is one vLLM's CPU attention serves
+    learner_reads_what_the_server_serves(
+        cpu, demo_command[demo_command.index("--served-model-name") + 1], "/adapters"
+    )
+    # vLLM's own parser takes the command line, with the values meant
+    python = vllm_server.find_python(None)
+    parsed = subprocess.run(
+        [str(python), "-c", VLLM_PARSE, json.dumps(cpu.command("vllm"))],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    args = json.loads(parsed.stdout.strip().splitlines()[-1])
+    assert (args["model"], args["served_model_name"], args["host"], args["port"]) == (
+        "/models/tiny",
+        ["tiny"],
+        "127.0.0.1",
+        port,
+    )
+    assert args["enable_lora"] and args["enable_auto_tool_choice"] and args["tool_call_parser"] == "hermes"
+    assert args["logprobs_mode"] == "processed_logprobs" and args["dtype"] == "float32"
+
+
+VLLM_PARSE = """
+import json, sys
+from vllm.entrypoints.launchers.cli_args import make_arg_parser
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+args = make_arg_parser(FlexibleArgumentParser()).parse_args(json.loads(sys.argv[1]))
+keys = ("model", "served_model_name", "host", "port", "enable_lora", "enable_auto_tool_choice",
+        "tool_call_parser", "logprobs_mode", "dtype")
+print(json.dumps({k: getattr(args, k) for k in keys}))
+"""
+
+
+def test_the_cpu_serve_override_puts_rlgate_serve_in_vllms_place(
+    rendered_cpu_serve: Deployment, rendered_cpu: Deployment, monkeypatch
+):
+    """docker-compose.cpu-serve.yml (machines vllm-cpu has no build for): `rlgate serve` with runtime LoRA
+    and processed log-probs, under the same service name, so the gateway and the learner stay as they are."""
+    cpu = rendered_cpu_serve
+    assert set(cpu.services) == CPU_SERVICES
+    assert cpu.command("vllm") == ["rlgate", "serve"] and cpu.services["vllm"]["build"]["target"] == "learner"
+    assert cpu.services["vllm"]["image"] == cpu.services["learner"]["image"]
+    settings = parse_command(
+        ServeCommand, ["rlgate", "serve"], cpu.environment("vllm"), monkeypatch, "RLGATE_SERVE_"
+    )
+    assert str(settings.model) == "/models/tiny" and settings.logprobs_mode == "processed_logprobs"
+    assert settings.allow_runtime_lora_updating
+    assert [(settings.host, settings.port)] == listens(cpu, "vllm")
+    learner_reads_what_the_server_serves(cpu, settings.served_model_name, str(settings.weights_root))
+    # everything else is the CPU profile's
+    assert cpu.depends_on("vllm") == {"model": "service_completed_successfully"}
+    for name in CPU_SERVICES - {"vllm"}:
+        assert cpu.services[name] == rendered_cpu.services[name], name
+
+
+@pytest.mark.parametrize("service", sorted(CPU_SERVICES - {"redis", "model", "vllm"}))
 def test_the_cpu_profile_commands_parse_and_are_wired_together(
     rendered_cpu: Deployment, service: str, monkeypatch
 ):
     cpu = rendered_cpu
     redis_url = f"redis://127.0.0.1:{listens(cpu, 'redis')[0][1]}/0"
-    serve_url = f"http://127.0.0.1:{listens(cpu, 'serve')[0][1]}"
+    serve_url = f"http://127.0.0.1:{listens(cpu, 'vllm')[0][1]}"
     command = cpu.command(service)
-    if service == "serve":  # the tiny model is built on first start, then served: `exec rlgate serve`
-        assert command[:2] == ["sh", "-c"] and command[2].endswith("exec rlgate serve")
-        assert "rlgate make-tiny-model /models/tiny" in command[2]
-        settings = parse_command(
-            ServeCommand, ["rlgate", "serve"], cpu.environment(service), monkeypatch, "RLGATE_SERVE_"
-        )
-        assert str(settings.model) == "/models/tiny" and settings.logprobs_mode == "processed_logprobs"
-        assert settings.allow_runtime_lora_updating
-        learner = cpu.environment("learner")
-        # the learner trains the model served, and writes its adapters where serve may load them from
-        assert learner["RLGATE_LEARNER_MODEL"] == "/models/tiny"
-        assert settings.served_model_name == learner["RLGATE_LEARNER_SERVED_MODEL_NAME"] == "tiny"
-        output_dir = Path(learner["RLGATE_LEARNER_OUTPUT_DIR"])
-        assert output_dir.is_relative_to(settings.weights_root)
-        [(target, source)] = [
-            (t, s) for t, s in cpu.mounts("learner").items() if output_dir.is_relative_to(t)
-        ]
-        assert cpu.mounts("serve")[target] == source
-        assert cpu.mounts("serve")["/models"] == cpu.mounts("learner")["/models"] == "models"
-        return
     assert command[:2] == ["rlgate", service]
     prefix = {"learner": "RLGATE_LEARNER_"}.get(service, "RLGATE_")
     settings = parse_command(COMMANDS[service], command, cpu.environment(service), monkeypatch, prefix)
@@ -428,15 +522,23 @@ def test_the_cpu_profile_commands_parse_and_are_wired_together(
 
 def test_the_cpu_profile_builds_the_same_dockerfile_with_a_cpu_torch(rendered_cpu: Deployment):
     cpu = rendered_cpu
-    for name, target in (("gateway", "cpu"), ("worker", "cpu"), ("learner", "learner"), ("serve", "learner")):
+    targets = {
+        "gateway": "cpu",
+        "worker": "cpu",
+        "learner": "learner",
+        "model": "learner",
+        "vllm": "vllm-cpu",
+    }
+    for name, target in targets.items():
         build = cpu.services[name]["build"]
         assert build["target"] == target and build["network"] == "host", name
         assert build["args"]["BASE_IMAGE"] == "python:3.11-slim"  # unless RLGATE_BASE_IMAGE says otherwise
-        if target == "learner":
+        if target != "cpu":  # torch's CPU build (vllm-cpu pins torch 2.13.0+cpu)
             assert build["args"]["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
     # one image per target, shared by the services built from it
     assert cpu.services["gateway"]["image"] == cpu.services["worker"]["image"]
-    assert cpu.services["learner"]["image"] == cpu.services["serve"]["image"]
+    assert cpu.services["learner"]["image"] == cpu.services["model"]["image"]
+    assert len({cpu.services[name]["image"] for name in targets}) == 3
     assert cpu.services["redis"]["image"] == "redis:7"
 
 
@@ -552,10 +654,9 @@ def engine_answers() -> bool:
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_compose_up_cpu_runs_the_loop_in_containers(tmp_path: Path):
-    """scripts/compose-up-cpu, as a user runs it: every service healthy, the agents' calls recorded with
-    token ids, episodes trained, the policy version rising, the success rate rising by 40 points or more;
-    then nothing left behind. About 2.5 minutes on a fresh machine of this kind (1 minute for the base
-    image, 1 for the images, the loop itself well under one), 1 minute with the images made."""
+    """scripts/compose-up-cpu, as a user runs it: every service healthy, real vLLM serving, the agents' calls
+    recorded with token ids and vLLM's log-probs, episodes trained, the policy version rising, the success
+    rate rising by 40 points or more; then nothing left behind."""
     engine_before = engine_answers()
     gateway_port, control_port, serve_port, redis_port = free_ports(4)
     env = {
@@ -590,11 +691,20 @@ def test_compose_up_cpu_runs_the_loop_in_containers(tmp_path: Path):
     # every service was up and healthy when the agents stopped
     services = json.loads((run / "services.json").read_text())
     assert {s["service"] for s in services} == CPU_SERVICES, services
-    assert all(s["state"] == "running" and s["health"] == "healthy" for s in services), services
+    for service in services:
+        if service["service"] in ONE_OFF:  # the model's build ended, once, as it should
+            assert service["state"] == "exited" and service["exit_code"] == 0, services
+        else:
+            assert service["state"] == "running" and service["health"] == "healthy", services
 
     # the demo's summary, printed on stdout: trained, the policy version rising, the success rate rising
     summary = json.loads(stdout)
     assert summary == json.loads((run / "summary.json").read_text())
+    # served by real vLLM (its own /version), in its container
+    from rlgate.vllm_server import VLLM_CPU_VERSION
+
+    assert summary["inference"]["name"] == f"vLLM {VLLM_CPU_VERSION}", summary["inference"]
+    assert summary["inference"]["url"] == f"http://127.0.0.1:{serve_port}"
     curve = summary["curve"]
     assert summary["policy_version"] == len(curve) >= 5
     assert [point["policy_version"] for point in curve] == list(range(1, len(curve) + 1))

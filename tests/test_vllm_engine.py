@@ -258,3 +258,21 @@ def test_a_server_without_the_pointers_adapter_is_a_503_to_retry(vllm_gateway: P
         assert call["error"]["status"] == 503 and call["error"]["code"] == "policy_not_loaded"
     finally:
         redis_client.hset("rlgate:policy", mapping={"version": 0, "adapter": "", "base_model": ""})
+
+
+def test_a_running_server_is_named_by_its_own_version(vllm: Proc, fake_vllm: Proc):
+    """`rlgate demo --inference URL` and `demo.external --inference URL` (the compose profile's summary):
+    real vLLM is named by its `/version`; a server without that route is not called vLLM; a server that
+    does not serve the model is refused, saying what it serves."""
+    from demo import engines
+
+    base = vllm.url.removesuffix("/v1")
+    engine = engines.running(vllm.url, "fake-model")
+    assert (engine.kind, engine.name, engine.url) == (
+        "external",
+        f"vLLM {vllm_server.VLLM_CPU_VERSION}",
+        base,
+    )
+    assert engines.running(fake_vllm.url, "fake-model").name == "a server without vLLM's /version"
+    with pytest.raises(vllm_server.VllmUnavailable, match="serves \\['fake-model'\\], not 'tiny'"):
+        engines.running(base, "tiny")
