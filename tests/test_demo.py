@@ -200,7 +200,7 @@ def test_the_quick_calc_chat_demo_learns_a_tools_api_agent(tmp_path: Path, redis
     # the first run on a machine also builds the base model (about 3 minutes on 2 quiet cores)
     # stopped at 80% (the demo's target is 90%: about a minute more of the loop, measured in docs/demo.md)
     result = quick_demo(
-        out, tmp_path, "--task", "calc-chat", "--inference", "rlgate-serve", "--target", "0.8", timeout_s=1700
+        out, tmp_path, "--task", "calc-chat", "--inference", "vllm", "--target", "0.8", timeout_s=1700
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads(out.read_text())
