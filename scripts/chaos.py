@@ -3,6 +3,7 @@
     scripts/chaos --quick                  # a few minutes, 12 kills spread over every service
     scripts/chaos --kills 40 --minutes 25  # a longer run
     scripts/chaos --quick --json runs/chaos.json --inference rlgate-serve
+    scripts/chaos --compose --quick        # the compose CPU profile's containers (ContainerService)
 
 It starts the demo's processes on loopback, each under a supervisor thread that restarts it when it dies:
 Redis (a redis-server of its own, AOF on with `appendfsync everysec`, as docs/deployment.md recommends),
@@ -142,6 +143,75 @@ class Service:
             process.wait()
 
 
+class ContainerService:
+    """One service of the compose CPU profile (`scripts/chaos --compose`): its container restarts under
+    Docker's restart policy, not a thread of ours. A kill is SIGKILL to the container's main process from
+    the host: a crash, which `restart: unless-stopped` restarts (`docker kill` would count as a stop). It is
+    up once running and healthy after its latest start; a restart no kill asked for is an exit unasked."""
+
+    def __init__(self, name: str, container: str, docker: httpx.Client) -> None:
+        self.name = name
+        self.container = container
+        self.docker = docker
+        self.lock = threading.Lock()
+        self.up_since: float | None = None
+        self.started_at: str | None = None  # Docker's State.StartedAt of the run being watched
+        self.killed_start: str | None = None  # the start a kill ended (not up again until a new one)
+        self.restarts_at_start: int | None = None
+        self.restarts = 0
+        self.kills = 0
+        self.thread: threading.Thread | None = None
+
+    @property
+    def exits_unasked(self) -> int:
+        return max(0, self.restarts - self.kills)
+
+    def _state(self) -> dict[str, Any]:
+        return self.docker.get(f"/containers/{self.container}/json").raise_for_status().json()
+
+    def up_for(self) -> float:
+        with self.lock:
+            return time.monotonic() - self.up_since if self.up_since else 0.0
+
+    def kill(self) -> int | None:
+        try:
+            state = self._state()["State"]
+        except httpx.HTTPError:
+            return None
+        if not state["Running"] or not state["Pid"]:
+            return None
+        with self.lock:
+            self.kills += 1
+            self.up_since = None
+            self.killed_start = state["StartedAt"]
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(state["Pid"], signal.SIGKILL)
+        return state["Pid"]
+
+    def supervise(self, stopping: threading.Event) -> None:
+        """Watch (Docker restarts): restarts counted, up once healthy after a start no kill ended."""
+        while not stopping.wait(0.2):
+            try:
+                info = self._state()
+            except httpx.HTTPError:
+                continue
+            state = info["State"]
+            healthy = state["Running"] and (state.get("Health") or {}).get("Status", "healthy") == "healthy"
+            with self.lock:
+                if self.restarts_at_start is None:
+                    self.restarts_at_start = info["RestartCount"]
+                self.restarts = info["RestartCount"] - self.restarts_at_start
+                if state["StartedAt"] != self.started_at:
+                    self.started_at, self.up_since = state["StartedAt"], None
+                if not healthy or state["StartedAt"] == self.killed_start:
+                    self.up_since = None
+                elif self.up_since is None:
+                    self.up_since = time.monotonic()
+
+    def stop(self) -> None:
+        """Compose stops it (`compose-up-cpu`'s teardown)."""
+
+
 @dataclass
 class Kill:
     at_s: float
@@ -255,7 +325,11 @@ def watch_pointer(run: Run, where: Where, stopping: threading.Event) -> None:
 
 
 def killer(
-    args: argparse.Namespace, run: Run, procs: dict[str, Service], where: Where, stopping: threading.Event
+    args: argparse.Namespace,
+    run: Run,
+    procs: dict[str, Service | ContainerService],
+    where: Where,
+    stopping: threading.Event,
 ) -> None:
     rng = random.Random(args.seed)
     plan = [*SERVICES, *SERVICES] + [rng.choice(SERVICES) for _ in range(args.kills - 2 * len(SERVICES))]
@@ -365,7 +439,11 @@ def drain(args: argparse.Namespace, where: Where, finished: list[str], client: r
 
 
 def count(
-    args: argparse.Namespace, run: Run, where: Where, procs: dict[str, Service], drained_s: float
+    args: argparse.Namespace,
+    run: Run,
+    where: Where,
+    procs: dict[str, Service | ContainerService],
+    drained_s: float,
 ) -> dict:
     client = redis.Redis.from_url(where.redis_url, socket_timeout=30)
     acked, finished, failed_by_agent = ledger(where.agent_stats)
@@ -458,6 +536,8 @@ def run_once(args: argparse.Namespace, faults: bool, model: Path) -> dict:
     workdir = args.workdir / ("chaos" if faults else "baseline")
     shutil.rmtree(workdir, ignore_errors=True)
     (workdir / "logs").mkdir(parents=True)
+    if args.compose:
+        return compose_run_once(args, faults, workdir)
     where = Where(
         f"redis://127.0.0.1:{free_port()}/0",
         [f"http://127.0.0.1:{free_port()}"],
@@ -494,16 +574,97 @@ def run_once(args: argparse.Namespace, faults: bool, model: Path) -> dict:
             procs[name].stop()
 
 
+COMPOSE_CONTAINERS = {
+    "redis": "redis",
+    "inference": "vllm",
+    "gateway": "gateway",
+    "worker": "worker",
+    "learner": "learner",
+}
+
+
+def compose_run_once(args: argparse.Namespace, faults: bool, workdir: Path) -> dict:
+    """One run on the compose CPU profile, from a clean start (`down --volumes`, then `up --wait`): the
+    containers and Docker's restart policies in place of the supervisor threads; the agents on the host
+    through the gateway's control port, as `scripts/compose-up-cpu` runs them."""
+    compose = json.loads(os.environ["RLGATE_CHAOS_COMPOSE"])
+    run_dir = Path(os.environ["RLGATE_CPU_RUN_DIR"])
+    port = {
+        name: int(os.environ[f"RLGATE_CPU_{name}_PORT"]) for name in ("GATEWAY", "CONTROL", "SERVE", "REDIS")
+    }
+    log = (workdir / "logs" / "compose.log").open("ab")
+    subprocess.run([*compose, "down", "--volumes", "--timeout", "10"], check=True, stdout=log, stderr=log)
+    shutil.rmtree(run_dir / "learner", ignore_errors=True)
+    say(f"{'chaos' if faults else 'baseline (no faults)'}: docker compose up --wait")
+    up = subprocess.run(
+        [*compose, "up", "--detach", "--wait", "--wait-timeout", "600", "--no-build"], stdout=log, stderr=log
+    )
+    if up.returncode != 0:
+        raise SystemExit(f"chaos: docker compose up failed; see {workdir / 'logs' / 'compose.log'}")
+    where = Where(
+        f"redis://127.0.0.1:{port['REDIS']}/0",
+        [f"http://127.0.0.1:{port['SERVE']}"],
+        port["GATEWAY"],
+        "rlgate",  # the profile's key prefix and reward queue (rlgate-rewards)
+        run_dir / "learner",
+        workdir / "agent.jsonl",
+    )
+    config = DemoConfig(  # the profile's learner is the demo's (docker-compose.cpu.yml)
+        workdir=workdir,
+        minutes=args.minutes,
+        target=args.target,
+        quick=True,
+        redis_url=where.redis_url,
+        concurrency=args.concurrency,
+        tasks_per_step=16,
+        rollouts_per_task=4,
+        learning_rate=2e-3,
+        seed=args.seed,
+    )
+    run = Run(faults, workdir, config)
+    docker = httpx.Client(
+        transport=httpx.HTTPTransport(uds="/var/run/docker.sock"), base_url="http://docker", timeout=10
+    )
+    procs = {
+        name: ContainerService(name, f"rlgate-cpu-{c}-1", docker) for name, c in COMPOSE_CONTAINERS.items()
+    }
+    stopping, kills_stop = threading.Event(), threading.Event()
+    agents: list[subprocess.Popen] = []
+    control = ("--control", f"http://127.0.0.1:{port['CONTROL']}")  # rollouts and their keys (operator token)
+    try:
+        return _run(
+            args,
+            run,
+            where,
+            procs,
+            Path("/models/tiny"),
+            faults,
+            stopping,
+            kills_stop,
+            agents.append,
+            control,
+        )
+    finally:
+        kills_stop.set()
+        stopping.set()
+        for process in agents:
+            if process.poll() is None:
+                process.kill()
+        docker.close()
+        log.close()
+
+
 def _run(
     args: argparse.Namespace,
     run: Run,
     where: Where,
-    procs: dict[str, Service],
+    procs: dict[str, Service | ContainerService],
     model: Path,
     faults: bool,
     stopping: threading.Event,
     kills_stop: threading.Event,
     register: Callable[[subprocess.Popen], None],
+    agent_args: tuple[str, ...] = (),
 ) -> dict:
     workdir = run.workdir
     say(f"{'chaos' if faults else 'baseline (no faults)'}: starting {', '.join(procs)} in {workdir}")
@@ -516,7 +677,9 @@ def _run(
                 raise SystemExit(f"chaos: {name} did not come up; see {workdir / 'logs'}")
             time.sleep(0.2)
     config = run.config
-    agent_args, agent_env = commands(config, model, where, ("--ledger", str(where.agent_stats)))["agent"]
+    agent_args, agent_env = commands(config, model, where, ("--ledger", str(where.agent_stats), *agent_args))[
+        "agent"
+    ]
     group_deadline = time.monotonic() + 300
     client = redis.Redis.from_url(where.redis_url, socket_timeout=5)
     while time.monotonic() < group_deadline:  # the agents start once the learner reads the stream
@@ -639,6 +802,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workdir", type=Path, default=Path("runs/chaos"))
     parser.add_argument("--no-baseline", action="store_true", help="Skip the run without faults.")
     parser.add_argument("--json", type=Path, default=None, help="Write the results here.")
+    parser.add_argument(
+        "--compose",
+        action="store_true",
+        help="The compose CPU profile in containers (Docker's restart policies) instead of local processes: "
+        "run as `scripts/chaos --compose`, which has scripts/compose-up-cpu build and tear it down.",
+    )
     args = parser.parse_args(argv)
     quick = args.quick
     args.kills = args.kills if args.kills is not None else (12 if quick else 40)
@@ -651,6 +820,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    if args.compose:
+        if "RLGATE_CHAOS_COMPOSE" not in os.environ:
+            print("chaos: --compose runs under scripts/compose-up-cpu: use `scripts/chaos --compose`")
+            return 2
+        args.engine = os.environ.get("RLGATE_CHAOS_INFERENCE", "vllm")
+        say(f"inference: {args.engine}, in the compose CPU profile's containers")
+        return report(args, Path("/models/tiny"))
     if shutil.which("redis-server") is None:
         print(
             "chaos: redis-server is not installed (it restarts Redis with AOF): apt-get install redis-server"
@@ -669,10 +845,15 @@ def main(argv: list[str] | None = None) -> int:
     model = args.workdir / "model"
     if not (model / "config.json").is_file():
         build_tiny_model(model, seed=args.seed)
+    return report(args, model)
+
+
+def report(args: argparse.Namespace, model: Path) -> int:
+    """The run without faults (unless --no-baseline), the run with them, the table; the exit status."""
     baseline = None if args.no_baseline else run_once(args, False, model)
     chaos = run_once(args, True, model)
     print(table(baseline, chaos), flush=True)
-    results = {**chaos, "engine": args.engine, "baseline": baseline}
+    results = {**chaos, "engine": args.engine, "compose": args.compose, "baseline": baseline}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2) + "\n")

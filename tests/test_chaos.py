@@ -7,6 +7,7 @@ other column) to keep CI's time; `scripts/chaos --quick` runs both."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -44,3 +45,21 @@ def test_chaos_quick_reaches_the_target_losing_nothing(tmp_path: Path):
     assert chaos["exits_unasked"] == {}  # nothing died but what was killed
     assert chaos["trained_ledger_unreadable_lines"] == 0
     assert "| acknowledged calls lost" in result.stdout and "chaos: everything held" in result.stdout
+
+
+def test_chaos_compose_runs_only_under_compose_up_cpu():
+    """`scripts/chaos.py --compose` alone (no compose files handed over by scripts/compose-up-cpu) is one
+    line saying how to run it, exit 2, and nothing started. The compose run itself (six minutes with its
+    baseline) is measured in docs/deployment.md, not run in CI."""
+    env = {k: v for k, v in os.environ.items() if k != "RLGATE_CHAOS_COMPOSE"}
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "chaos.py"), "--compose", "--quick"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stdout.strip().splitlines() == [
+        "chaos: --compose runs under scripts/compose-up-cpu: use `scripts/chaos --compose`"
+    ]
