@@ -16,8 +16,11 @@ Failure rules, the same as before:
     its callers get `redis.exceptions.TimeoutError`: a caller waits at most about twice `timeout_s`;
   * NOSCRIPT (Redis restarted or its script cache was flushed): the script is loaded and the command
     sent again.
-The connection parameters (host and port or unix path, database, user, password, TLS) are read from the
-redis-py client the store was built with, so every URL the store accepts works here too.
+The connection parameters (host and port or unix path, database, user and password or a credential
+provider, client name, TLS) are read from the redis-py client the store was built with, so every URL the
+store accepts works here too. Each of redis-py's connection options is honoured here, or does not apply
+(what it does is done here another way: timeouts, retries, decoding), or is refused when set (`check_options`:
+an error at start, never a connection that silently lacks what was asked for).
 
 On a Redis Cluster (`redis.asyncio.RedisCluster`) there is one such connection per master: a script goes
 to the master that owns the hash slot of its first key (every key of a script shares one slot), taken
@@ -57,6 +60,67 @@ from redis.crc import key_slot
 
 class NotConnected(redis_exc.ConnectionError):
     """No connection could be opened: the command was not sent (safe to send again elsewhere)."""
+
+
+# redis-py's connection options (the parameters of its Connection, SSLConnection and
+# UnixDomainSocketConnection; tests/test_store.py checks these cover the installed redis-py's):
+HONOURED = frozenset(
+    {
+        *("host", "port", "path", "db", "username", "password", "credential_provider", "client_name"),
+        *(
+            "ssl_ca_certs",
+            "ssl_ca_path",
+            "ssl_ca_data",
+            "ssl_cert_reqs",
+            "ssl_check_hostname",
+            "ssl_certfile",
+        ),
+        *("ssl_keyfile", "ssl_password", "ssl_min_version", "ssl_ciphers", "ssl_include_verify_flags"),
+        *("ssl_exclude_verify_flags", "connection_class"),
+    }
+)
+NOT_APPLICABLE = frozenset(
+    {
+        # timeouts and liveness: the store's `timeout_s`, the watchdog, TCP keepalive (always on)
+        *("socket_timeout", "socket_connect_timeout", "socket_keepalive", "socket_keepalive_options"),
+        *("health_check_interval", "orig_socket_timeout", "orig_socket_connect_timeout", "timeout"),
+        # retries: a command sent is never sent again here (the module docstring's failure rules)
+        *("retry", "retry_on_timeout", "retry_on_error"),
+        # replies: parsed by hiredis and read by the store as bytes; RESP2 always (no HELLO: the scripts'
+        # replies are the same in RESP3)
+        *("encoding", "encoding_errors", "decode_responses", "encoder_class", "parser_class"),
+        *("socket_read_size", "protocol", "legacy_responses", "response_callbacks", "parser"),
+        # the client library's own bookkeeping: its name and version for CLIENT SETINFO, events, the pool,
+        # and Redis Enterprise's maintenance notifications (a connection closed by the server reconnects)
+        *(
+            "lib_name",
+            "lib_version",
+            "driver_info",
+            "event_dispatcher",
+            "himport_registry",
+            "max_connections",
+        ),
+        *("maint_notifications_config", "maint_notifications_pool_handler", "maintenance_state"),
+        *("maintenance_notification_hash", "orig_host_address", "oss_cluster_maint_notifications_handler"),
+    }
+)
+REFUSED = frozenset({"redis_connect_func", "socket_type"})  # a custom connect hook, another socket family
+
+
+def check_options(kwargs: dict[str, Any]) -> None:
+    """Raise ValueError for a redis-py connection option that is set and that this connection does not
+    honour (REFUSED, or one redis-py added after these lists were written)."""
+    unsupported = sorted(
+        key
+        for key, value in kwargs.items()
+        if key not in HONOURED | NOT_APPLICABLE and value not in (None, 0)
+    )
+    if unsupported:
+        raise ValueError(
+            f"the store's pipelined record connection (episodes/_batch.py) does not support the redis "
+            f"option{'s' if len(unsupported) > 1 else ''} {', '.join(unsupported)}: leave "
+            f"{'them' if len(unsupported) > 1 else 'it'} out of the Redis URL or client"
+        )
 
 
 def _retrieve(future: asyncio.Future[Any]) -> None:
@@ -221,6 +285,7 @@ class Pipeline:
     def __init__(
         self, connection_kwargs: dict[str, Any], ssl: bool, timeout_s: float, wait_replicas: int = 0
     ) -> None:
+        check_options(connection_kwargs)
         self._kwargs = dict(connection_kwargs)
         self._ssl = ssl
         self._timeout_s = timeout_s
@@ -342,9 +407,16 @@ class Pipeline:
                         ssl=ssl,
                     )
                 hello = []
-                if kw.get("password") is not None:
-                    user = kw.get("username")
-                    hello.append(("AUTH", user, kw["password"]) if user else ("AUTH", kw["password"]))
+                user, password = kw.get("username"), kw.get("password")
+                provider = kw.get("credential_provider")
+                if provider is not None:  # as redis-py: the provider's credentials replace user and password
+                    get = getattr(provider, "get_credentials_async", None)
+                    credentials = tuple(await get() if get else provider.get_credentials())
+                    user, password = credentials if len(credentials) == 2 else (None, credentials[0])
+                if password is not None:
+                    hello.append(("AUTH", user, password) if user else ("AUTH", password))
+                if kw.get("client_name"):
+                    hello.append(("CLIENT", "SETNAME", kw["client_name"]))
                 if int(kw.get("db") or 0):
                     hello.append(("SELECT", int(kw["db"])))
                 for reply in await asyncio.gather(*(conn.call(pack(c)) for c in hello)):
@@ -371,7 +443,9 @@ class Pipeline:
 
     def _ssl_context(self) -> ssl_module.SSLContext:
         kw = self._kwargs
-        context = ssl_module.create_default_context(cafile=kw.get("ssl_ca_certs"))
+        context = ssl_module.create_default_context(
+            cafile=kw.get("ssl_ca_certs"), capath=kw.get("ssl_ca_path"), cadata=kw.get("ssl_ca_data")
+        )
         reqs = kw.get("ssl_cert_reqs", "required")
         if isinstance(reqs, str):
             reqs = {
@@ -384,6 +458,14 @@ class Pipeline:
         context.verify_mode = reqs
         if kw.get("ssl_certfile"):
             context.load_cert_chain(kw["ssl_certfile"], kw.get("ssl_keyfile"), kw.get("ssl_password"))
+        if kw.get("ssl_min_version") is not None:
+            context.minimum_version = ssl_module.TLSVersion(kw["ssl_min_version"])
+        if kw.get("ssl_ciphers"):
+            context.set_ciphers(kw["ssl_ciphers"])
+        for flag in kw.get("ssl_include_verify_flags") or ():
+            context.verify_flags |= flag
+        for flag in kw.get("ssl_exclude_verify_flags") or ():
+            context.verify_flags &= ~flag
         return context
 
 
@@ -395,6 +477,7 @@ class _Nodes:
     """The pipelined connections to a Redis Cluster's masters, one per node, routed by hash slot."""
 
     def __init__(self, client: RedisCluster, timeout_s: float, wait_replicas: int) -> None:
+        check_options(client.nodes_manager.connection_kwargs)  # at start, not at a node's first call
         self.client = client
         self.timeout_s = timeout_s
         self.wait_replicas = wait_replicas

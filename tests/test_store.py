@@ -362,6 +362,76 @@ def test_the_record_connection_authenticates_and_selects_the_database(password_r
         run(go(f"redis://gw:wrong@127.0.0.1:{password_redis}/3"))
 
 
+def test_every_redis_py_connection_option_is_honoured_or_refused():
+    """The hand-written record connection (episodes/_batch.py) knows every option of the installed
+    redis-py's connections: each is honoured, does not apply, or is refused at start. A redis-py that adds
+    an option fails here, not silently in production."""
+    import inspect
+
+    import redis.asyncio.connection as connection
+
+    from episodes import _batch
+
+    options = set()
+    for cls in (connection.Connection, connection.SSLConnection, connection.UnixDomainSocketConnection):
+        for klass in cls.__mro__:
+            if "__init__" in vars(klass):
+                options |= set(inspect.signature(klass.__init__).parameters) - {"self", "args", "kwargs"}
+    known = _batch.HONOURED | _batch.NOT_APPLICABLE | _batch.REFUSED
+    assert options <= known, sorted(options - known)
+    assert (
+        not _batch.HONOURED & _batch.NOT_APPLICABLE
+        and not (_batch.HONOURED | _batch.NOT_APPLICABLE) & _batch.REFUSED
+    )
+
+
+def test_an_option_the_record_connection_cannot_honour_is_refused_at_start():
+    import redis.asyncio as aioredis
+
+    async def connect_hook(connection):  # redis-py's redis_connect_func: the record connection has none
+        await connection.on_connect()
+
+    for client, option in (
+        (aioredis.Redis.from_url(REDIS_URL, redis_connect_func=connect_hook), "redis_connect_func"),
+        (aioredis.Redis.from_url(f"{REDIS_URL}?no_such_option=1"), "no_such_option"),
+    ):
+        with pytest.raises(ValueError, match=f"does not support the redis option {option}: leave it out"):
+            EpisodeStore(client, Keys("t"))
+    EpisodeStore(aioredis.Redis.from_url(f"{REDIS_URL}?protocol=3&socket_timeout=2"), Keys("t"))  # no effect
+
+
+def test_the_record_connection_takes_a_credential_provider_and_names_itself(password_redis: int):
+    """redis-py's credential_provider (rotating credentials: it is asked on every connect) and client_name
+    (CLIENT SETNAME, what `CLIENT LIST` shows an operator) are honoured by the record connection too."""
+    import redis.asyncio as aioredis
+    from redis.credentials import UsernamePasswordCredentialProvider
+
+    asked = []
+
+    class Provider(UsernamePasswordCredentialProvider):
+        def get_credentials(self):
+            asked.append(1)
+            return super().get_credentials()
+
+    async def go():
+        client = aioredis.Redis(
+            port=password_redis,
+            credential_provider=Provider("gw", "gw-secret"),
+            client_name="rlgate-recorder",
+        )
+        store = EpisodeStore(client, Keys("t"), timeout_s=2)
+        try:
+            await store.record_calls("cred", None, [call_record("cred")])
+            return await store._record._pipe.call("CLIENT", "GETNAME")
+        finally:
+            await store.aclose()
+
+    assert run(go()) == b"rlgate-recorder"
+    assert asked  # the provider was asked (the record connection's AUTH used its credentials)
+    admin = redis.Redis(port=password_redis, password="default-secret")
+    assert admin.llen(Keys("t").calls("cred")) == 1
+
+
 def test_records_are_batched_per_loop_turn_and_survive_a_killed_connection(redis_client: redis.Redis):
     async def go():
         store = EpisodeStore.from_url(REDIS_URL, prefix="t")
