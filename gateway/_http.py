@@ -19,6 +19,10 @@ OpenAI-compatible HTTPS endpoint):
     the waiting caller gets `TimeoutError`; other failures raise `HTTPError`;
   * a response not read to its end closes its connection on release (a stream the agent hung up on is
     then aborted by the server), one read to its end goes back to the pool.
+
+What it does not do: go through a proxy. An `HTTPS_PROXY`/`HTTP_PROXY`/`ALL_PROXY` that applies to the
+origin (not bypassed by `NO_PROXY`) is named in `ignored_proxy`, which the gateway logs at start. TLS
+verification uses OpenSSL's default trust store, which `SSL_CERT_FILE` and `SSL_CERT_DIR` replace.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 from urllib.parse import urlsplit
+from urllib.request import getproxies_environment, proxy_bypass_environment
 
 import httptools
 
@@ -285,6 +290,16 @@ def _until_close(headers: dict[str, str]) -> bool:
     return "content-length" not in headers and "chunked" not in headers.get("transfer-encoding", "").lower()
 
 
+def environment_proxy(scheme: str, host: str, port: int) -> str | None:
+    """The proxy variable the environment names for this origin (as urllib and httpx read it: the
+    scheme's own or ALL_PROXY, unless NO_PROXY bypasses the host), or None."""
+    proxies = getproxies_environment()
+    url = proxies.get(scheme) or proxies.get("all")
+    if not url or proxy_bypass_environment(f"{host}:{port}", proxies):
+        return None
+    return f"{'ALL' if not proxies.get(scheme) else scheme.upper()}_PROXY"
+
+
 class Client:
     """Requests to one origin (`base_url`'s scheme, host and port; its path prefixes every request)."""
 
@@ -307,6 +322,7 @@ class Client:
         self.ssl: ssl_module.SSLContext | None = (
             ssl_module.create_default_context() if parts.scheme == "https" else None
         )
+        self.ignored_proxy = environment_proxy(parts.scheme, self.host, self.port)
         default_port = self.port == (443 if parts.scheme == "https" else 80)
         host = self.host if ":" not in self.host else f"[{self.host}]"
         self._host_header = host if default_port else f"{host}:{self.port}"

@@ -157,6 +157,14 @@ class Gateway:
         self.store.rollout_max_bytes = settings.max_rollout_bytes
         self.store.use_queue_redis(settings.queue_redis_url)  # the backlog counts reward jobs where they wait
         self.servers = Servers(settings, self.store)
+        for server in self.servers.servers:  # said once at start, not silently ignored
+            if server.upstream.ignored_proxy:
+                log.warning(
+                    "upstream_proxy_not_used",
+                    upstream=server.name,
+                    variable=server.upstream.ignored_proxy,
+                    hint="the gateway connects to its inference servers directly; add the host to NO_PROXY",
+                )
         self.metrics.watch(self.servers.connections, self.store.record_stats)
         self.credentials = Credentials(settings)
         self.proxy = Proxy(settings, self.store, self.servers, self.metrics, self.credentials)

@@ -33,6 +33,11 @@ class Upstream:
             headers=headers,
         )
 
+    @property
+    def ignored_proxy(self) -> str | None:
+        """The proxy variable that applies to this server and that the client does not use (gateway._http)."""
+        return self._client.ignored_proxy
+
     def connections(self) -> tuple[int, int]:
         """(open, idle) connections of the pool."""
         return self._client.open_connections, self._client.idle_connections

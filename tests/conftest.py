@@ -224,7 +224,7 @@ def _start_gateway(
             exited = PortTaken if "Address already in use" in proc.log() else AssertionError
             raise exited(f"gateway exited:\n{proc.log()}")
         try:
-            response = httpx.get(f"{proc.url}/healthz", timeout=2)
+            response = httpx.get(f"{proc.url}/healthz", timeout=2, trust_env=False)  # loopback: no proxy
             if response.status_code == 200 or not wait_healthy:
                 return proc
         except httpx.TransportError:

@@ -157,3 +157,36 @@ def test_a_push_reaching_the_servers_is_followed_without_a_gap(two, redis_client
             answer = call(gateway, uuid.uuid4().hex)
             assert answer.status_code == 200, answer.text
     assert "upstream_versions_behind" not in gateway.log()
+
+
+def test_a_proxy_the_upstream_client_does_not_use_is_said_at_start(
+    tmp_path, fake_vllm: Proc, monkeypatch: pytest.MonkeyPatch
+):
+    """The gateway's own HTTP client connects to its inference servers directly: an HTTP_PROXY that would
+    apply to one is named in a warning at start (it was ignored silently), and calls still go straight
+    there; with the host in NO_PROXY nothing is said."""
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")  # nothing listens: a proxied call would fail
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    for no_proxy, warned in ((None, True), ("127.0.0.1", False)):
+        if no_proxy:
+            monkeypatch.setenv("NO_PROXY", no_proxy)
+        (tmp_path / str(warned)).mkdir()
+        gateway = start_gateway(tmp_path / str(warned), fake_vllm.url)
+        try:
+            with httpx.Client(trust_env=False, timeout=30) as client:
+                answer = client.post(
+                    f"{gateway.url}/rollouts/{uuid.uuid4().hex}/v1/chat/completions",
+                    json={
+                        "model": "fake-model",
+                        "messages": [{"role": "user", "content": "hi"}],
+                        "max_tokens": 2,
+                    },
+                )
+            assert answer.status_code == 200, answer.text
+            lines = [line for line in gateway.log().splitlines() if "upstream_proxy_not_used" in line]
+            assert bool(lines) == warned, gateway.log()[-2000:]
+            if warned:
+                assert "HTTP_PROXY" in lines[0] and "NO_PROXY" in lines[0] and "127.0.0.1:9" not in lines[0]
+        finally:
+            gateway.kill(signal.SIGTERM)
