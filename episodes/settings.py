@@ -34,6 +34,33 @@ from pydantic_settings import (
 
 SHARED_PREFIX = "RLGATE_"
 
+# The store's settings, declared once here and used by every service and command that opens the store
+# (the gateway, the reward worker, the learner, `rlgate export`, `rlgate worker`): one definition, one
+# shared variable each (the table above)
+RedisUrl = Annotated[
+    str,
+    Field(
+        description="Redis holding rollouts, calls and the closed-episode stream (and, unless queue_redis_url "
+        "is set, the reward-job queue). redis+cluster://host:port names a Redis Cluster by any of its nodes; "
+        "?wait_replicas=N makes every recorded call wait until N replicas hold it (docs/deployment.md).",
+    ),
+]
+KeyPrefix = Annotated[
+    str,
+    Field(
+        description="Prefix of every Redis key (lets deployments share a Redis); the same for every service."
+    ),
+]
+RedisTimeoutSeconds = Annotated[
+    float,
+    Field(
+        gt=0,
+        allow_inf_nan=False,
+        description="Time limit of one Redis operation (blocking reads wait this much longer than they block).",
+    ),
+]
+REDIS_URL = "redis://127.0.0.1:6379/0"
+
 # `retention_s` of the gateway, the reward worker and the learner: one definition, one shared variable
 RetentionSeconds = Annotated[
     float,

@@ -7,7 +7,16 @@ from typing import ClassVar, Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import SettingsConfigDict
 
-from episodes.settings import SHARED_ENV, QueueRedisUrl, RetentionSeconds, SharedSettings
+from episodes.settings import (
+    REDIS_URL,
+    SHARED_ENV,
+    KeyPrefix,
+    QueueRedisUrl,
+    RedisTimeoutSeconds,
+    RedisUrl,
+    RetentionSeconds,
+    SharedSettings,
+)
 from episodes.store import RETENTION_S
 
 
@@ -53,15 +62,9 @@ class GatewaySettings(SharedSettings):
         description="How long an idle upstream connection is kept; below the server's own keep-alive "
         "(uvicorn's default, and vLLM's, is 5 s) so that the server rarely closes one under a request.",
     )
-    redis_url: str = Field(
-        "redis://127.0.0.1:6379/0",
-        description="Redis holding rollouts and calls. redis+cluster://host:port names a Redis Cluster by any of its nodes; "
-        "?wait_replicas=N makes every recorded call wait until N replicas hold it (docs/deployment.md).",
-    )
-    key_prefix: str = Field(
-        "rlgate", description="Prefix of every Redis key (lets deployments share a Redis)."
-    )
-    redis_timeout_s: float = Field(5.0, description="Time limit of one Redis command.")
+    redis_url: RedisUrl = REDIS_URL
+    key_prefix: KeyPrefix = "rlgate"
+    redis_timeout_s: RedisTimeoutSeconds = 5.0
     host: str = Field("127.0.0.1", description="Interface to listen on.")
     port: int = Field(8100, description="Port to listen on (the agent port).")
     control_port: int | None = Field(

@@ -67,7 +67,10 @@ class Learner:
         self.output_dir = settings.output_dir
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.store = EpisodeStore.from_url(
-            settings.redis_url, prefix=settings.key_prefix, timeout_s=10.0, retention_s=settings.retention_s
+            settings.redis_url,
+            prefix=settings.key_prefix,
+            timeout_s=settings.redis_timeout_s,
+            retention_s=settings.retention_s,
         )
         self.stream = ClosedEpisodes(self.store, settings.group)
         self.collector = Collector(

@@ -9,7 +9,14 @@ from typing import Annotated, Literal
 from pydantic import BeforeValidator, Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from episodes.settings import RetentionSeconds, SharedSettings
+from episodes.settings import (
+    REDIS_URL,
+    KeyPrefix,
+    RedisTimeoutSeconds,
+    RedisUrl,
+    RetentionSeconds,
+    SharedSettings,
+)
 from episodes.store import RETENTION_S
 
 # A model as given (a folder, or a Hub id): text, so that `./tiny` stays a path (a Path would drop the `./`).
@@ -20,11 +27,10 @@ class LearnerSettings(SharedSettings):
     model_config = SettingsConfigDict(env_prefix="RLGATE_LEARNER_", extra="ignore")
 
     # Where episodes come from and where weights go
-    redis_url: str = Field(
-        "redis://127.0.0.1:6379/0",
-        description="The episode store (redis+cluster:// for a cluster).",
-    )
-    key_prefix: str = Field("rlgate", description="The store's key prefix (as the gateway's).")
+    redis_url: RedisUrl = REDIS_URL
+    key_prefix: KeyPrefix = "rlgate"
+    # longer than the gateway's 5 s: the learner's reads are whole groups of episodes
+    redis_timeout_s: RedisTimeoutSeconds = 10.0
     consumer: str = Field(
         "learner-0",
         description="This learner's name in the consumer group; keep it "

@@ -7,7 +7,15 @@ from pathlib import Path
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from episodes.settings import QueueRedisUrl, RetentionSeconds, SharedSettings
+from episodes.settings import (
+    REDIS_URL,
+    KeyPrefix,
+    QueueRedisUrl,
+    RedisTimeoutSeconds,
+    RedisUrl,
+    RetentionSeconds,
+    SharedSettings,
+)
 from episodes.store import RETENTION_S
 
 MIN_SECRET_CHARS = 16  # as the gateway's operator token
@@ -21,15 +29,9 @@ class RewardSettings(SharedSettings):
         env_prefix="RLGATE_", cli_kebab_case=True, extra="ignore", hide_input_in_errors=True
     )
 
-    redis_url: str = Field(
-        "redis://127.0.0.1:6379/0",
-        description="Redis holding rollouts, calls and (unless queue_redis_url is set) the queue; a "
-        "redis+cluster:// URL names a Redis Cluster by one of its nodes.",
-    )
-    key_prefix: str = Field(
-        "rlgate", description="Prefix of every Redis key (lets deployments share a Redis)."
-    )
-    redis_timeout_s: float = Field(5.0, description="Time limit of one Redis operation.")
+    redis_url: RedisUrl = REDIS_URL
+    key_prefix: KeyPrefix = "rlgate"
+    redis_timeout_s: RedisTimeoutSeconds = 5.0
     webhook_secret: SecretStr | None = Field(
         None,
         description="When set, every webhook request (reward, call reward, finish, fail) must be signed: "

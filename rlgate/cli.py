@@ -44,7 +44,7 @@ from pydantic_settings import (
 )
 
 from episodes import StoreUnavailable
-from episodes.settings import SharedSettings
+from episodes.settings import REDIS_URL, KeyPrefix, RedisTimeoutSeconds, RedisUrl, SharedSettings
 from gateway import GatewaySettings
 from learner.settings import LearnerSettings
 from reward_hooks.settings import RewardSettings
@@ -286,9 +286,9 @@ class ExportCommand(SharedSettings):
 
     out: CliPositionalArg[Path] = Field(description="File to write.")
     format: Literal["jsonl", "parquet", "sft"] = Field("jsonl", description="jsonl, parquet or sft (JSONL).")
-    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis holding the episodes.")
-    key_prefix: str = Field("rlgate", description="Prefix of every Redis key.")
-    redis_timeout_s: float = Field(5.0, description="Time limit of one Redis operation.")
+    redis_url: RedisUrl = REDIS_URL
+    key_prefix: KeyPrefix = "rlgate"
+    redis_timeout_s: RedisTimeoutSeconds = 5.0
     status: list[str] = Field(
         ["closed", "consumed"], description="Episode statuses to export (JSON list, or the flag repeated)."
     )
@@ -574,7 +574,9 @@ class LearnerCommand(LearnerSettings):
         configure_logging(self.log_level, self.log_format)
         settings = LearnerSettings.model_validate(self.model_dump(exclude={"log_level", "log_format"}))
         _check_model(str(settings.model))
-        asyncio.run(_check_redis(settings.redis_url, settings.key_prefix, 10.0))  # before torch loads
+        asyncio.run(
+            _check_redis(settings.redis_url, settings.key_prefix, settings.redis_timeout_s)
+        )  # before torch
 
         from learner.loop import LogprobMismatch, run
         from learner.ranks import RankFailed, RanksMisconfigured
