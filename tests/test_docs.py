@@ -38,3 +38,25 @@ def test_links_resolve():
             if path and not (page.parent / path).exists():
                 broken.append(f"{page.relative_to(ROOT)}: {target}")
     assert not broken, "broken relative links:\n" + "\n".join(broken)
+
+
+def test_the_layout_names_every_module_script_and_compose_file():
+    """docs/layout.md names every module of the packages (as `module`, or its subpackage as `sub/`), every
+    file of scripts/, and every compose file: a module added without a line there fails here."""
+    named = set(re.findall(r"`([^`]+)`", (ROOT / "docs" / "layout.md").read_text()))
+    missing = []
+    for package in ("episodes", "gateway", "reward_hooks", "inference", "learner", "demo", "rlgate"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            relative = path.relative_to(ROOT / package)
+            if path.stem in ("__init__", "__main__"):
+                continue
+            names = {path.stem} if len(relative.parts) == 1 else {f"{relative.parts[0]}/"}
+            if not names & named:
+                missing.append(str(path.relative_to(ROOT)))
+    for path in sorted((ROOT / "scripts").iterdir()):
+        if path.name != "__pycache__" and path.name not in named:
+            missing.append(str(path.relative_to(ROOT)))
+    for path in [*sorted(ROOT.glob("docker-compose*.yml")), ROOT / "Dockerfile"]:
+        if path.name not in named:
+            missing.append(path.name)
+    assert not missing, missing
