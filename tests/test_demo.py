@@ -199,9 +199,10 @@ def test_the_quick_calc_chat_demo_learns_a_tools_api_agent(tmp_path: Path, redis
     out = tmp_path / "summary.json"
     # the first run on a machine also builds the base model (about 3 minutes on 2 quiet cores)
     # stopped at 80% (the demo's target is 90%: about a minute more of the loop, measured in docs/demo.md)
-    result = quick_demo(
-        out, tmp_path, "--task", "calc-chat", "--inference", "vllm", "--target", "0.8", timeout_s=1700
-    )
+    from conftest import vllm_python
+
+    engine = ("--inference", "vllm", "--vllm-python", str(vllm_python()))
+    result = quick_demo(out, tmp_path, "--task", "calc-chat", *engine, "--target", "0.8", timeout_s=1700)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads(out.read_text())
     warm = summary["warm_start"]
