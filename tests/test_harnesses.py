@@ -123,3 +123,47 @@ def test_codex_cli_runs_unchanged_through_the_responses_api(stack: Proc, redis_c
         for part in item.get("content", [])
     )
     assert text and text in result.stdout
+
+
+# opencode's own configuration (opencode.json in the project folder), as its docs write a provider for an
+# OpenAI-compatible server: everything it needs comes from the rollout's environment
+OPENCODE_CONFIG = {
+    "$schema": "https://opencode.ai/config.json",
+    "provider": {
+        "rlgate": {
+            "npm": "@ai-sdk/openai-compatible",
+            "name": "rlgate",
+            "options": {"baseURL": "{env:OPENAI_BASE_URL}", "apiKey": "{env:OPENAI_API_KEY}"},
+            "models": {MODEL: {"name": MODEL}},
+        }
+    },
+    "model": f"rlgate/{MODEL}",
+}
+
+
+@pytest.mark.slow
+def test_opencode_runs_unchanged_through_chat_completions(stack: Proc, redis_client, tmp_path: Path):
+    """opencode (`opencode run`), configured once with a provider that reads the rollout's OPENAI_BASE_URL
+    and OPENAI_API_KEY: it exits 0 after running the tool the first answer asked for, and every call it
+    made (a title call, then the agent's turns: streamed chat completions with its tools) is recorded with
+    ids and every token's log-prob."""
+    import json
+
+    opencode = harness("opencode")
+    rollout = new_rollout(stack)
+    env = {k: v for k, v in rollout["agent_env"].items() if k.startswith("OPENAI_")}
+    (tmp_path / "opencode.json").write_text(json.dumps(OPENCODE_CONFIG))
+    result = run([str(opencode), "run", "What is 2+2?"], env, tmp_path)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    calls = recorded(stack, rollout["rollout_id"])
+    assert calls and all(c["endpoint"] == "chat.completions" and c["stream"] for c in calls)
+    for call in calls:
+        assert_trainable(call)
+    agent_turns = [c for c in calls if c["request"].get("tools")]
+    assert len(agent_turns) >= 2, [len(c["request"].get("tools") or []) for c in calls]
+    first, last = agent_turns[0], agent_turns[-1]
+    tool_call_id = first["response"]["message"]["tool_calls"][0]["id"]
+    assert any(
+        m.get("role") == "tool" and m.get("tool_call_id") == tool_call_id for m in last["request"]["messages"]
+    )
+    assert last["response"]["message"]["content"] and last["response"]["message"]["content"] in result.stdout
