@@ -580,6 +580,22 @@ def count(
     }
 
 
+def demo_config(args: argparse.Namespace, workdir: Path, where: Where) -> DemoConfig:
+    """The demo's settings a run starts its processes with and judges the target by."""
+    return DemoConfig(
+        workdir=workdir,
+        minutes=args.minutes,
+        target=args.target,
+        quick=True,
+        redis_url=where.redis_url,
+        concurrency=args.concurrency,
+        tasks_per_step=16,  # the demo's defaults (rlgate demo --help; docker-compose.cpu.yml's learner)
+        rollouts_per_task=4,
+        learning_rate=2e-3,
+        seed=args.seed,
+    )
+
+
 def run_once(args: argparse.Namespace, faults: bool, model: Path) -> dict:
     workdir = args.workdir / ("chaos" if faults else "baseline")
     shutil.rmtree(workdir, ignore_errors=True)
@@ -594,19 +610,7 @@ def run_once(args: argparse.Namespace, faults: bool, model: Path) -> dict:
         workdir / "learner",
         workdir / "agent.jsonl",
     )
-    config = DemoConfig(
-        workdir=workdir,
-        minutes=args.minutes,
-        target=args.target,
-        quick=True,
-        redis_url=where.redis_url,
-        concurrency=args.concurrency,
-        tasks_per_step=16,  # the demo's defaults (rlgate demo --help)
-        rollouts_per_task=4,
-        learning_rate=2e-3,
-        seed=args.seed,
-    )
-    run = Run(faults, workdir, config)
+    run = Run(faults, workdir, demo_config(args, workdir, where))
     procs = services(args, run, model, where)
     stopping, kills_stop = threading.Event(), threading.Event()
     agents: list[subprocess.Popen] = []  # the agents' process, once started
@@ -668,19 +672,7 @@ def compose_run_once(args: argparse.Namespace, faults: bool, workdir: Path) -> d
         run_dir / "learner",
         workdir / "agent.jsonl",
     )
-    config = DemoConfig(  # the profile's learner is the demo's (docker-compose.cpu.yml)
-        workdir=workdir,
-        minutes=args.minutes,
-        target=args.target,
-        quick=True,
-        redis_url=where.redis_url,
-        concurrency=args.concurrency,
-        tasks_per_step=16,
-        rollouts_per_task=4,
-        learning_rate=2e-3,
-        seed=args.seed,
-    )
-    run = Run(faults, workdir, config)
+    run = Run(faults, workdir, demo_config(args, workdir, where))  # the profile's learner is the demo's
     docker = httpx.Client(
         transport=httpx.HTTPTransport(uds=docker_socket()), base_url="http://docker", timeout=10
     )
