@@ -19,7 +19,7 @@ from episodes.errors import (
     RolloutNotFound,
     RolloutNotOpen,
 )
-from episodes.records import FinishRequest
+from episodes.records import ClosedEpisode, FinishRequest
 from episodes.store import EpisodeStore
 
 
@@ -150,12 +150,15 @@ class EpisodeLifecycle:
                 task_id, mode_name, version = (_text(v or b"") for v in values)
             else:
                 task_id, mode_name, version = hashed
-            fields = {"rollout_id": rollout_id, "task_id": task_id, "reward": reward}
-            if mode_name not in ("", "train"):
-                fields["mode"] = mode_name
-            if version:
-                fields["version"] = version
-            await self._add_episode(keys=[self.keys.episodes], args=[x for kv in fields.items() for x in kv])
+            entry = ClosedEpisode(
+                "",
+                rollout_id,
+                task_id or None,
+                float(reward),
+                mode_name or "train",
+                int(version) if version.isdigit() else None,
+            )
+            await self._add_episode(keys=[self.keys.episodes], args=entry.fields())
             await self._mark_published(keys=[self.keys.rollout(rollout_id)])
             async with self.store.redis.pipeline(transaction=False) as pipe:
                 pipe.zrem(self.keys.outbox, intent)

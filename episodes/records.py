@@ -11,6 +11,7 @@ record per choice, sharing the prompt.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Literal
 
@@ -235,3 +236,40 @@ class RolloutListing(BaseModel):
 
     rollouts: list[RolloutSummary]
     next_cursor: str | None = Field(description="Pass as `cursor` for the next page; null on the last one.")
+
+
+@dataclass(frozen=True, slots=True)
+class ClosedEpisode:
+    """One stream entry: a closed rollout waiting to be trained on. The entry's wire format is here, both
+    ways: `fields` (what the closer writes with XADD) and `from_entry` (what a learner reads back)."""
+
+    entry_id: str  # the stream's id ("" before it is added)
+    rollout_id: str
+    task_id: str | None
+    reward: float
+    mode: str = "train"  # val: a validation episode, scored apart and never trained on
+    version: int | None = None  # the oldest policy version that served one of its calls (None: no call)
+
+    def fields(self) -> list[str]:
+        """The entry's field-value pairs, flat, as XADD takes them: the mode only when not train, the
+        version only when known."""
+        pairs = {"rollout_id": self.rollout_id, "task_id": self.task_id or "", "reward": repr(self.reward)}
+        if self.mode != "train":
+            pairs["mode"] = self.mode
+        if self.version is not None:
+            pairs["version"] = str(self.version)
+        return [x for kv in pairs.items() for x in kv]
+
+    @classmethod
+    def from_entry(cls, entry_id: bytes | str, fields: dict[bytes, bytes]) -> ClosedEpisode:
+        def text(key: bytes) -> str:
+            return fields.get(key, b"").decode()
+
+        return cls(
+            entry_id.decode() if isinstance(entry_id, bytes) else entry_id,
+            text(b"rollout_id"),
+            text(b"task_id") or None,
+            float(text(b"reward") or "nan"),
+            text(b"mode") or "train",
+            int(version) if (version := text(b"version")).isdigit() else None,
+        )

@@ -7,39 +7,11 @@ taken over with `reclaim` (XAUTOCLAIM) once they have been idle longer than the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from redis import exceptions as redis_exc
 
 from episodes.lifecycle import EpisodeLifecycle
+from episodes.records import ClosedEpisode
 from episodes.store import EpisodeStore
-
-
-@dataclass(frozen=True, slots=True)
-class ClosedEpisode:
-    """One stream entry: a closed rollout waiting to be trained on."""
-
-    entry_id: str
-    rollout_id: str
-    task_id: str | None
-    reward: float
-    mode: str = "train"  # val: a validation episode, scored apart and never trained on
-    version: int | None = None  # the oldest policy version that served one of its calls (None: no call)
-
-
-def _episode(entry_id: bytes | str, fields: dict[bytes, bytes]) -> ClosedEpisode:
-    def text(key: bytes) -> str:
-        return fields.get(key, b"").decode()
-
-    entry = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-    return ClosedEpisode(
-        entry,
-        text(b"rollout_id"),
-        text(b"task_id") or None,
-        float(text(b"reward") or "nan"),
-        text(b"mode") or "train",
-        int(version) if (version := text(b"version")).isdigit() else None,
-    )
 
 
 class ClosedEpisodes:
@@ -66,7 +38,11 @@ class ClosedEpisodes:
             reply = await self.store.redis.xreadgroup(
                 self.group, consumer, {self.key: ">"}, count=count, block=block_ms
             )
-        return [_episode(entry_id, fields) for _, entries in reply or () for entry_id, fields in entries]
+        return [
+            ClosedEpisode.from_entry(entry_id, fields)
+            for _, entries in reply or ()
+            for entry_id, fields in entries
+        ]
 
     async def read_own_pending(self, consumer: str, count: int = 1024) -> list[ClosedEpisode]:
         """Entries delivered to `consumer` earlier and never acknowledged (a restarted learner's own). An
@@ -83,7 +59,9 @@ class ClosedEpisodes:
             gone = [entry_id for entry_id, fields in entries if not fields]
             if gone:
                 await self.store.redis.xack(self.key, self.group, *gone)
-        return [_episode(entry_id, fields) for entry_id, fields in entries if fields], len(entries)
+        return [ClosedEpisode.from_entry(entry_id, fields) for entry_id, fields in entries if fields], len(
+            entries
+        )
 
     async def ack(self, episode: ClosedEpisode) -> bool:
         """Acknowledge a trained-on episode: marks the rollout consumed (True the first time) and XACKs."""
@@ -119,7 +97,9 @@ class ClosedEpisodes:
                 )
             cursor, entries = reply[0], reply[1]
             # entries deleted from the stream meanwhile come back without fields; XAUTOCLAIM drops them
-            claimed.extend(_episode(entry_id, fields) for entry_id, fields in entries if fields)
+            claimed.extend(
+                ClosedEpisode.from_entry(entry_id, fields) for entry_id, fields in entries if fields
+            )
             if cursor in (b"0-0", "0-0"):
                 break
         return claimed

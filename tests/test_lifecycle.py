@@ -439,3 +439,21 @@ def test_the_sweeper_trims_only_entries_every_group_acknowledged_past_the_retent
     assert pending_in_a == (2, "a")  # e0, e1: acknowledged by both; e2 is pending in a
     assert undelivered_in_b == (2, "b")  # e2, e3 (b's last delivered); e4 and e5 not yet read by b
     assert left == ["e4", "e5"]
+
+
+def test_the_stream_entry_reads_back_what_is_written():
+    """The closed-episode stream entry's wire format is one model (`ClosedEpisode`: `fields` for XADD,
+    `from_entry` for a learner), so what a closer writes is what a learner reads, for every shape."""
+    from episodes import ClosedEpisode
+
+    for episode in (
+        ClosedEpisode("", "r1", "t1", 1.0),
+        ClosedEpisode("", "r2", None, -0.25, mode="val", version=7),
+        ClosedEpisode("", "r3", "t", 0.1 + 0.2, version=0),
+    ):
+        flat = episode.fields()
+        wire = {k.encode(): v.encode() for k, v in zip(flat[::2], flat[1::2], strict=True)}
+        assert ClosedEpisode.from_entry(b"5-0", wire) == ClosedEpisode(
+            "5-0", *[getattr(episode, f) for f in ("rollout_id", "task_id", "reward", "mode", "version")]
+        )
+    assert "mode" not in ClosedEpisode("", "r", "t", 1.0).fields()  # train is the default, not written
