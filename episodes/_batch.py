@@ -107,14 +107,39 @@ NOT_APPLICABLE = frozenset(
 REFUSED = frozenset({"redis_connect_func", "socket_type"})  # a custom connect hook, another socket family
 
 
-def check_options(kwargs: dict[str, Any]) -> None:
+def _cluster_on_connect(value: Any) -> bool:
+    """redis-py's own connect hook of a cluster client (READONLY, for reads from replicas): the record
+    connection writes to masters only, so it does without."""
+    return getattr(value, "__func__", None) is RedisCluster.on_connect
+
+
+_CONNECTION_CLASSES = (aioredis.Connection, aioredis.SSLConnection, aioredis.UnixDomainSocketConnection)
+
+
+def check_options(kwargs: dict[str, Any], connection_class: type | None = None) -> None:
     """Raise ValueError for a redis-py connection option that is set and that this connection does not
-    honour (REFUSED, or one redis-py added after these lists were written)."""
+    honour (REFUSED, or one redis-py added after these lists were written), a connection class of the
+    client's own (it would do something this connection does not), or a password beside a credential
+    provider (redis-py refuses the pair too)."""
+    if "connection_pool" in kwargs:  # a Sentinel-managed pool: its master is found at connect time
+        raise ValueError(
+            "the store's pipelined record connection (episodes/_batch.py) does not support Redis Sentinel "
+            "pools: give the store the master's URL"
+        )
+    if kwargs.get("credential_provider") is not None and (kwargs.get("username") or kwargs.get("password")):
+        raise ValueError(
+            "the Redis client has both a credential provider and a username or password: keep one"
+        )
+    cls = connection_class or kwargs.get("connection_class")
     unsupported = sorted(
         key
         for key, value in kwargs.items()
-        if key not in HONOURED | NOT_APPLICABLE and value not in (None, 0)
+        if key not in HONOURED | NOT_APPLICABLE
+        and value not in (None, 0)
+        and not (key == "redis_connect_func" and _cluster_on_connect(value))
     )
+    if cls is not None and cls not in _CONNECTION_CLASSES:
+        unsupported.append(f"connection_class={cls.__name__}")
     if unsupported:
         raise ValueError(
             f"the store's pipelined record connection (episodes/_batch.py) does not support the redis "
@@ -312,6 +337,7 @@ class Pipeline:
     def of(cls, client: aioredis.Redis, timeout_s: float, wait_replicas: int = 0) -> Pipeline:
         """A pipeline to the Redis a (non-cluster) redis-py client talks to."""
         pool = client.connection_pool
+        check_options(pool.connection_kwargs, pool.connection_class)
         ssl = issubclass(pool.connection_class, aioredis.SSLConnection)
         return cls(pool.connection_kwargs, ssl, timeout_s, wait_replicas)
 
@@ -412,8 +438,12 @@ class Pipeline:
                 if provider is not None:  # as redis-py: the provider's credentials replace user and password
                     get = getattr(provider, "get_credentials_async", None)
                     credentials = tuple(await get() if get else provider.get_credentials())
+                    if len(credentials) not in (1, 2):
+                        raise redis_exc.ConnectionError(
+                            "the credential provider gave neither (password,) nor (user, password)"
+                        )
                     user, password = credentials if len(credentials) == 2 else (None, credentials[0])
-                if password is not None:
+                if password:  # as redis-py: no AUTH for an empty password
                     hello.append(("AUTH", user, password) if user else ("AUTH", password))
                 if kw.get("client_name"):
                     hello.append(("CLIENT", "SETNAME", kw["client_name"]))
@@ -443,9 +473,11 @@ class Pipeline:
 
     def _ssl_context(self) -> ssl_module.SSLContext:
         kw = self._kwargs
-        context = ssl_module.create_default_context(
-            cafile=kw.get("ssl_ca_certs"), capath=kw.get("ssl_ca_path"), cadata=kw.get("ssl_ca_data")
-        )
+        context = ssl_module.create_default_context()  # the system's CAs, then the client's own (redis-py)
+        if kw.get("ssl_ca_certs") or kw.get("ssl_ca_path") or kw.get("ssl_ca_data"):
+            context.load_verify_locations(
+                kw.get("ssl_ca_certs"), kw.get("ssl_ca_path"), kw.get("ssl_ca_data")
+            )
         reqs = kw.get("ssl_cert_reqs", "required")
         if isinstance(reqs, str):
             reqs = {

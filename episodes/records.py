@@ -253,7 +253,11 @@ class ClosedEpisode:
     def fields(self) -> list[str]:
         """The entry's field-value pairs, flat, as XADD takes them: the mode only when not train, the
         version only when known."""
-        pairs = {"rollout_id": self.rollout_id, "task_id": self.task_id or "", "reward": repr(self.reward)}
+        pairs = {
+            "rollout_id": self.rollout_id,
+            "task_id": self.task_id or "",
+            "reward": repr(float(self.reward)),
+        }
         if self.mode != "train":
             pairs["mode"] = self.mode
         if self.version is not None:

@@ -9,7 +9,7 @@ service:
 |----------------------|------------------------------|-------------------------------------------------|
 | `redis_url`          | `RLGATE_REDIS_URL`           | e.g. `RLGATE_LEARNER_REDIS_URL`                 |
 | `key_prefix`         | `RLGATE_KEY_PREFIX`          | e.g. `RLGATE_LEARNER_KEY_PREFIX`                |
-| `redis_timeout_s`    | `RLGATE_REDIS_TIMEOUT_S`     |                                                 |
+| `redis_timeout_s`    | `RLGATE_REDIS_TIMEOUT_S`     | not the learner's: `RLGATE_LEARNER_REDIS_TIMEOUT_S` only (its reads are longer) |
 | `operator_token`     | `RLGATE_OPERATOR_TOKEN`      |                                                 |
 | `webhook_secret`     | `RLGATE_WEBHOOK_SECRET`      |                                                 |
 | `rollout_key_secret` | `RLGATE_ROLLOUT_KEY_SECRET`  |                                                 |

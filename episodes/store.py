@@ -99,7 +99,13 @@ def parse_url(url: str) -> tuple[str, bool, int]:
     rest = parts.query
     if any(name == "wait_replicas" for name, _ in query):  # the rest as it was written otherwise
         rest = urlencode([(name, value) for name, value in query if name != "wait_replicas"])
+    if (
+        not cluster and rest == parts.query
+    ):  # nothing to rewrite (urlunsplit would turn unix:///p into unix:/p)
+        return url, cluster, wait
     plain = urlunsplit(parts._replace(scheme=CLUSTER_SCHEMES.get(parts.scheme, parts.scheme), query=rest))
+    if parts.scheme == "unix" and parts.netloc == "":  # keep the empty authority redis-py's parser expects
+        plain = "unix://" + plain.removeprefix("unix:")
     return plain, cluster, wait
 
 

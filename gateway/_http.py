@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import os
 import ssl as ssl_module
 import time
 from collections.abc import AsyncIterator
@@ -291,13 +292,16 @@ def _until_close(headers: dict[str, str]) -> bool:
 
 
 def environment_proxy(scheme: str, host: str, port: int) -> str | None:
-    """The proxy variable the environment names for this origin (as urllib and httpx read it: the
-    scheme's own or ALL_PROXY, unless NO_PROXY bypasses the host), or None."""
+    """The name of the proxy variable the environment sets for this origin (as urllib reads them: the
+    scheme's own, else ALL_PROXY, the lowercase name first; unless NO_PROXY bypasses the host), or None."""
     proxies = getproxies_environment()
-    url = proxies.get(scheme) or proxies.get("all")
-    if not url or proxy_bypass_environment(f"{host}:{port}", proxies):
+    if not (proxies.get(scheme) or proxies.get("all")) or proxy_bypass_environment(f"{host}:{port}", proxies):
         return None
-    return f"{'ALL' if not proxies.get(scheme) else scheme.upper()}_PROXY"
+    kind = scheme if proxies.get(scheme) else "all"
+    for name in (f"{kind}_proxy", f"{kind.upper()}_PROXY"):
+        if os.environ.get(name):
+            return name
+    return f"{kind.upper()}_PROXY"
 
 
 class Client:

@@ -1,6 +1,6 @@
-"""Harnesses nobody here wrote, as a user runs them: the real Claude Code and Codex CLI (pinned, from the
-npm registry: scripts/test installs them into .harnesses/), given only the environment `POST /rollouts`
-returns, against the gateway. The upstream is the fake vLLM with a long context: both harnesses send
+"""Harnesses nobody here wrote, as a user runs them: the real Claude Code, Codex CLI and opencode (pinned,
+from the npm registry: scripts/test installs them into .harnesses/), given only the environment `POST
+/rollouts` returns, against the gateway. The upstream is the fake vLLM with a long context: both harnesses send
 prompts of 20,000 (Codex) and 48,000 (Claude Code) tokens on its byte tokenizer, which the tiny models here
 cannot hold. On chat it answers with a tool call whenever tools are offered and the last message is not a
 tool result, so Claude Code's run has several turns: it runs the tool and sends its result back. Codex's
@@ -153,6 +153,8 @@ def test_opencode_runs_unchanged_through_chat_completions(stack: Proc, redis_cli
     rollout = new_rollout(stack)
     env = {k: v for k, v in rollout["agent_env"].items() if k.startswith("OPENAI_")}
     (tmp_path / "opencode.json").write_text(json.dumps(OPENCODE_CONFIG))
+    # nothing from the network but the gateway: no model catalogue fetch, no update check
+    env |= {"OPENCODE_DISABLE_MODELS_FETCH": "1", "OPENCODE_DISABLE_AUTOUPDATE": "1"}
     result = run([str(opencode), "run", "What is 2+2?"], env, tmp_path)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     calls = recorded(stack, rollout["rollout_id"])

@@ -384,3 +384,29 @@ async def test_a_cancelled_waiter_passes_its_turn_on():
 async def _get(client: Client) -> bytes:
     async with client.request("GET", "/x") as response:
         return await response.read()
+
+
+@pytest.mark.parametrize(
+    ("environment", "url", "named"),
+    [
+        ({}, "http://vllm:8000/v1", None),
+        ({"http_proxy": "http://p:3128"}, "http://vllm:8000/v1", "http_proxy"),
+        ({"HTTP_PROXY": "http://p:3128"}, "http://vllm:8000/v1", "HTTP_PROXY"),
+        ({"HTTPS_PROXY": "http://p:3128"}, "http://vllm:8000/v1", None),  # another scheme's
+        ({"HTTPS_PROXY": "http://p:3128"}, "https://api.example.com/v1", "HTTPS_PROXY"),
+        ({"ALL_PROXY": "http://p:3128"}, "http://vllm:8000/v1", "ALL_PROXY"),
+        ({"HTTP_PROXY": "http://p:3128", "NO_PROXY": "vllm"}, "http://vllm:8000/v1", None),
+        ({"HTTP_PROXY": "http://p:3128", "NO_PROXY": "vllm:8000"}, "http://vllm:8000/v1", None),
+        ({"HTTP_PROXY": "http://p:3128", "NO_PROXY": "*"}, "http://vllm:8000/v1", None),
+        ({"HTTP_PROXY": "http://p:3128", "NO_PROXY": ".internal"}, "http://gpu.internal:8000/v1", None),
+    ],
+)
+def test_the_client_names_a_proxy_that_would_apply_to_its_origin(monkeypatch, environment, url, named):
+    """The client never goes through a proxy; `ignored_proxy` names the variable that would have sent its
+    origin through one (the gateway says so at start), as urllib reads them, NO_PROXY included."""
+    for name in ("http_proxy", "https_proxy", "all_proxy", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.upper(), raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    assert Client(url).ignored_proxy == named

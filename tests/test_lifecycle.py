@@ -457,3 +457,7 @@ def test_the_stream_entry_reads_back_what_is_written():
             "5-0", *[getattr(episode, f) for f in ("rollout_id", "task_id", "reward", "mode", "version")]
         )
     assert "mode" not in ClosedEpisode("", "r", "t", 1.0).fields()  # train is the default, not written
+    # the wire itself, as learners of earlier releases read it (the field names, the reward's text)
+    assert ClosedEpisode("", "r", "t", 1, "val", 3).fields() == [
+        *("rollout_id", "r", "task_id", "t", "reward", "1.0", "mode", "val", "version", "3")
+    ]

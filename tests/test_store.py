@@ -318,6 +318,10 @@ def password_redis(tmp_path):
             "",
             "--appendonly",
             "no",
+            "--unixsocket",
+            str(tmp_path / "redis.sock"),
+            "--unixsocketperm",
+            "700",
             "--requirepass",
             "default-secret",
             "--user",
@@ -362,6 +366,22 @@ def test_the_record_connection_authenticates_and_selects_the_database(password_r
         run(go(f"redis://gw:wrong@127.0.0.1:{password_redis}/3"))
 
 
+def test_a_store_on_a_unix_socket(password_redis: int, tmp_path):
+    """`unix:///path?db=N` (the password_redis fixture's socket is in its tmp_path, the test's own): the
+    URL reaches redis-py and the record connection as written (it was rewritten to `unix:/path`)."""
+
+    async def go():
+        url = f"unix://gw:gw-secret@{tmp_path / 'redis.sock'}?db=4"
+        store = EpisodeStore.from_url(url, prefix="t", timeout_s=2)
+        try:
+            await store.record_calls("sock", None, [call_record("sock")])
+            return await store.redis.llen(Keys("t").calls("sock"))
+        finally:
+            await store.aclose()
+
+    assert run(go()) == 1
+
+
 def test_every_redis_py_connection_option_is_honoured_or_refused():
     """The hand-written record connection (episodes/_batch.py) knows every option of the installed
     redis-py's connections: each is honoured, does not apply, or is refused at start. A redis-py that adds
@@ -379,6 +399,28 @@ def test_every_redis_py_connection_option_is_honoured_or_refused():
                 options |= set(inspect.signature(klass.__init__).parameters) - {"self", "args", "kwargs"}
     known = _batch.HONOURED | _batch.NOT_APPLICABLE | _batch.REFUSED
     assert options <= known, sorted(options - known)
+    # and what redis-py's clients put into their connections' options, each way the store may be built
+    import redis.asyncio as aioredis
+    from redis.asyncio.cluster import RedisCluster
+    from redis.asyncio.sentinel import Sentinel
+
+    for client in (
+        aioredis.Redis(),
+        aioredis.Redis.from_url(f"{REDIS_URL}?socket_timeout=2&client_name=x"),
+        aioredis.Redis.from_url("unix:///tmp/redis.sock?db=3"),
+        aioredis.Redis.from_url("rediss://localhost:6380/0?ssl_cert_reqs=none&ssl_min_version=772"),
+    ):
+        _batch.check_options(
+            client.connection_pool.connection_kwargs, client.connection_pool.connection_class
+        )
+    for cluster in (
+        RedisCluster(host="localhost", port=7000),
+        RedisCluster.from_url("redis://localhost:7000/0?read_from_replicas=true"),
+    ):
+        _batch.check_options(cluster.nodes_manager.connection_kwargs)  # its READONLY hook is not needed
+    sentinel = Sentinel([("localhost", 26379)]).master_for("primary").connection_pool
+    with pytest.raises(ValueError, match="does not support Redis Sentinel pools"):
+        _batch.check_options(sentinel.connection_kwargs, sentinel.connection_class)
     assert (
         not _batch.HONOURED & _batch.NOT_APPLICABLE
         and not (_batch.HONOURED | _batch.NOT_APPLICABLE) & _batch.REFUSED
