@@ -580,6 +580,15 @@ def count(
     }
 
 
+def _stop_run(stopping: threading.Event, kills_stop: threading.Event, agents: list[subprocess.Popen]) -> None:
+    """The end of a run, however it ends: no more kills, the watchers stop, the agents' process killed."""
+    kills_stop.set()
+    stopping.set()
+    for process in agents:
+        if process.poll() is None:
+            process.kill()
+
+
 def demo_config(args: argparse.Namespace, workdir: Path, where: Where) -> DemoConfig:
     """The demo's settings a run starts its processes with and judges the target by."""
     return DemoConfig(
@@ -617,11 +626,7 @@ def run_once(args: argparse.Namespace, faults: bool, model: Path) -> dict:
     try:
         return _run(args, run, where, procs, model, faults, stopping, kills_stop, agents.append)
     finally:
-        kills_stop.set()
-        stopping.set()
-        for process in agents:
-            if process.poll() is None:
-                process.kill()
+        _stop_run(stopping, kills_stop, agents)
         for name in ("learner", "worker", "gateway", "inference", "redis"):
             procs[name].stop()
 
@@ -696,11 +701,7 @@ def compose_run_once(args: argparse.Namespace, faults: bool, workdir: Path) -> d
             control,
         )
     finally:
-        kills_stop.set()
-        stopping.set()
-        for process in agents:
-            if process.poll() is None:
-                process.kill()
+        _stop_run(stopping, kills_stop, agents)
         docker.close()
         log.close()
 
