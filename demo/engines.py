@@ -116,7 +116,7 @@ def start(
 
 def running(url: str, model_name: str) -> Engine:
     """A server that runs already (a GPU box, a compose service): it must list `model_name`; its version is
-    vLLM's `/version` (a server without that route is named by its URL alone)."""
+    vLLM's `/version` (a server without that route, `rlgate serve` for one, is named as such)."""
     import httpx
 
     url = url.rstrip("/").removesuffix("/v1")

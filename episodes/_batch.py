@@ -310,8 +310,7 @@ class Pipeline:
     def __init__(
         self, connection_kwargs: dict[str, Any], ssl: bool, timeout_s: float, wait_replicas: int = 0
     ) -> None:
-        check_options(connection_kwargs)
-        self._kwargs = dict(connection_kwargs)
+        self._kwargs = dict(connection_kwargs)  # checked by whoever built it (`of`, `_Nodes`: check_options)
         self._ssl = ssl
         self._timeout_s = timeout_s
         self._wait_replicas = wait_replicas

@@ -99,12 +99,12 @@ def parse_url(url: str) -> tuple[str, bool, int]:
     rest = parts.query
     if any(name == "wait_replicas" for name, _ in query):  # the rest as it was written otherwise
         rest = urlencode([(name, value) for name, value in query if name != "wait_replicas"])
-    if (
-        not cluster and rest == parts.query
-    ):  # nothing to rewrite (urlunsplit would turn unix:///p into unix:/p)
+    # urlunsplit drops an empty authority (unix:///p becomes unix:/p, which redis-py refuses): a URL with
+    # nothing to rewrite is returned as written, and a unix one gets its // back
+    if not cluster and rest == parts.query:
         return url, cluster, wait
     plain = urlunsplit(parts._replace(scheme=CLUSTER_SCHEMES.get(parts.scheme, parts.scheme), query=rest))
-    if parts.scheme == "unix" and parts.netloc == "":  # keep the empty authority redis-py's parser expects
+    if parts.scheme == "unix" and not parts.netloc:
         plain = "unix://" + plain.removeprefix("unix:")
     return plain, cluster, wait
 
