@@ -21,7 +21,7 @@ SCHEMA_VERSION = 1
 
 Endpoint = Literal["chat.completions", "completions", "responses"]
 # An API the gateway translates to one of the endpoints above (the record then holds what went upstream)
-AgentApi = Literal["anthropic.messages"]
+AgentApi = Literal["anthropic.messages", "openai.responses"]
 Mode = Literal["train", "val"]
 
 
@@ -148,7 +148,8 @@ class CallRecord(_Record):
     agent_api: AgentApi | None = Field(
         None,
         description="The API the agent spoke when the gateway translated it: 'anthropic.messages' (the "
-        "Messages API, served as the chat completion in `request` and `response`).",
+        "Messages API) or 'openai.responses' (the Responses API), served as the chat completion in "
+        "`request` and `response`).",
     )
 
     @property

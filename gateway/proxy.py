@@ -22,7 +22,7 @@ import structlog
 import episodes
 from episodes import CallError, CallRecord, Endpoint, EpisodeStore
 from episodes.api_error import from_store
-from gateway import capture, errors, messages
+from gateway import capture, errors, messages, responses
 from gateway._asgi import disconnected, error_event, read_json, send_body
 from gateway._http import BodyTooLarge
 from gateway.air import AutomaticRewards
@@ -63,7 +63,8 @@ class Call:
     keyed: bool = False  # a rollout key named the rollout: it must exist (POST /rollouts made it)
     mode: episodes.Mode | None = None  # the mode the call's URL names (Agent Lightning's), None: any
     alias_of: str | None = None  # the model name the alias resolved to (model_aliases)
-    agent_api: episodes.AgentApi | None = None  # the API the agent spoke, when translated (`messages`)
+    agent_api: episodes.AgentApi | None = None  # the API the agent spoke, when translated to chat
+    asked: responses.Request | None = None  # a Responses call: what its answer echoes of the request
     server: Server | None = None  # the inference server it goes to (`gateway.servers`)
     rerouted_from: str | None = None  # the server the rollout's earlier calls went to, when moved
 
@@ -209,7 +210,9 @@ class Proxy:
         served and committed (`_dispatch`)."""
         started_at, t0 = time.time(), time.perf_counter()
         caller = self._identify(scope, rollout_id, task_id, attempt)
-        body, endpoint, agent_api, policy = await self._admit_call(receive, endpoint, caller.rollout_id)
+        body, endpoint, agent_api, asked, policy = await self._admit_call(
+            receive, endpoint, caller.rollout_id
+        )
         call = Call(
             caller.rollout_id,
             caller.task_id,
@@ -223,6 +226,7 @@ class Proxy:
             keyed=caller.keyed,
             mode=caller.mode,
             agent_api=agent_api,
+            asked=asked,
         )
         upstream_raw, injected = self._upstream_request(call, policy, caller.keep_token_ids)
         await self._dispatch(call, policy, upstream_raw, injected, receive, send, sticky=caller.named)
@@ -286,11 +290,12 @@ class Proxy:
 
     async def _admit_call(
         self, receive: Any, endpoint: Endpoint | Literal["messages"], rollout_id: str
-    ) -> tuple[dict[str, Any], Endpoint, episodes.AgentApi | None, episodes.Policy]:
-        """(body, endpoint, the API the agent spoke, the policy it is served by) once the call may go on: not
-        a rollout Redis lost (409), held while new rollouts are (`max_backlog`, Redis memory), its body read
-        within `max_body_bytes` (a Messages request translated to chat as vLLM does), its fields and answer
-        bounds checked (400), and after a push's drain."""
+    ) -> tuple[dict[str, Any], Endpoint, episodes.AgentApi | None, responses.Request | None, episodes.Policy]:
+        """(body, endpoint, the API the agent spoke, what a Responses answer echoes, the policy it is served
+        by) once the call may go on: not a rollout Redis lost (409), held while new rollouts are
+        (`max_backlog`, Redis memory), its body read within `max_body_bytes` (a Messages or Responses request
+        translated to chat as vLLM does), its fields and answer bounds checked (400), and after a push's
+        drain."""
         watch = self.watch
         if watch.lost and rollout_id in watch.lost:
             self.metrics.calls.labels(endpoint, "rollout_data_lost").inc()
@@ -299,21 +304,26 @@ class Proxy:
             await self._after_backlog(endpoint)
         body = await read_json(receive, self.settings.max_body_bytes)
         agent_api: episodes.AgentApi | None = None
+        asked = None
         if endpoint == "messages":  # served as the chat completion vLLM's /v1/messages would make of it
             try:
                 body = messages.to_chat(body)
             except messages.Invalid as exc:
                 raise errors.BadRequest(str(exc), param=exc.param, code="invalid_value") from exc
             endpoint, agent_api = "chat.completions", "anthropic.messages"
-        try:
-            capture.check_read_fields(endpoint, body)
-            self._admit(endpoint, body)
-        except capture.InvalidField as exc:
-            raise errors.BadRequest(str(exc), param=exc.param, code="invalid_value") from exc
+        elif endpoint == "responses":  # served as the chat completion vLLM's /v1/responses renders
+            self._check(endpoint, body)  # first in its own fields, so that an error names them
+            try:
+                body, asked = responses.to_chat(body)
+            except responses.Invalid as exc:
+                error = errors.NotFound if exc.status == 404 else errors.BadRequest
+                raise error(str(exc), param=exc.param, code="invalid_value") from exc
+            endpoint, agent_api = "chat.completions", "openai.responses"
+        self._check(endpoint, body)
         policy = self.policy  # one read: the version tag and the adapter the call goes to agree
         if policy.draining:
             policy = await self._after_push()
-        return body, endpoint, agent_api, policy
+        return body, endpoint, agent_api, asked, policy
 
     def _upstream_request(
         self, call: Call, policy: episodes.Policy, keep_token_ids: bool
@@ -398,6 +408,14 @@ class Proxy:
             raise
         finally:
             disconnect.cancel()
+
+    def _check(self, endpoint: Endpoint, body: dict[str, Any]) -> None:
+        """The fields the gateway reads (400 invalid_value) and the answer's bounds (`_admit`)."""
+        try:
+            capture.check_read_fields(endpoint, body)
+            self._admit(endpoint, body)
+        except capture.InvalidField as exc:
+            raise errors.BadRequest(str(exc), param=exc.param, code="invalid_value") from exc
 
     def _admit(self, endpoint: Endpoint, body: dict[str, Any]) -> None:
         """Refuse (400 limit_exceeded, before the upstream is called) a call whose answer could grow past
@@ -528,8 +546,10 @@ class Proxy:
         self._log_call(call, records, *logged)  # after the answer: off the agent's latency
 
     async def _translated(self, call: Call, records: list[CallRecord], payload: dict[str, Any]) -> bytes:
-        """The answer in the API the agent spoke; one that API cannot carry (tool arguments that are not a
-        JSON object) is recorded as failed, with what the model sampled, and is 400 as from vLLM."""
+        """The answer in the API the agent spoke; one that API cannot carry (Messages: tool arguments that
+        are not a JSON object) is recorded as failed, with what the model sampled, and is 400 as from vLLM."""
+        if call.asked is not None:
+            return orjson.dumps(responses.response(payload, call.asked))
         try:
             answer = messages.message(payload)
         except messages.Invalid as exc:
@@ -587,9 +607,9 @@ class Proxy:
         latency_ms = (time.perf_counter() - call.t0) * 1000
         await self._commit(call, self._records(call, [], error, latency_ms, None), "upstream_error")
         body = (
-            orjson.dumps({"error": payload})
-            if call.agent_api is None
-            else messages.error_body(status, error.message)
+            messages.error_body(status, error.message)
+            if call.agent_api == "anthropic.messages"
+            else orjson.dumps({"error": payload})
         )
         await send_body(send, status, body, headers)
 
@@ -605,10 +625,12 @@ class Proxy:
         disconnect: asyncio.Future[None],
     ) -> None:
         endpoint = call.endpoint
-        relay: StreamRelay | messages.MessagesRelay = StreamRelay(
+        relay: StreamRelay | messages.MessagesRelay | responses.ResponsesRelay = StreamRelay(
             endpoint, injected, self.settings.record_token_text
         )
-        if call.agent_api is not None:
+        if call.asked is not None:
+            relay = responses.ResponsesRelay(relay.assembler, call.asked)
+        elif call.agent_api is not None:
             relay = messages.MessagesRelay(relay.assembler)
         assembler = relay.assembler
         limit = self.settings.max_answer_bytes
@@ -686,7 +708,7 @@ class Proxy:
         self,
         call: Call,
         response: Any,
-        relay: StreamRelay | messages.MessagesRelay,
+        relay: StreamRelay | messages.MessagesRelay | responses.ResponsesRelay,
         send: Any,
         disconnect: asyncio.Future[None],
     ) -> tuple[CallError | None, float | None, bool]:
@@ -882,8 +904,10 @@ class Proxy:
 def _error_tail(call: Call, status: int, type_: str, message: str, code: Any, done: bool) -> bytes:
     """The error event that ends a stream in the agent's own dialect (with `done`, chat's and completions'
     `[DONE]` after it, as vLLM ends a stream that failed)."""
-    if call.agent_api is not None:
+    if call.agent_api == "anthropic.messages":
         return messages.error_event(status, message) + b"\n\n"
+    if call.agent_api == "openai.responses":
+        return error_event("responses", status, type_, message, code)
     tail = error_event(call.endpoint, status, type_, message, code)
     if done and call.endpoint != "responses":
         tail += DONE + b"\n\n"

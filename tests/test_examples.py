@@ -88,22 +88,19 @@ def test_example_agent_is_recorded_with_its_tool_calls(example: str, tool_stack:
         assert CallRecord.model_validate(
             {k: v for k, v in call.items() if k not in ("index", "reward", "air_reward")}
         ).trainable
-    if example == "openai_agents_sdk_agent":  # the Responses API, the SDK's default
-        assert {c["endpoint"] for c in calls} == {"responses"}
-        assert [t["name"] for t in calls[0]["request"]["tools"]] == ["calculator"]
-        [tool_call] = [i for i in calls[0]["response"]["output"] if i["type"] == "function_call"]
-        assert tool_call["name"] == "calculator" and json.loads(tool_call["arguments"]) == {
-            "expression": "17 + 25"
-        }
-        # vLLM reports no log-probs for an answer of tool calls only (the learner takes its own then); the
-        # text answer has one per token
-        assert calls[0]["completion_logprobs"] is None
-        assert len(calls[-1]["completion_logprobs"]) == len(calls[-1]["completion_token_ids"])
-        outputs = [i for i in calls[1]["request"]["input"] if i.get("type") == "function_call_output"]
-        assert outputs and outputs[0]["output"] == "42"
-        assert "42" in "".join(
-            p["text"] for i in calls[-1]["response"]["output"] if i["type"] == "message" for p in i["content"]
-        )
+    if example == "openai_agents_sdk_agent":  # the Responses API, the SDK's default: served as chat
+        assert {(c["endpoint"], c["agent_api"]) for c in calls} == {("chat.completions", "openai.responses")}
+        assert [t["function"]["name"] for t in calls[0]["request"]["tools"]] == ["calculator"]
+        [tool_call] = calls[0]["response"]["message"]["tool_calls"]
+        assert tool_call["function"]["name"] == "calculator" and json.loads(
+            tool_call["function"]["arguments"]
+        ) == {"expression": "17 + 25"}
+        # every token's log-prob, the tool call's too (vLLM's own /v1/responses has none for it)
+        for call in calls:
+            assert len(call["completion_logprobs"]) == len(call["completion_token_ids"]) > 0
+        outputs = [m for m in calls[1]["request"]["messages"] if m.get("role") == "tool"]
+        assert outputs and outputs[0]["content"] == "42" and outputs[0]["tool_call_id"] == tool_call["id"]
+        assert "42" in calls[-1]["response"]["message"]["content"]
         return
     for call in calls:
         assert call["endpoint"] == "chat.completions"

@@ -326,12 +326,15 @@ def test_responses_recorded(gateway: Proc, fake_vllm: Proc, redis_client):
     )
     assert events[-1].type == "response.completed"
     calls = rollout(gateway, rid)["calls"]
-    assert [c["endpoint"] for c in calls] == ["responses", "responses"]
-    assert calls[0]["request"]["input"] == "Say hello."
-    assert calls[0]["response"]["output"] == [o.model_dump(mode="json") for o in response.output]
-    assert calls[1]["response"]["output"] == [o.model_dump(mode="json") for o in events[-1].response.output]
-    assert calls[0]["response"]["finish_reason"] == "completed"
+    # served as chat completions (gateway.responses; tests/test_responses_api.py): recorded as chat calls
+    assert [(c["endpoint"], c["agent_api"]) for c in calls] == [("chat.completions", "openai.responses")] * 2
+    assert calls[0]["request"]["messages"] == [{"role": "user", "content": "Say hello."}]
+    assert calls[0]["response"]["message"]["content"] == response.output_text
+    assert calls[1]["response"]["message"]["content"] == events[-1].response.output_text
+    assert calls[0]["response"]["finish_reason"] == "stop"
     assert calls[1]["stream"] and calls[1]["error"] is None
+    for call in calls:
+        assert len(call["completion_logprobs"]) == len(call["completion_token_ids"]) > 0
 
 
 def test_models_forwarded(upstream: tuple[Proc, Proc]):

@@ -3,8 +3,8 @@ from the npm registry: scripts/test installs them into .harnesses/), given only 
 /rollouts` returns, against the gateway. The upstream is the fake vLLM with a long context: both harnesses send
 prompts of 20,000 (Codex) and 48,000 (Claude Code) tokens on its byte tokenizer, which the tiny models here
 cannot hold. On chat it answers with a tool call whenever tools are offered and the last message is not a
-tool result, so Claude Code's run has several turns: it runs the tool and sends its result back. Codex's
-(the Responses API, where the fake writes text) is one turn."""
+tool result, so each harness's run has several turns: it runs the tool and sends its result back (the
+Messages and Responses APIs are served as chat completions)."""
 
 from __future__ import annotations
 
@@ -113,15 +113,23 @@ def test_codex_cli_runs_unchanged_through_the_responses_api(stack: Proc, redis_c
     result = run([str(codex), "exec", "--skip-git-repo-check", "What is 2+2?"], env, tmp_path)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     calls = recorded(stack, rollout["rollout_id"])
-    assert calls and all(c["endpoint"] == "responses" and c["stream"] for c in calls)
+    # Codex offers its tools: the first answer is a call of its shell tool, which it runs and answers with
+    # a function_call_output; every call is a streamed Responses call served as a chat completion
+    assert len(calls) >= 2, calls
     for call in calls:
-        assert call["error"] is None and call["prompt_token_ids"] and call["completion_token_ids"]
-    text = "".join(
-        part.get("text", "")
-        for item in calls[-1]["response"]["output"]
-        if item.get("type") == "message"
-        for part in item.get("content", [])
+        assert call["agent_api"] == "openai.responses" and call["stream"]
+        assert_trainable(call)
+    first, last = calls[0], calls[-1]
+    [tool_call] = first["response"]["message"]["tool_calls"]
+    shown = [t["function"]["name"] for t in first["request"]["tools"]]
+    assert tool_call["function"]["name"] in shown and len(shown) > 3
+    # its namespaced tools as vLLM shows them; its web_search (a server tool) not shown
+    assert any("__" in name for name in shown) and "web_search" not in shown
+    assert any(
+        m.get("role") == "tool" and m.get("tool_call_id") == tool_call["id"]
+        for m in calls[1]["request"]["messages"]
     )
+    text = last["response"]["message"]["content"]
     assert text and text in result.stdout
 
 
