@@ -13,8 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
 from episodes import CallResponse, Endpoint
 
 
@@ -155,8 +153,6 @@ def _short(value: Any) -> str:
 def inject(endpoint: Endpoint, body: dict[str, Any]) -> tuple[dict[str, Any], Injected]:
     """The body to send a vLLM upstream (a shallow copy when changed) and what was added to it."""
     injected = Injected()
-    if endpoint == "responses":
-        return _inject_responses(body, injected)
     out = body
     # completions with `echo`: vLLM drops the echoed prompt from `text` when asked for token ids, so such
     # calls go upstream unchanged and are recorded without token ids.
@@ -180,108 +176,12 @@ def inject(endpoint: Endpoint, body: dict[str, Any]) -> tuple[dict[str, Any], In
     return out, injected
 
 
-RESPONSES_LOGPROBS = "message.output_text.logprobs"
-
-
-def _inject_responses(body: dict[str, Any], injected: Injected) -> tuple[dict[str, Any], Injected]:
-    """vLLM's Responses API gives token ids only through `enable_response_messages` (input and output
-    messages with their `tokens`) and log-probs only when `include` names the output text's log-probs."""
-    out = body
-    if not is_true(body.get("enable_response_messages")):
-        out = {**body, "enable_response_messages": True}
-        injected.token_ids = True
-    include = body.get("include")
-    if include is None or (isinstance(include, list) and RESPONSES_LOGPROBS not in include):
-        out = out if out is not body else dict(body)
-        out["include"] = [*(include or ()), RESPONSES_LOGPROBS]
-        injected.logprobs = True
-    return out, injected
-
-
-def strip_responses(payload: dict[str, Any], injected: Injected) -> None:
-    """Null what the gateway asked a Responses API answer for, as vLLM serializes it unasked: the input and
-    output messages, and the output text's log-probs (a response object, or one stream event)."""
-    response = payload.get("response") if "type" in payload else payload
-    if isinstance(response, dict):
-        if injected.token_ids:
-            response["input_messages"] = response["output_messages"] = None
-        if injected.logprobs:
-            response["top_logprobs"] = None
-            for item in response.get("output") or ():
-                _strip_item(item)
-    if injected.logprobs and response is not payload:  # a stream event about one item or part
-        if "logprobs" in payload:
-            payload["logprobs"] = []  # deltas and text-done events carry [] unasked
-        part = payload.get("part")
-        if isinstance(part, dict) and "logprobs" in part:
-            part["logprobs"] = [] if payload.get("type") == "response.content_part.added" else None
-        item = payload.get("item")
-        if isinstance(item, dict):
-            _strip_item(item)
-
-
-def _strip_item(item: Any) -> None:
-    if isinstance(item, dict) and item.get("type") == "message":
-        for part in item.get("content") or ():
-            if isinstance(part, dict) and "logprobs" in part:
-                part["logprobs"] = None
-
-
-def responses_transition(payload: dict[str, Any], injected: Injected, token_text: bool = False) -> Transition:
-    """A Responses API answer as one transition: token ids from its input and output messages (vLLM's
-    `enable_response_messages`: one of each for a plain turn), log-probs from its output text, which covers
-    every generated token, tool-call markup included. A response with several turns inside (the server
-    ran tools itself), or without text to carry the log-probs (tool calls only), keeps what it can: it
-    is recorded, and the learner takes its own log-probs for it (`CallRecord.trainable`). In a stream vLLM
-    reports log-probs only for tokens that produced text (not tool-call markup, not EOS), so a streamed
-    response's never cover every token. The recorded output is what the agent saw: log-probs the gateway
-    asked for are kept in `completion_logprobs` alone."""
-    output = payload.get("output")
-    if injected.logprobs and isinstance(output, list):
-        output = orjson.loads(orjson.dumps(output))  # a copy: the answer itself is stripped by its sender
-        for item in output:
-            _strip_item(item)
-    response = CallResponse(
-        id=payload.get("id"), output=output, finish_reason=payload.get("status"), usage=payload.get("usage")
-    )
-    inputs, outputs = payload.get("input_messages"), payload.get("output_messages")
-    prompt_ids = completion_ids = logprobs = None
-    if isinstance(inputs, list) and isinstance(outputs, list) and len(inputs) == 1 and len(outputs) <= 1:
-        prompt_ids = _tokens(inputs[0])
-        completion_ids = _tokens(outputs[0]) if outputs else []
-    values: list[float] = []
-    texts: list[str] = []
-    found = False
-    for item in payload.get("output") or ():
-        if isinstance(item, dict) and item.get("type") == "message":
-            for part in item.get("content") or ():
-                entries = part.get("logprobs") if isinstance(part, dict) else None
-                if entries:
-                    values.extend(entry["logprob"] for entry in entries)
-                    if token_text:
-                        texts.extend(str(entry.get("token") or "") for entry in entries)
-                    found = True
-    tokens = None
-    if found and completion_ids is not None and len(values) == len(completion_ids):
-        logprobs = values
-        tokens = texts if token_text else None
-    return Transition(0, response, prompt_ids, completion_ids, logprobs, tokens)
-
-
-def _tokens(message: Any) -> list[int] | None:
-    tokens = message.get("tokens") if isinstance(message, dict) else None
-    return list(tokens) if isinstance(tokens, list) else None
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Non-streaming answers
 
 
 def strip_response(endpoint: Endpoint, payload: dict[str, Any], injected: Injected) -> None:
     """Null the injected fields of an answer or a stream chunk in place, as plain vLLM serializes them."""
-    if endpoint == "responses":
-        strip_responses(payload, injected)
-        return
     if injected.token_ids and "prompt_token_ids" in payload:
         payload["prompt_token_ids"] = None
     for choice in payload.get("choices") or ():
@@ -297,10 +197,8 @@ def strip_response(endpoint: Endpoint, payload: dict[str, Any], injected: Inject
 def transitions(
     endpoint: Endpoint, payload: dict[str, Any], injected: Injected | None = None, token_text: bool = False
 ) -> list[Transition]:
-    """The transitions of a non-streaming answer: one per choice (one for `responses`); with `token_text`,
+    """The transitions of a non-streaming answer: one per choice; with `token_text`,
     each sampled token's text too (`sampled_tokens`)."""
-    if endpoint == "responses":
-        return [responses_transition(payload, injected or Injected(), token_text)]
     usage = payload.get("usage")
     response_id = payload.get("id")
     prompt_token_ids = payload.get("prompt_token_ids")

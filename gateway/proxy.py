@@ -38,7 +38,6 @@ log = structlog.get_logger("rlgate.gateway")
 UPSTREAM_PATHS: dict[str, str] = {
     "chat.completions": "/chat/completions",
     "completions": "/completions",
-    "responses": "/responses",
 }
 _JSON = (b"content-type", b"application/json")
 
@@ -909,7 +908,7 @@ def _error_tail(call: Call, status: int, type_: str, message: str, code: Any, do
     if call.agent_api == "openai.responses":
         return error_event("responses", status, type_, message, code)
     tail = error_event(call.endpoint, status, type_, message, code)
-    if done and call.endpoint != "responses":
+    if done:
         tail += DONE + b"\n\n"
     return tail
 

@@ -12,16 +12,12 @@ from episodes import CallError, CallResponse, Endpoint
 from gateway.capture import (
     Injected,
     Transition,
-    responses_transition,
     sampled_logprobs,
     sampled_tokens,
     strip_response,
-    strip_responses,
 )
 
 DONE = b"data: [DONE]"
-# Events of a `responses` stream after which the response is complete.
-RESPONSES_FINAL = frozenset({"response.completed", "response.failed", "response.incomplete"})
 
 
 def split_events(buffer: bytes) -> tuple[list[bytes], bytes]:
@@ -68,8 +64,7 @@ class StreamRelay:
     """Turns the upstream's stream into the agent's, block by block, while assembling the record.
 
     `relay(data)` returns the bytes to pass on now (events with the injected fields stripped); the final
-    event (`[DONE]`, or the last event of a `responses` stream) is kept back in `held` until the call is
-    committed. Raises ValueError (or TypeError, AttributeError) on a malformed chunk.
+    event (`[DONE]`) is kept back in `held` until the call is committed. Raises ValueError (or TypeError, AttributeError) on a malformed chunk.
     """
 
     def __init__(self, endpoint: Endpoint, injected: Injected, token_text: bool = False) -> None:
@@ -99,21 +94,7 @@ class StreamRelay:
                 continue
             chunk = orjson.loads(payload)
             feed(chunk)
-            if endpoint == "responses":
-                kind = chunk.get("type")
-                if strip and "error" not in chunk:
-                    if "response" in chunk:  # the assembler keeps this one: strip a copy
-                        chunk = orjson.loads(payload)
-                    strip_responses(chunk, injected)
-                    event = (
-                        b"event: " + str(kind).encode() + b"\ndata: " + orjson.dumps(chunk)
-                        if kind
-                        else b"data: " + orjson.dumps(chunk)
-                    )
-                if kind in RESPONSES_FINAL:
-                    self.held = event
-                    continue
-            elif strip and "error" not in chunk:
+            if strip and "error" not in chunk:
                 if not strip_chunk(endpoint, chunk, injected):
                     continue
                 event = b"data: " + orjson.dumps(chunk)
@@ -188,7 +169,6 @@ class StreamAssembler:
         self.prompt_token_ids: list[int] | None = None
         self.usage: dict[str, Any] | None = None
         self.error: CallError | None = None
-        self.final: dict[str, Any] | None = None  # responses: the complete response object
         self._choices: dict[int, _Choice] = {}
 
     def feed(self, chunk: dict[str, Any]) -> None:
@@ -196,13 +176,6 @@ class StreamAssembler:
         error = get("error")
         if error is not None:
             self.error = stream_error(error)
-            return
-        if self.endpoint == "responses":
-            response = get("response")
-            if isinstance(response, dict):
-                self.final = response
-                if get("type") == "response.failed":
-                    self.error = stream_error({"type": "response_failed", **(response.get("error") or {})})
             return
         if self.id is None:
             self.id = get("id")
@@ -296,9 +269,7 @@ class StreamAssembler:
         return out if found else None
 
     def transitions(self) -> list[Transition]:
-        """The complete calls, one per choice in index order (one for `responses`)."""
-        if self.endpoint == "responses":
-            return [responses_transition(self.final or {}, self.injected, self.token_text)]
+        """The complete calls, one per choice in index order."""
         out = []
         for index in sorted(self._choices):
             state = self._choices[index]
