@@ -144,8 +144,8 @@ class GatewaySettings(SharedSettings):
     keep_token_ids: bool = Field(
         False,
         description="Leave the token ids the gateway asked the upstream for in the answers (vLLM's "
-        "prompt_token_ids, token_ids; the Responses API's input and output messages), for agents that read "
-        "them; per request: header X-Rlgate-Keep-Token-Ids: true. Always on for Agent Lightning's proxy URLs.",
+        "prompt_token_ids and token_ids in chat and completions answers; the translated Messages and Responses "
+        "answers have no place for them), for agents that read them; per request: header X-Rlgate-Keep-Token-Ids: true. Always on for Agent Lightning's proxy URLs.",
     )
     record_token_text: bool = Field(
         False,
