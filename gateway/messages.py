@@ -27,7 +27,7 @@ from typing import Any
 import orjson
 
 from gateway import capture
-from gateway.streaming import event_data, split_events
+from gateway.streaming import StreamAssembler, TranslatedRelay
 
 # HTTP status -> Anthropic error type (vLLM's table, `anthropic/protocol.py`, and Anthropic's own docs)
 ERROR_TYPES = {
@@ -433,10 +433,9 @@ def _event(name: str, data: dict[str, Any]) -> bytes:
     return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(data)
 
 
-class MessagesRelay:
-    """A chat completion stream turned into Anthropic's event stream, block by block, while the record is
-    assembled (`StreamAssembler`), with `StreamRelay`'s interface: `relay(data)` returns the events to send
-    now; the last ones (message_delta, message_stop) wait in `held` until the call is committed.
+class MessagesRelay(TranslatedRelay):
+    """A chat completion stream turned into Anthropic's event stream, block by block (`TranslatedRelay`:
+    the last events, message_delta and message_stop, wait in `held` until the call is committed).
 
     Events as vLLM's `/v1/messages` sends them: message_start (from the first chunk), then one open block at
     a time (thinking, text, tool_use; index + 1 at each stop), content_block_delta with text_delta,
@@ -445,12 +444,9 @@ class MessagesRelay:
     the stop reason and usage, message_stop ends the stream. An upstream error chunk closes the open block
     and sends an error event, and nothing after it."""
 
-    def __init__(self, assembler: Any) -> None:
-        self.assembler = assembler
-        self.held: bytes | None = None
-        self._pending = b""
+    def __init__(self, assembler: StreamAssembler) -> None:
+        super().__init__(assembler)
         self._started = False
-        self._failed = False
         self._index = 0
         self._open: str | None = None  # "text", "thinking", or a tool call's id
         self._tools: dict[int, str] = {}  # tool call index -> id
@@ -461,26 +457,6 @@ class MessagesRelay:
         self._stop: Any = None
         self._usage: dict[str, Any] | None = None
         self._prompt_tokens: int | None = None
-
-    def relay(self, data: bytes) -> bytes:
-        if self._pending:
-            data = self._pending + data
-        events, self._pending = split_events(data)
-        out: list[bytes] = []
-        for event in events:
-            payload = event_data(event)
-            if payload is None or self._failed:
-                continue
-            if payload == b"[DONE]":
-                self.held = b"\n\n".join(self._finish_events())
-                continue
-            chunk = orjson.loads(payload)
-            self.assembler.feed(chunk)
-            self._translate(chunk, out)
-        if not out:
-            return b""
-        out.append(b"")
-        return b"\n\n".join(out)
 
     def _translate(self, chunk: dict[str, Any], out: list[bytes]) -> None:
         error = chunk.get("error")

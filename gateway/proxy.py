@@ -30,7 +30,7 @@ from gateway.auth import Credentials
 from gateway.metrics import GatewayMetrics
 from gateway.servers import Server, Servers
 from gateway.settings import GatewaySettings
-from gateway.streaming import DONE, StreamRelay
+from gateway.streaming import DONE, StreamRelay, TranslatedRelay
 from gateway.watch import StoreWatch
 
 log = structlog.get_logger("rlgate.gateway")
@@ -624,7 +624,7 @@ class Proxy:
         disconnect: asyncio.Future[None],
     ) -> None:
         endpoint = call.endpoint
-        relay: StreamRelay | messages.MessagesRelay | responses.ResponsesRelay = StreamRelay(
+        relay: StreamRelay | TranslatedRelay = StreamRelay(
             endpoint, injected, self.settings.record_token_text
         )
         if call.asked is not None:
@@ -707,7 +707,7 @@ class Proxy:
         self,
         call: Call,
         response: Any,
-        relay: StreamRelay | messages.MessagesRelay | responses.ResponsesRelay,
+        relay: StreamRelay | TranslatedRelay,
         send: Any,
         disconnect: asyncio.Future[None],
     ) -> tuple[CallError | None, float | None, bool]:

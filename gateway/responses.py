@@ -33,7 +33,7 @@ from typing import Any
 import orjson
 
 from gateway import capture
-from gateway.streaming import event_data, split_events
+from gateway.streaming import StreamAssembler, TranslatedRelay
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 NAMESPACE_SEPARATOR = "__"  # vLLM's flat name of a namespace's function: "<namespace>__<name>"
@@ -739,11 +739,10 @@ def response(payload: dict[str, Any], request: Request) -> dict[str, Any]:
 # Streams: chat chunks -> Responses events
 
 
-class ResponsesRelay:
-    """A chat completion stream turned into the Responses event stream while the record is assembled
-    (`StreamAssembler`), with `StreamRelay`'s interface: `relay(data)` returns the events to send now; the
-    terminal event (response.completed, or response.incomplete when the token budget ran out) waits in
-    `held` until the call is committed.
+class ResponsesRelay(TranslatedRelay):
+    """A chat completion stream turned into the Responses event stream (`TranslatedRelay`: the terminal
+    event, response.completed, or response.incomplete when the token budget ran out, waits in `held` until
+    the call is committed).
 
     Events as vLLM's `/v1/responses` sends them for a chat-template model (`SimpleStreamingEventProcessor`):
     response.created and response.in_progress, then one open item at a time, opened by the kind of the
@@ -754,14 +753,11 @@ class ResponsesRelay:
     `sequence_number` counts every event from 0. An upstream error chunk ends the stream with an error
     event, and nothing after it."""
 
-    def __init__(self, assembler: Any, request: Request) -> None:
-        self.assembler = assembler
+    def __init__(self, assembler: StreamAssembler, request: Request) -> None:
+        super().__init__(assembler)
         self.request = request
-        self.held: bytes | None = None
-        self._pending = b""
         self._sequence = 0
         self._started = False
-        self._failed = False
         self._model: Any = None
         self._usage: dict[str, Any] | None = None
         self._finish: Any = None
@@ -772,26 +768,6 @@ class ResponsesRelay:
         self._text = ""
         self._logprobs: list[dict[str, Any]] = []
         self._call: dict[str, Any] = {}
-
-    def relay(self, data: bytes) -> bytes:
-        if self._pending:
-            data = self._pending + data
-        events, self._pending = split_events(data)
-        out: list[bytes] = []
-        for event in events:
-            payload = event_data(event)
-            if payload is None or self._failed:
-                continue
-            if payload == b"[DONE]":
-                self.held = b"\n\n".join(self._finish_events())
-                continue
-            chunk = orjson.loads(payload)
-            self.assembler.feed(chunk)
-            self._translate(chunk, out)
-        if not out:
-            return b""
-        out.append(b"")
-        return b"\n\n".join(out)
 
     def _emit(self, out: list[bytes], event: dict[str, Any]) -> None:
         event["sequence_number"] = self._sequence

@@ -105,6 +105,45 @@ class StreamRelay:
         return b"\n\n".join(out)
 
 
+class TranslatedRelay:
+    """A chat completion stream turned into another API's event stream while the record is assembled, with
+    `StreamRelay`'s interface: `relay(data)` feeds each chat chunk to the assembler and returns the events
+    `_translate` made of it; `[DONE]` puts `_finish_events()` in `held`, sent once the call is committed.
+    After an upstream error chunk (`_failed`), nothing more is translated."""
+
+    def __init__(self, assembler: StreamAssembler) -> None:
+        self.assembler = assembler
+        self.held: bytes | None = None
+        self._pending = b""
+        self._failed = False
+
+    def relay(self, data: bytes) -> bytes:
+        if self._pending:
+            data = self._pending + data
+        events, self._pending = split_events(data)
+        out: list[bytes] = []
+        for event in events:
+            payload = event_data(event)
+            if payload is None or self._failed:
+                continue
+            if payload == b"[DONE]":
+                self.held = b"\n\n".join(self._finish_events())
+                continue
+            chunk = orjson.loads(payload)
+            self.assembler.feed(chunk)
+            self._translate(chunk, out)
+        if not out:
+            return b""
+        out.append(b"")
+        return b"\n\n".join(out)
+
+    def _translate(self, chunk: dict[str, Any], out: list[bytes]) -> None:
+        raise NotImplementedError
+
+    def _finish_events(self) -> list[bytes]:
+        raise NotImplementedError
+
+
 def strip_chunk(endpoint: Endpoint, chunk: dict[str, Any], injected: Injected) -> bool:
     """Null injected fields of a stream chunk in place, as plain vLLM sends them (present, `null`, exactly
     as in non-streaming answers).
