@@ -95,6 +95,7 @@ class Request:
     top_logprobs: int
     parallel: bool
     tools: list[dict[str, Any]] = field(default_factory=list)
+    constrained: bool = False  # vLLM constrains the answer to a tool call: its echo of `text` is null
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -129,6 +130,7 @@ def to_chat(body: dict[str, Any]) -> tuple[dict[str, Any], Request]:
         top_logprobs=top or 0,
         parallel=parallel is not False,
         tools=tools,
+        constrained=_constrained(body, chat_tools),
     )
     raw_input = body.get("input")
     chat: dict[str, Any] = {"messages": input_messages(body.get("instructions"), raw_input)}
@@ -168,6 +170,24 @@ def to_chat(body: dict[str, Any]) -> tuple[dict[str, Any], Request]:
             chat["stream"] = True
             chat["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
     return chat, request
+
+
+def _constrained(body: dict[str, Any], chat_tools: list[dict[str, Any]]) -> bool:
+    """Whether vLLM (its hermes parser, strict tool calling on: its default) constrains the answer to a tool
+    call's envelope, which also drops the request's `text` from its echo: with tools shown, a required or
+    named tool choice; with "auto", a strict function tool, or `parallel_tool_calls: false` without a
+    `text.format` (`abstract_parser.py` `_apply_structural_tag`)."""
+    if not chat_tools:
+        return False
+    choice = body.get("tool_choice", "auto")
+    if choice == "required" or isinstance(choice, dict):
+        return True
+    if choice != "auto":
+        return False
+    if any(t["function"].get("strict") is True for t in chat_tools):
+        return True
+    fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
+    return body.get("parallel_tool_calls") is False and fmt is None
 
 
 def _response_id(asked: Any) -> str:
@@ -684,7 +704,7 @@ def body(
         "safety_identifier": asked.get("safety_identifier"),
         "service_tier": asked.get("service_tier", "auto"),
         "status": status,
-        "text": _echo_text(asked.get("text")),
+        "text": None if request.constrained else _echo_text(asked.get("text")),
         "top_logprobs": request.top_logprobs if request.logprobs else None,
         "truncation": asked.get("truncation", "disabled"),
         "usage": usage(chat_usage) if final else None,

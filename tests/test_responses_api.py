@@ -367,3 +367,21 @@ def test_the_prompt_is_the_one_real_vllms_responses_api_renders_and_the_answer_e
     streamed = calls(vllm_gateway, rid)[-1]
     assert streamed["completion_token_ids"] == record["completion_token_ids"]
     assert len(streamed["completion_logprobs"]) == len(streamed["completion_token_ids"]) > 0
+
+
+def test_the_echo_is_vllms_when_it_constrains_the_answer_to_a_tool_call(gateway: Proc, redis_client):
+    """vLLM (hermes, strict tool calling: its default) constrains a required or named tool choice to a tool
+    call and then echoes `text` as null; otherwise the request's `text` comes back as sent."""
+    text = {"format": {"type": "text"}, "verbosity": None}
+    for ask, echoed in (
+        ({"tools": [WEATHER], "tool_choice": "required"}, None),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_weather"}}, None),
+        ({"tools": [WEATHER], "parallel_tool_calls": False}, text),  # constrained only without text.format
+        ({"tools": [{**WEATHER, "strict": True}]}, None),
+        ({"tools": [WEATHER]}, text),
+        ({}, text),
+    ):
+        body = {"model": MODEL, "input": "hi", "max_output_tokens": 200, "text": text, **ask}
+        answer = httpx.post(f"{gateway.url}/rollouts/{uuid.uuid4().hex}/v1/responses", json=body, timeout=30)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["text"] == echoed, ask
