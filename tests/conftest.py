@@ -152,6 +152,24 @@ def redis_client() -> Iterator[redis.Redis]:
     client.close()
 
 
+def recorded_calls(gateway: Proc, rollout_id: str, headers: dict[str, str] | None = None) -> list[dict]:
+    """The calls the gateway recorded under a rollout (none when it has no such rollout)."""
+    answer = httpx.get(f"{gateway.url}/rollouts/{rollout_id}", headers=headers, timeout=10)
+    return answer.json()["calls"] if answer.status_code == 200 else []
+
+
+def upstream_chat(upstream: Proc, body: dict) -> dict:
+    """The upstream's own answer to a chat completion, asked for its token ids and log-probs (what the
+    gateway asks for a call it records)."""
+    answer = httpx.post(
+        f"{upstream.url}/chat/completions",
+        json={**body, "logprobs": True, "return_token_ids": True},
+        timeout=60,
+    )
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
 def start_fake_vllm(tmp_path: Path, *args: str, port: int | None = None) -> Proc:
     log_path = tmp_path / f"fake_vllm_{time.monotonic_ns()}.log"
     port = port or free_port()

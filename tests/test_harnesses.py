@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import Proc, start_fake_vllm, start_gateway
+from conftest import Proc, recorded_calls, start_fake_vllm, start_gateway
 
 MODEL = "fake-model"
 OPERATOR = {"Authorization": "Bearer harness-test-operator"}
@@ -56,10 +56,6 @@ def new_rollout(gateway: Proc) -> dict:
     return answer.json()
 
 
-def recorded(gateway: Proc, rollout_id: str) -> list[dict]:
-    return httpx.get(f"{gateway.url}/rollouts/{rollout_id}", headers=OPERATOR, timeout=10).json()["calls"]
-
-
 def run(command: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
     """A harness with only the rollout's environment (plus PATH and a HOME of its own)."""
     base = {"PATH": os.environ["PATH"], "HOME": str(cwd / "home"), "LANG": "C.UTF-8"}
@@ -81,7 +77,7 @@ def test_claude_code_runs_unchanged_through_the_messages_api(stack: Proc, redis_
     env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"] = "1"
     result = run([str(claude), "-p", "What is 2+2?", "--model", MODEL], env, tmp_path)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    calls = recorded(stack, rollout["rollout_id"])
+    calls = recorded_calls(stack, rollout["rollout_id"], OPERATOR)
     # Claude Code offers its tools: the first answer is a tool call, which it runs and answers
     assert len(calls) >= 2, calls
     for call in calls:
@@ -112,7 +108,7 @@ def test_codex_cli_runs_unchanged_through_the_responses_api(stack: Proc, redis_c
     env["CODEX_HOME"] = str(home)
     result = run([str(codex), "exec", "--skip-git-repo-check", "What is 2+2?"], env, tmp_path)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    calls = recorded(stack, rollout["rollout_id"])
+    calls = recorded_calls(stack, rollout["rollout_id"], OPERATOR)
     # Codex offers its tools: the first answer is a call of its shell tool, which it runs and answers with
     # a function_call_output; every call is a streamed Responses call served as a chat completion
     assert len(calls) >= 2, calls
@@ -165,7 +161,7 @@ def test_opencode_runs_unchanged_through_chat_completions(stack: Proc, redis_cli
     env |= {"OPENCODE_DISABLE_MODELS_FETCH": "1", "OPENCODE_DISABLE_AUTOUPDATE": "1"}
     result = run([str(opencode), "run", "What is 2+2?"], env, tmp_path)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    calls = recorded(stack, rollout["rollout_id"])
+    calls = recorded_calls(stack, rollout["rollout_id"], OPERATOR)
     assert calls and all(c["endpoint"] == "chat.completions" and c["stream"] for c in calls)
     for call in calls:
         assert_trainable(call)

@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 import redis
-from conftest import REDIS_URL, ROOT, Proc, start_gateway, start_rlgate_serve
+from conftest import REDIS_URL, ROOT, Proc, recorded_calls, start_gateway, start_rlgate_serve
 
 pytest.importorskip("openrlhf")
 
@@ -116,10 +116,6 @@ def steps(out: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def calls_of(gateway: Proc, rid: str) -> list[dict]:
-    return httpx.get(f"{gateway.url}/rollouts/{rid}", timeout=10).json()["calls"]
-
-
 @pytest.mark.parametrize(
     "sampling",
     [
@@ -152,7 +148,7 @@ def test_the_servers_log_probs_are_the_learners(
             **{k: v for k, v in sampling.items() if k != "top_k"},
         )
     policy = Policy(LearnerSettings(model=model, tensorboard=False))
-    for call in calls_of(gateway, rid):
+    for call in recorded_calls(gateway, rid):
         temperature, bias, top_k, top_p = sampling_processing(call["request"], 1.0)
         assert temperature == max(sampling["temperature"], 0.01)
         assert (top_k, top_p) == (sampling.get("top_k", 0), sampling.get("top_p", 1.0))
@@ -213,7 +209,7 @@ def test_a_step_pushes_an_adapter_that_serves_the_next_call(stack, redis_client:
     rid = uuid.uuid4().hex
     client = openai.OpenAI(base_url=f"{gateway.url}/rollouts/{rid}/v1", api_key="unused")
     client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, logit_bias=BIAS)
-    [call] = calls_of(gateway, rid)
+    [call] = recorded_calls(gateway, rid)
     assert call["policy_version"] == 1 and call["model"] == "policy-v1"
     assert call["request"]["model"] == MODEL  # recorded as the agent sent it
 
@@ -340,7 +336,7 @@ def test_a_full_push_updates_the_servers_weights_and_the_version(
     rid = uuid.uuid4().hex
     client = openai.OpenAI(base_url=f"{gateway.url}/rollouts/{rid}/v1", api_key="unused")
     client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, logit_bias=BIAS)
-    [call] = calls_of(gateway, rid)
+    [call] = recorded_calls(gateway, rid)
     assert call["policy_version"] == 1 and call["model"] == MODEL
     # put the server's weights back for the other tests of this module
     post = lambda path, body=None: httpx.post(f"{serve.url}{path}", json=body, timeout=60)  # noqa: E731
@@ -470,7 +466,7 @@ def test_dynamic_filtering_skips_uniform_groups_and_consumed_episodes_get_the_re
     for task, ids in rids.items():
         for rid, reward in zip(ids, rewards[task], strict=True):
             row = expected.setdefault(
-                str(min(c["policy_version"] for c in calls_of(gateway, rid))), [0, 0, 0.0]
+                str(min(c["policy_version"] for c in recorded_calls(gateway, rid))), [0, 0, 0.0]
             )
             row[0], row[1], row[2] = row[0] + 1, row[1] + (reward >= 1.0), row[2] + reward
     assert step["by_version"] == expected
@@ -510,8 +506,8 @@ def test_a_step_trains_messages_api_and_responses_api_episodes(
     for rid, reward in rids:
         answer = httpx.post(f"{gateway.url}/rollouts/{rid}/reward", json={"reward": reward}, timeout=10)
         assert answer.status_code == 200, answer.text
-    assert {c["agent_api"] for c in calls_of(gateway, rids[0][0])} == {"anthropic.messages"}
-    assert {c["agent_api"] for c in calls_of(gateway, rids[-1][0])} == {"openai.responses"}
+    assert {c["agent_api"] for c in recorded_calls(gateway, rids[0][0])} == {"anthropic.messages"}
+    assert {c["agent_api"] for c in recorded_calls(gateway, rids[-1][0])} == {"openai.responses"}
 
     out = tmp_path / "learner"
     proc = learner(model, serve, out)
@@ -522,7 +518,8 @@ def test_a_step_trains_messages_api_and_responses_api_episodes(
     # every call carries vLLM's log-prob of each token: both APIs are served as chat completions
     for rid, _ in rids:
         assert all(
-            len(c["completion_logprobs"]) == len(c["completion_token_ids"]) for c in calls_of(gateway, rid)
+            len(c["completion_logprobs"]) == len(c["completion_token_ids"])
+            for c in recorded_calls(gateway, rid)
         )
     assert step["calls_without_server_logprobs"] == 0
     assert step["rollout_kl"] == pytest.approx(0.0, abs=1e-3)  # the recorded log-probs are the learner's

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import anthropic
 import httpx
 import pytest
-from conftest import Proc, start_gateway
+from conftest import Proc, recorded_calls, start_gateway, upstream_chat
 
 MODEL = "fake-model"
 TOOLS = [
@@ -31,22 +31,6 @@ def client(gateway: Proc, rollout_id: str, key: str = "unused") -> anthropic.Ant
     return anthropic.Anthropic(base_url=f"{gateway.url}/rollouts/{rollout_id}", api_key=key, max_retries=0)
 
 
-def calls(gateway: Proc, rollout_id: str) -> list[dict]:
-    answer = httpx.get(f"{gateway.url}/rollouts/{rollout_id}", timeout=10)
-    return answer.json()["calls"] if answer.status_code == 200 else []
-
-
-def chat(upstream: Proc, body: dict) -> dict:
-    """The upstream's own answer to the chat completion the gateway makes of a Messages request."""
-    answer = httpx.post(
-        f"{upstream.url}/chat/completions",
-        json={**body, "logprobs": True, "return_token_ids": True},
-        timeout=60,
-    )
-    assert answer.status_code == 200, answer.text
-    return answer.json()
-
-
 def test_an_answer_is_the_upstreams_chat_answer_translated_and_recorded_exactly(upstream, redis_client):
     gateway, server = upstream
     rid = uuid.uuid4().hex
@@ -59,7 +43,7 @@ def test_an_answer_is_the_upstreams_chat_answer_translated_and_recorded_exactly(
         system=[{"type": "text", "text": "Be brief."}, {"type": "text", "text": " Really."}],
         messages=[{"role": "user", "content": "What is 2+3?"}],
     )
-    direct = chat(
+    direct = upstream_chat(
         server,
         {
             "model": MODEL,
@@ -80,7 +64,7 @@ def test_an_answer_is_the_upstreams_chat_answer_translated_and_recorded_exactly(
     assert message.stop_reason == {"stop": "end_turn", "length": "max_tokens"}[choice["finish_reason"]]
     assert message.usage.input_tokens == direct["usage"]["prompt_tokens"]
     assert message.usage.output_tokens == direct["usage"]["completion_tokens"]
-    [record] = calls(gateway, rid)
+    [record] = recorded_calls(gateway, rid)
     assert record["agent_api"] == "anthropic.messages" and record["endpoint"] == "chat.completions"
     assert record["request"]["messages"][0] == {"role": "system", "content": "Be brief. Really."}
     assert record["prompt_token_ids"] == direct["prompt_token_ids"]
@@ -112,7 +96,7 @@ def test_a_stream_is_anthropics_event_sequence_and_is_recorded_with_every_token(
     assert final.stop_reason == unary.stop_reason
     assert final.usage.output_tokens == unary.usage.output_tokens
     assert final.usage.input_tokens == unary.usage.input_tokens
-    first, second = calls(gateway, rid)
+    first, second = recorded_calls(gateway, rid)
     assert second["stream"] and second["agent_api"] == "anthropic.messages"
     assert second["prompt_token_ids"] == first["prompt_token_ids"]
     assert second["completion_token_ids"] == first["completion_token_ids"]
@@ -155,7 +139,7 @@ def test_tool_use_and_its_result_go_through_as_chat_tool_calls(gateway: Proc, re
     ]
     second = agent.messages.create(messages=history, **{**ask, "tools": TOOLS})
     assert second.content
-    one, two = calls(gateway, rid)
+    one, two = recorded_calls(gateway, rid)
     assert one["response"]["message"]["tool_calls"][0]["id"] == use.id
     sent = two["request"]["messages"]
     # vLLM's order: the tool results of a user message come before its text
@@ -182,7 +166,7 @@ def test_count_tokens_is_the_prompt_the_chat_call_would_have(upstream, redis_cli
     counted = client(gateway, rid).messages.count_tokens(**body)
     answer = client(gateway, rid).messages.create(max_tokens=1, **body)
     assert counted.input_tokens == answer.usage.input_tokens > 0
-    assert len(calls(gateway, rid)) == 1  # counting records nothing
+    assert len(recorded_calls(gateway, rid)) == 1  # counting records nothing
 
 
 @pytest.mark.parametrize(
@@ -214,7 +198,7 @@ def test_content_the_policy_cannot_be_trained_on_is_a_400_and_nothing_is_recorde
     body = caught.value.body
     assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
     assert where in body["error"]["message"] and "not supported" in body["error"]["message"]
-    assert calls(gateway, rid) == []
+    assert recorded_calls(gateway, rid) == []
 
 
 @pytest.mark.parametrize(
@@ -251,7 +235,7 @@ def test_bad_requests_are_400_in_anthropics_shape(gateway: Proc, redis_client, b
     error = answer.json()
     assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
     assert param in error["error"]["message"]
-    assert calls(gateway, rid) == []
+    assert recorded_calls(gateway, rid) == []
 
 
 @pytest.fixture(scope="module")
@@ -305,7 +289,7 @@ def test_an_upstream_error_is_anthropics_error_and_is_recorded(gateway: Proc, re
             extra_body={"vllm_xargs": {"fake_status": 503}},
         )
     assert caught.value.status_code == 503 and caught.value.body["error"]["type"] == "overloaded_error"
-    [record] = calls(gateway, rid)
+    [record] = recorded_calls(gateway, rid)
     assert record["error"]["status"] == 503
     # mid-stream: the open block is closed, then Anthropic's error event, and nothing after it
     with httpx.stream(
@@ -323,7 +307,7 @@ def test_an_upstream_error_is_anthropics_error_and_is_recorded(gateway: Proc, re
         names = [line[7:] for line in answer.iter_lines() if line.startswith("event: ")]
     assert names[0] == "message_start" and names[-2:] == ["content_block_stop", "error"]
     assert "message_stop" not in names
-    assert calls(gateway, rid)[-1]["error"] is not None
+    assert recorded_calls(gateway, rid)[-1]["error"] is not None
 
 
 @pytest.mark.slow
@@ -366,6 +350,6 @@ def test_the_answer_equals_real_vllms_own_messages_api(vllm: Proc, vllm_gateway:
     assert [e for e in mine if e[0] != "content_block_delta"] == [
         e for e in vllms if e[0] != "content_block_delta"
     ]
-    first, second = calls(vllm_gateway, rid)
+    first, second = recorded_calls(vllm_gateway, rid)
     assert second["completion_token_ids"] == first["completion_token_ids"]
     assert len(second["completion_logprobs"]) == len(second["completion_token_ids"]) > 0

@@ -11,7 +11,7 @@ import uuid
 import httpx
 import openai
 import pytest
-from conftest import Proc
+from conftest import Proc, recorded_calls, upstream_chat
 
 MODEL = "fake-model"
 WEATHER = {
@@ -27,21 +27,6 @@ def client(gateway: Proc, rollout_id: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{gateway.url}/rollouts/{rollout_id}/v1", api_key="unused", max_retries=0)
 
 
-def calls(gateway: Proc, rollout_id: str) -> list[dict]:
-    answer = httpx.get(f"{gateway.url}/rollouts/{rollout_id}", timeout=10)
-    return answer.json()["calls"] if answer.status_code == 200 else []
-
-
-def chat(upstream: Proc, body: dict) -> dict:
-    answer = httpx.post(
-        f"{upstream.url}/chat/completions",
-        json={**body, "logprobs": True, "return_token_ids": True},
-        timeout=60,
-    )
-    assert answer.status_code == 200, answer.text
-    return answer.json()
-
-
 def test_an_answer_is_the_upstreams_chat_answer_translated_and_recorded_exactly(upstream, redis_client):
     gateway, server = upstream
     rid = uuid.uuid4().hex
@@ -53,7 +38,7 @@ def test_an_answer_is_the_upstreams_chat_answer_translated_and_recorded_exactly(
         temperature=0,
         include=LOGPROBS,
     )
-    direct = chat(
+    direct = upstream_chat(
         server,
         {
             "model": MODEL,
@@ -78,7 +63,7 @@ def test_an_answer_is_the_upstreams_chat_answer_translated_and_recorded_exactly(
     assert [lp.logprob for lp in message.content[0].logprobs] == pytest.approx(
         [t["logprob"] for t in choice["logprobs"]["content"]], abs=1e-5
     )
-    [record] = calls(gateway, rid)
+    [record] = recorded_calls(gateway, rid)
     assert record["agent_api"] == "openai.responses" and record["endpoint"] == "chat.completions"
     assert record["prompt_token_ids"] == direct["prompt_token_ids"]
     assert record["completion_token_ids"] == choice["token_ids"]
@@ -115,7 +100,7 @@ def test_a_stream_is_the_responses_event_sequence_and_records_every_tokens_logpr
     assert final.output_text == unary.output_text == "".join(d.delta for d in deltas)
     assert final.usage.output_tokens == unary.usage.output_tokens
     assert events[0].response.id == final.id and final.id != unary.id
-    first, second = calls(gateway, rid)
+    first, second = recorded_calls(gateway, rid)
     assert second["stream"] and second["agent_api"] == "openai.responses"
     assert second["prompt_token_ids"] == first["prompt_token_ids"]
     assert second["completion_token_ids"] == first["completion_token_ids"]
@@ -158,7 +143,7 @@ def test_a_function_call_and_its_output_go_through_as_chat_tool_calls(
     ]
     second = agent.responses.create(input=history, **ask)
     assert second.output_text and second.output[0].type == "message"
-    first_record, second_record = calls(gateway, rid)
+    first_record, second_record = recorded_calls(gateway, rid)
     assert first_record["response"]["message"]["tool_calls"][0]["id"] == call.call_id
     sent = second_record["request"]["messages"]
     assert sent[1] == {
@@ -228,7 +213,7 @@ def test_namespaced_and_custom_tools_are_shown_as_vllm_shows_them_and_named_back
     [call] = response["output"]
     assert call["type"] == "function_call" and call["name"] == "spawn" and call["namespace"] == "agents"
     assert response["tools"][0] == tools[0]
-    [record] = calls(gateway, rid)
+    [record] = recorded_calls(gateway, rid)
     shown = record["request"]["tools"]
     assert [t["function"]["name"] for t in shown] == ["agents__spawn", "apply_patch"]
     assert shown[1]["function"]["parameters"]["required"] == ["input"]
@@ -273,7 +258,7 @@ def test_what_the_gateway_cannot_serve_exactly_is_a_clear_error_and_records_noth
         and error["message"]
         and error["type"] in ("invalid_request_error", "not_found_error")
     )
-    assert calls(gateway, rid) == []
+    assert recorded_calls(gateway, rid) == []
 
 
 @pytest.mark.slow
@@ -319,7 +304,7 @@ def test_the_prompt_is_the_one_real_vllms_responses_api_renders_and_the_answer_e
     ours = httpx.post(f"{vllm_gateway.url}/rollouts/{rid}/v1/responses", json=request, timeout=120)
     assert ours.status_code == 200, ours.text
     ours = ours.json()
-    [record] = calls(vllm_gateway, rid)
+    [record] = recorded_calls(vllm_gateway, rid)
     assert record["prompt_token_ids"] == theirs["input_messages"][0]["tokens"]
     assert record["completion_token_ids"] == theirs["output_messages"][0]["tokens"]
 
@@ -364,7 +349,7 @@ def test_the_prompt_is_the_one_real_vllms_responses_api_renders_and_the_answer_e
         n for n, _ in vllms[:-1] if not n.endswith(".delta")
     ]
     assert mine[-1][0] == f"response.{ours['status']}" and vllms[-1][0] == "response.completed"
-    streamed = calls(vllm_gateway, rid)[-1]
+    streamed = recorded_calls(vllm_gateway, rid)[-1]
     assert streamed["completion_token_ids"] == record["completion_token_ids"]
     assert len(streamed["completion_logprobs"]) == len(streamed["completion_token_ids"]) > 0
 
