@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import hashlib
 import time
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from redis.typing import EncodableT, FieldT
 
 from episodes import _lua
 from episodes.errors import InvalidId, RolloutExists, RolloutNotFound, StoreError
@@ -129,7 +130,7 @@ class AglQueue:
         now = repr(rollout.created_at)
         config = create.config or AglConfig()
         metadata = (create.metadata or AglMetadata()).model_dump()
-        fields = {
+        fields: dict[FieldT, EncodableT] = {
             "input": orjson.dumps(create.input),
             "config": config.model_dump_json(),
             "metadata": orjson.dumps(metadata),
@@ -154,7 +155,7 @@ class AglQueue:
     async def get(self, rollout_id: str) -> dict[str, Any] | None:
         validate_id(rollout_id, "rollout id")
         async with self.store.guard():
-            fields = await self.store.redis.hgetall(self.keys.agl(rollout_id))
+            fields = cast(dict[bytes, bytes], await self.store.redis.hgetall(self.keys.agl(rollout_id)))
         return _rollout(rollout_id, fields) if fields else None
 
     async def active(self, states: set[str], limit: int) -> list[dict[str, Any]]:
@@ -163,7 +164,8 @@ class AglQueue:
         if not states & set(ACTIVE):  # only queuing and running rollouts are in the queue
             return out
         async with self.store.guard():
-            ids = [i.decode() for i in await self.store.redis.zrange(self.keys.agl_queue, 0, -1)]
+            members = cast(list[bytes], await self.store.redis.zrange(self.keys.agl_queue, 0, -1))
+            ids = [i.decode() for i in members]
         gone = []
         for rollout_id in ids:
             if len(out) >= limit:

@@ -11,13 +11,14 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, cast
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import orjson
 import redis.asyncio as aioredis
 from redis import exceptions as redis_exc
 from redis.asyncio.cluster import RedisCluster
+from redis.typing import EncodableT, FieldT
 
 from episodes import _lua
 from episodes._batch import ScriptBatcher
@@ -328,12 +329,13 @@ class EpisodeStore:
         if task_id is not None:
             validate_id(task_id, "task id")
         now = time.time()
+        expires_at = now + self.rollout_ttl_s
         rollout = Rollout(
             rollout_id=rollout_id,
             task_id=task_id,
             created_at=now,
             metadata=metadata or {},
-            expires_at=now + self.rollout_ttl_s,
+            expires_at=expires_at,
             mode=mode,
         )
         async with _guard(self.timeout_s):
@@ -350,7 +352,7 @@ class EpisodeStore:
                 ],
             )
             if created:
-                await self._schedule(rollout_id, now, rollout.expires_at)
+                await self._schedule(rollout_id, now, expires_at)
         if not created:
             raise RolloutExists(f"rollout {rollout_id!r} already exists")
         return rollout
@@ -479,15 +481,18 @@ class EpisodeStore:
             top, skip = _parse_cursor(cursor)
         bottom: float | str = "-inf" if since is None else since
         async with _guard(self.timeout_s):
-            entries = await self.redis.zrange(
-                self.keys.rollouts,
-                top,
-                bottom,
-                desc=True,
-                byscore=True,
-                offset=skip,
-                num=limit,
-                withscores=True,
+            entries = cast(
+                list[tuple[bytes, float]],
+                await self.redis.zrange(
+                    self.keys.rollouts,
+                    top,
+                    bottom,
+                    desc=True,
+                    byscore=True,
+                    offset=skip,
+                    num=limit,
+                    withscores=True,
+                ),
             )
             pipe = self.redis.pipeline(transaction=False)
             for member, _ in entries:
@@ -509,7 +514,7 @@ class EpisodeStore:
                 values, calls = replies[i], replies[i + 1]
                 if values[2] is None:  # no status: the hash is gone
                     continue
-                data = {
+                data: dict[str, str | None] = {
                     name: _text(value)
                     for name, value in zip(_SUMMARY_FIELDS, values, strict=True)
                     if value is not None
@@ -526,7 +531,7 @@ class EpisodeStore:
 
     async def get_rollout(self, rollout_id: str) -> Rollout | None:
         async with _guard(self.timeout_s):
-            fields = await self.redis.hgetall(self.keys.rollout(rollout_id))
+            fields = cast(dict[bytes, bytes], await self.redis.hgetall(self.keys.rollout(rollout_id)))
         if not fields:
             return None
         return _rollout_from_hash(fields)
@@ -643,7 +648,10 @@ class EpisodeStore:
     async def learner_steps(self, count: int = 100) -> list[dict[str, Any]]:
         """The newest `count` learner steps, oldest first."""
         async with _guard(self.timeout_s):
-            entries = await self.redis.xrevrange(self.keys.learner_steps, count=count)
+            entries = cast(
+                list[tuple[bytes, dict[bytes, bytes]]],
+                await self.redis.xrevrange(self.keys.learner_steps, count=count),
+            )
         return [orjson.loads(fields[b"data"]) for _, fields in reversed(entries)]
 
     async def policy(self) -> Policy:
@@ -653,7 +661,7 @@ class EpisodeStore:
     async def stored_policy(self) -> Policy | None:
         """The policy pointer, or None when none is stored (no push yet, or Redis lost it)."""
         async with _guard(self.timeout_s):
-            fields = await self.redis.hgetall(self.keys.policy)
+            fields = cast(dict[bytes, bytes], await self.redis.hgetall(self.keys.policy))
         if not fields:
             return None
         return Policy.model_validate({k.decode(): v.decode() for k, v in fields.items() if v != b""})
@@ -680,10 +688,10 @@ class EpisodeStore:
         """The store's epoch marker (`keys.epoch`); with `create`, written first if missing (SET NX, so
         every process that creates it agrees on one value)."""
         async with _guard(self.timeout_s):
-            value = await self.redis.get(self.keys.epoch)
+            value = cast(bytes | None, await self.redis.get(self.keys.epoch))
             if value is None and create:
                 await self.redis.set(self.keys.epoch, uuid.uuid4().hex, nx=True)
-                value = await self.redis.get(self.keys.epoch)
+                value = cast(bytes | None, await self.redis.get(self.keys.epoch))
         return value.decode() if value is not None else None
 
     async def check_writable(self) -> None:
@@ -725,7 +733,7 @@ class EpisodeStore:
     async def set_policy(self, policy: Policy) -> None:
         """Move the policy pointer, all fields at once (one HSET), so a reader never sees a version
         with another version's adapter."""
-        mapping = {
+        mapping: dict[FieldT, EncodableT] = {
             "version": policy.version,
             "adapter": policy.adapter or "",
             "base_model": policy.base_model or "",

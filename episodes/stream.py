@@ -7,11 +7,17 @@ taken over with `reclaim` (XAUTOCLAIM) once they have been idle longer than the 
 
 from __future__ import annotations
 
+from typing import cast
+
 from redis import exceptions as redis_exc
 
 from episodes.lifecycle import EpisodeLifecycle
 from episodes.records import ClosedEpisode
 from episodes.store import EpisodeStore
+
+# XREADGROUP's reply on a connection without decoding: per stream, its entries (id, fields; no fields for
+# an entry deleted since it was delivered)
+StreamReply = list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]
 
 
 class ClosedEpisodes:
@@ -35,8 +41,11 @@ class ClosedEpisodes:
     async def read(self, consumer: str, count: int = 64, block_ms: int = 1000) -> list[ClosedEpisode]:
         """New entries for `consumer` (they stay pending until acknowledged); waits up to `block_ms`."""
         async with self.store.guard(block_ms / 1000):
-            reply = await self.store.redis.xreadgroup(
-                self.group, consumer, {self.key: ">"}, count=count, block=block_ms
+            reply = cast(
+                StreamReply | None,
+                await self.store.redis.xreadgroup(
+                    self.group, consumer, {self.key: ">"}, count=count, block=block_ms
+                ),
             )
         return [
             ClosedEpisode.from_entry(entry_id, fields)
@@ -54,7 +63,10 @@ class ClosedEpisodes:
         """`read_own_pending`, and how many pending entries the reply held, deleted ones included (fewer
         than `count`: there are no more)."""
         async with self.store.guard():
-            reply = await self.store.redis.xreadgroup(self.group, consumer, {self.key: "0"}, count=count)
+            reply = cast(
+                StreamReply | None,
+                await self.store.redis.xreadgroup(self.group, consumer, {self.key: "0"}, count=count),
+            )
             entries = [entry for _, entries in reply or () for entry in entries]
             gone = [entry_id for entry_id, fields in entries if not fields]
             if gone:

@@ -59,11 +59,11 @@ def credited_transitions(
     settings: LearnerSettings,
     version: int,
     base_model: str | None = None,
-) -> tuple[list[list[Transition]], Counter]:
+) -> tuple[list[list[Transition]], Counter[str]]:
     """Per episode, its trainable calls as transitions (episodes in group order). Also counts what was
     kept and dropped: calls, trained, failed, other_model, other_agent, stale, singleton_episodes.
     `base_model` is the name the servers serve the trained policy under (None: any model counts)."""
-    counts: Counter = Counter()
+    counts: Counter[str] = Counter()
     out: list[list[Transition]] = []
     for views in groups:
         returns = []
@@ -73,7 +73,7 @@ def credited_transitions(
             )
             returns.append(
                 assign_credit(
-                    float(view.reward),
+                    float(view.reward),  # type: ignore[arg-type]  # a closed episode's: never None
                     rewards,
                     settings.credit,
                     settings.gamma,
@@ -94,6 +94,8 @@ def credited_transitions(
                 if reason:
                     counts[reason] += 1
                     continue
+                # `_skip_reason` let only trainable calls through: their ids are there
+                assert call.prompt_token_ids is not None and call.completion_token_ids is not None
                 temperature, bias, top_k, top_p = sampling_processing(
                     call.request, settings.default_temperature
                 )

@@ -114,10 +114,10 @@ def _openrlhf_advantages(
     rewards: torch.Tensor, n: int, estimator: str, lengths: list[int]
 ) -> list[torch.Tensor]:
     """Run RemoteExperienceMaker.compute_advantages_and_returns on single-sample experiences."""
-    from openrlhf.trainer.ppo_utils.experience import Experience
-    from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
+    from learner import _openrlhf  # noqa: F401  (closes the import gaps: first, or run alone this fails)
 
-    from learner import _openrlhf  # noqa: F401  (closes the import gaps)
+    from openrlhf.trainer.ppo_utils.experience import Experience  # isort: skip
+    from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker  # isort: skip
 
     args = SimpleNamespace(
         rollout=SimpleNamespace(n_samples_per_prompt=n),
