@@ -548,7 +548,18 @@ class Proxy:
         """The answer in the API the agent spoke; one that API cannot carry (Messages: tool arguments that
         are not a JSON object) is recorded as failed, with what the model sampled, and is 400 as from vLLM."""
         if call.asked is not None:
-            return orjson.dumps(responses.response(payload, call.asked))
+            try:
+                return orjson.dumps(responses.response(payload, call.asked))
+            except (TypeError, AttributeError, KeyError, ValueError) as exc:  # a chat answer off its shape
+                error = CallError(
+                    status=502,
+                    type="upstream_error",
+                    message=f"unreadable answer from the inference server: {str(exc)[:300]}",
+                )
+                for record in records:
+                    record.error = error
+                await self._commit(call, records, "bad_upstream_answer")
+                raise errors.BadUpstreamAnswer(error.message) from exc
         try:
             answer = messages.message(payload)
         except messages.Invalid as exc:

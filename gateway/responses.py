@@ -25,6 +25,7 @@ Where this differs from vLLM's `/v1/responses`, on purpose (docs/agents.md):
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -68,6 +69,8 @@ PASSED_ON = (
     "priority",
     "vllm_xargs",
     "chat_template_kwargs",
+    "structured_outputs",
+    "include_reasoning",
 )
 UNSUPPORTED_PARTS = ("input_image", "input_file", "input_audio")
 
@@ -120,6 +123,8 @@ def to_chat(body: dict[str, Any]) -> tuple[dict[str, Any], Request]:
     if top is not None and (not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= 20):
         raise Invalid("top_logprobs", "top_logprobs: an integer from 0 to 20")
     parallel = body.get("parallel_tool_calls")
+    if parallel is not None:
+        parallel = capture.is_true(parallel)  # vLLM reads booleans laxly ("false", 0, ...)
     request = Request(
         body=body,
         response_id=_response_id(body.get("request_id")),
@@ -146,9 +151,9 @@ def to_chat(body: dict[str, Any]) -> tuple[dict[str, Any], Request]:
             chat[name] = body[name]
     if chat_tools:
         chat["tools"] = chat_tools
-        chat["tool_choice"] = _tool_choice(body.get("tool_choice", "auto"), tools, chat_tools)
+        chat["tool_choice"] = _tool_choice(body.get("tool_choice", "auto"), tools, chat_tools, names)
     elif body.get("tool_choice", "auto") not in ("auto", "none"):
-        _tool_choice(body.get("tool_choice"), tools, chat_tools)  # raises: nothing the model can call
+        _tool_choice(body.get("tool_choice"), tools, chat_tools, names)  # raises: nothing it can call
     if parallel is not None:
         chat["parallel_tool_calls"] = parallel
     _text_format(body.get("text"), chat)
@@ -184,10 +189,17 @@ def _constrained(body: dict[str, Any], chat_tools: list[dict[str, Any]]) -> bool
         return True
     if choice != "auto":
         return False
-    if any(t["function"].get("strict") is True for t in chat_tools):
+    if any(capture.is_true(t["function"].get("strict")) for t in chat_tools):
         return True
-    fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
-    return body.get("parallel_tool_calls") is False and fmt is None
+    text = body.get("text")
+    fmt = text.get("format") if isinstance(text, dict) else None
+    parallel = body.get("parallel_tool_calls")
+    return (
+        parallel is not None
+        and not capture.is_true(parallel)
+        and fmt is None
+        and body.get("structured_outputs") is None
+    )
 
 
 def _response_id(asked: Any) -> str:
@@ -198,11 +210,12 @@ def _response_id(asked: Any) -> str:
 
 def _check(body: dict[str, Any]) -> None:
     """vLLM's own refusals, in its order, and what the gateway cannot record exactly."""
-    if body.get("background") and not body.get("store", True):
+    background = capture.is_true(body.get("background"))
+    if background and not capture.is_true(body.get("store", True)):
         raise Invalid("background", "background can only be used when `store` is true")
     if body.get("prompt") is not None:
         raise Invalid("prompt", "prompt template is not supported")
-    if body.get("background"):
+    if background:
         raise Invalid(
             "background",
             "background mode needs a response store, which the gateway does not keep: call without it",
@@ -217,13 +230,18 @@ def _check(body: dict[str, Any]) -> None:
         raise Invalid("response_id", f"Response with id '{previous}' not found.", status=404)
     if body.get("previous_input_messages") is not None:
         raise Invalid("previous_input_messages", "previous_input_messages is not supported: send the input")
-    if body.get("enable_response_messages"):
+    if capture.is_true(body.get("enable_response_messages")):
         raise Invalid(
             "enable_response_messages",
             "enable_response_messages is not supported by this gateway: the call's token ids are recorded "
             "(GET /rollouts/{id}); the rendered text is the inference server's",
         )
-    if body.get("structured_outputs") is not None and (body.get("text") or {}).get("format") is not None:
+    text = body.get("text")
+    if (
+        body.get("structured_outputs") is not None
+        and isinstance(text, dict)
+        and text.get("format") is not None
+    ):
         raise Invalid("structured_outputs", "Cannot specify both structured_outputs and text.format")
     if not isinstance(body.get("input"), (str, list)):
         raise Invalid("input", "input: a string or a list of input items")
@@ -431,7 +449,9 @@ def _function(tool: dict[str, Any], where: str) -> dict[str, Any]:
     return {"type": "function", "function": function}
 
 
-def _tool_choice(choice: Any, tools: list[Any], chat_tools: list[dict[str, Any]]) -> Any:
+def _tool_choice(
+    choice: Any, tools: list[Any], chat_tools: list[dict[str, Any]], names: dict[str, tuple[str, str | None]]
+) -> Any:
     if choice in ("auto", "none"):
         return choice
     if not chat_tools:
@@ -454,7 +474,7 @@ def _tool_choice(choice: Any, tools: list[Any], chat_tools: list[dict[str, Any]]
         )
     flat = {t["function"]["name"] for t in chat_tools}
     if name not in flat:  # a namespace's function named by its own name, when only one namespace has it
-        candidates = [n for n in flat if n.endswith(NAMESPACE_SEPARATOR + name)]
+        candidates = [n for n, (local, _) in names.items() if local == name]
         if len(candidates) > 1:
             raise Invalid(
                 "tool_choice",
@@ -545,6 +565,8 @@ def _call_item(
             "name": flat_name,
             "type": "custom_tool_call",
             "id": item_id,
+            "async": None,
+            "caller": None,
             "namespace": None,
         }
     name, namespace = request.names.get(flat_name, (flat_name, None))
@@ -602,22 +624,30 @@ def _status(finish_reason: Any) -> str:
     return "incomplete" if finish_reason == "length" else "completed"
 
 
-def usage(chat_usage: dict[str, Any] | None) -> dict[str, Any]:
-    chat_usage = chat_usage or {}
-    prompt = chat_usage.get("prompt_tokens") or 0
-    completion = chat_usage.get("completion_tokens") or 0
-    details = chat_usage.get("prompt_tokens_details") or {}
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def usage(chat_usage: Any) -> dict[str, Any]:
+    """The chat answer's usage as the Responses API's (reasoning tokens: the chat's own count of them)."""
+    chat_usage = chat_usage if isinstance(chat_usage, dict) else {}
+    prompt = _count(chat_usage.get("prompt_tokens"))
+    completion = _count(chat_usage.get("completion_tokens"))
+    details = chat_usage.get("prompt_tokens_details")
+    details = details if isinstance(details, dict) else {}
+    output = chat_usage.get("completion_tokens_details")
+    output = output if isinstance(output, dict) else {}
     return {
         "input_tokens": prompt,
         "input_tokens_details": {
-            "cached_tokens": details.get("cached_tokens") or 0,
+            "cached_tokens": _count(details.get("cached_tokens")),
             "cache_write_tokens": 0,
             "input_tokens_per_turn": [],
             "cached_tokens_per_turn": [],
         },
         "output_tokens": completion,
         "output_tokens_details": {
-            "reasoning_tokens": 0,
+            "reasoning_tokens": _count(output.get("reasoning_tokens")),
             "tool_output_tokens": 0,
             "output_tokens_per_turn": [],
             "tool_output_tokens_per_turn": [],
@@ -930,6 +960,7 @@ class ResponsesRelay(TranslatedRelay):
                 "name": flat,
                 "custom": custom,
                 "payload": "",
+                "input": _CustomInput() if custom else None,
             }
             item = _call_item(self.request, self._item_id, self._call["id"], flat, "", "in_progress")
             if custom:
@@ -950,7 +981,7 @@ class ResponsesRelay(TranslatedRelay):
     def _arguments(self, arguments: str, out: list[bytes]) -> None:
         self._text += arguments
         if self._call["custom"]:
-            self._custom_delta(_custom_prefix(self._text), out)
+            self._custom_delta(self._call["input"].feed(arguments), out)
             return
         self._emit(
             out,
@@ -1074,38 +1105,57 @@ class ResponsesRelay(TranslatedRelay):
         return out
 
 
-def _custom_prefix(arguments: str) -> str:
-    """The longest payload a custom call's partial arguments decode to, so that its streamed input deltas
-    stay a prefix of the final input (vLLM's `decode_custom_tool_input_prefix`, for the shim's one string
-    argument: the JSON string value of `input` read as far as it is complete)."""
-    start = arguments.find('"' + CUSTOM_INPUT_KEY + '"')
-    if start < 0:
-        return ""
-    colon = arguments.find(":", start + len(CUSTOM_INPUT_KEY) + 2)
-    quote = arguments.find('"', colon + 1) if colon >= 0 else -1
-    if quote < 0:
-        return ""
-    raw = arguments[quote + 1 :]
-    end = 0
-    escaped = False
-    for end, ch in enumerate(raw):  # noqa: B007
-        if escaped:
-            escaped = False
-        elif ch == "\\":
-            escaped = True
-        elif ch == '"':
-            raw = raw[:end]
-            break
-    else:
-        if escaped:
-            raw = raw[:-1]
-        cut = raw.rfind("\\u")  # an unfinished \\uXXXX escape
-        if cut >= 0 and len(raw) - cut < 6:
-            raw = raw[:cut]
-    try:
-        payload = json.loads('"' + raw + '"')
-    except ValueError:
-        return ""
-    if payload and "\ud800" <= payload[-1] <= "\udbff":
-        payload = payload[:-1]
-    return payload
+class _CustomInput:
+    """A custom tool's payload as its shim's JSON arguments stream in: the `input` string's value decoded as
+    far as it is complete, so that the streamed input deltas stay a prefix of the final input (vLLM's
+    `decode_custom_tool_input_prefix`). Each delta is scanned once (a re-scan of everything per delta
+    would be quadratic in the answer's length, on the event loop)."""
+
+    _OPEN = re.compile(r'"' + CUSTOM_INPUT_KEY + r'"\s*:\s*"')
+    _BODY = re.compile(r'(?:[^"\\]|\\.)*', re.DOTALL)  # a JSON string's body, escapes whole
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.payload = ""
+        self._start: int | None = None  # where the value's body starts
+        self._scanned = 0  # the body is scanned (whole escapes) up to here
+        self._decoded = 0  # and decoded into `payload` up to here
+        self._closed = False
+
+    def feed(self, delta: str) -> str:
+        self.text += delta
+        if self._start is None:  # searched from where the last search could not have ended a match
+            found = self._OPEN.search(self.text, max(0, len(self.text) - len(delta) - 64))
+            if found is None:
+                return self.payload
+            self._start = self._scanned = self._decoded = found.end()
+        if self._closed:
+            return self.payload
+        match = self._BODY.match(self.text, self._scanned)
+        assert match is not None  # the pattern matches the empty string
+        end = self._scanned = match.end()
+        self._closed = end < len(self.text) and self.text[end] == '"'  # (else at a lone trailing backslash)
+        if not self._closed:
+            end = self._before_unfinished_escape(end)
+        try:
+            piece = json.loads('"' + self.text[self._decoded : end] + '"')
+        except ValueError:
+            return self.payload
+        if piece and "\ud800" <= piece[-1] <= "\udbff":  # half a surrogate pair: wait for the other half
+            piece, end = piece[:-1], end - 6
+        self.payload += piece
+        self._decoded = end
+        return self.payload
+
+    def _before_unfinished_escape(self, end: int) -> int:
+        """`end`, or where a \\uXXXX escape that has not all its digits yet starts (it waits for them)."""
+        for back in range(2, 6):  # "\\u" and up to three digits before `end`
+            i = end - back
+            if i < self._decoded:
+                break
+            if self.text[i] == "\\" and self.text[i + 1] == "u":
+                first = i
+                while first > self._decoded and self.text[first - 1] == "\\":
+                    first -= 1
+                return i if (i - first) % 2 == 0 else end  # an escape's backslash, not an escaped one
+        return end

@@ -126,8 +126,8 @@ class TranslatedRelay:
             payload = event_data(event)
             if payload is None or self._failed:
                 continue
-            if payload == b"[DONE]":
-                self.held = b"\n\n".join(self._finish_events())
+            if payload == b"[DONE]":  # a stream that never started has no end to send: it failed
+                self.held = b"\n\n".join(self._finish_events()) or None
                 continue
             chunk = orjson.loads(payload)
             self.assembler.feed(chunk)

@@ -242,6 +242,18 @@ def test_namespaced_and_custom_tools_are_shown_as_vllm_shows_them_and_named_back
         ({"input": "hi", "tools": [{"type": "web_search"}], "tool_choice": "required"}, 400, "tool_choice"),
         ({"input": "hi", "background": True}, 400, "background"),
         ({"input": "hi", "text": {"format": {"type": "grammar"}}}, 400, "text.format"),
+        ({"input": "hi", "text": "x", "structured_outputs": {"json": {}}}, 400, "text"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_text", "text": 3}]}]},
+            400,
+            "input.0.content.0",
+        ),
+        ({"input": "hi", "tools": [{"type": "function"}]}, 400, "tools.0"),
+        (
+            {"input": "hi", "tool_choice": {"type": "function", "name": "nope"}, "tools": [WEATHER]},
+            400,
+            "tool_choice",
+        ),
     ],
 )
 def test_what_the_gateway_cannot_serve_exactly_is_a_clear_error_and_records_nothing(
@@ -370,3 +382,37 @@ def test_the_echo_is_vllms_when_it_constrains_the_answer_to_a_tool_call(gateway:
         answer = httpx.post(f"{gateway.url}/rollouts/{uuid.uuid4().hex}/v1/responses", json=body, timeout=30)
         assert answer.status_code == 200, answer.text
         assert answer.json()["text"] == echoed, ask
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_custom_tool_call_comes_back_as_its_freeform_input(gateway: Proc, redis_client, stream: bool):
+    """A custom tool (Codex's freeform apply_patch) is shown as a function of one string; the model's call
+    comes back as a custom_tool_call with that string as its input, streamed as input deltas that join to
+    it (each a prefix's extension: the string decoded as far as it is complete)."""
+    tool = {"type": "custom", "name": "apply_patch", "description": "Patches a file."}
+    body = {
+        "model": MODEL,
+        "input": "Patch it.",
+        "tools": [tool],
+        "tool_choice": {"type": "custom", "name": "apply_patch"},
+        "max_output_tokens": 200,
+        "stream": stream,
+    }
+    rid = uuid.uuid4().hex
+    answer = httpx.post(f"{gateway.url}/rollouts/{rid}/v1/responses", json=body, timeout=30)
+    assert answer.status_code == 200, answer.text
+    [record] = recorded_calls(gateway, rid)
+    [sampled] = record["response"]["message"]["tool_calls"]
+    payload = json.loads(sampled["function"]["arguments"])["input"]
+    if stream:
+        events = [json.loads(line[6:]) for line in answer.text.splitlines() if line.startswith("data: ")]
+        deltas = [e["delta"] for e in events if e["type"] == "response.custom_tool_call_input.delta"]
+        [done] = [e for e in events if e["type"] == "response.custom_tool_call_input.done"]
+        assert deltas and "".join(deltas) == done["input"] == payload
+        response = events[-1]["response"]
+    else:
+        response = answer.json()
+    openai.types.responses.Response.model_validate(response)
+    [call] = response["output"]
+    assert call["type"] == "custom_tool_call" and call["name"] == "apply_patch" and call["input"] == payload
+    assert call["id"].startswith("ctc_") and call["call_id"] == sampled["id"]
