@@ -590,7 +590,16 @@ def _custom_input(arguments: str) -> str:
     except (ValueError, RecursionError):
         return arguments
     value = parsed.get(CUSTOM_INPUT_KEY) if isinstance(parsed, dict) else None
-    return value if isinstance(value, str) else arguments
+    return _whole(value) if isinstance(value, str) else arguments
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _whole(text: str) -> str:
+    """`text` with each lone surrogate (a \\uD8xx escape without its pair decodes to one) as U+FFFD: no
+    JSON encoder writes one out. Character by character, so a prefix stays a prefix."""
+    return _SURROGATE.sub("\ufffd", text)
 
 
 def _logprob(entry: dict[str, Any]) -> dict[str, Any]:
@@ -1111,7 +1120,10 @@ class _CustomInput:
     `decode_custom_tool_input_prefix`). Each delta is scanned once (a re-scan of everything per delta
     would be quadratic in the answer's length, on the event loop)."""
 
-    _OPEN = re.compile(r'"' + CUSTOM_INPUT_KEY + r'"\s*:\s*"')
+    # the arguments' start, as the shim's JSON object begins: {"input": "  (vLLM streams nothing else)
+    _OPEN = re.compile(r'\s*\{\s*"' + CUSTOM_INPUT_KEY + r'"\s*:\s*"')
+    _OPENING = '{"' + CUSTOM_INPUT_KEY + '":"'
+    _WAIT_MAX = 4096  # characters of arguments without that start: it never comes
     _BODY = re.compile(r'(?:[^"\\]|\\.)*', re.DOTALL)  # a JSON string's body, escapes whole
 
     def __init__(self) -> None:
@@ -1123,14 +1135,17 @@ class _CustomInput:
         self._closed = False
 
     def feed(self, delta: str) -> str:
+        if self._closed:  # the string ended, or the arguments are not the shim's object
+            return self.payload
         self.text += delta
-        if self._start is None:  # searched from where the last search could not have ended a match
-            found = self._OPEN.search(self.text, max(0, len(self.text) - len(delta) - 64))
+        if self._start is None:
+            found = self._OPEN.match(self.text)
             if found is None:
+                squeezed = "".join(self.text[:256].split())
+                if not self._OPENING.startswith(squeezed) or len(self.text) > self._WAIT_MAX:
+                    self._closed = True  # not the shim's object: nothing streams before the end
                 return self.payload
             self._start = self._scanned = self._decoded = found.end()
-        if self._closed:
-            return self.payload
         match = self._BODY.match(self.text, self._scanned)
         assert match is not None  # the pattern matches the empty string
         end = self._scanned = match.end()
@@ -1143,7 +1158,7 @@ class _CustomInput:
             return self.payload
         if piece and "\ud800" <= piece[-1] <= "\udbff":  # half a surrogate pair: wait for the other half
             piece, end = piece[:-1], end - 6
-        self.payload += piece
+        self.payload += _whole(piece)
         self._decoded = end
         return self.payload
 
