@@ -428,6 +428,9 @@ def test_a_killed_master_loses_no_answered_call(cluster: Cluster, fake_vllm: Pro
                 lambda: all(len(answered[rid]) > at_takeover[rid] for rid in ids if rid not in on_victim),
                 "the other masters' agents answered after the takeover",
             )
+            # and the agents on the new master are refused (503) while it has no replica: waited for, since
+            # their calls may still be in flight from before the takeover (the failed master's timeout)
+            _wait_for(lambda: bool(failed), "a call on the new master refused while it had no replica")
             degraded = {rid: len(answered[rid]) - at_takeover[rid] for rid in on_victim}
             cluster.start(victim)  # back, as a replica of the node that took over
             cluster.wait_healthy()
