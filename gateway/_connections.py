@@ -123,7 +123,7 @@ class GuardedProtocol(HttpToolsProtocol):
 
     # connection
 
-    def connection_made(self, transport: Transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport: Transport) -> None:  # type: ignore[override]  # a stream's: a Transport
         super().connection_made(transport)
         if not self._listener.admit(self):
             transport.close()

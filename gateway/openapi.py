@@ -217,7 +217,7 @@ def _vllm() -> dict[str, Any]:
 
 def install(api: FastAPI) -> None:
     """Serve `document(api)` at the app's openapi_url (built on the first request, then kept)."""
-    api.openapi = lambda: document(api)  # type: ignore[method-assign]
+    api.openapi = lambda: document(api)  # type: ignore[method-assign]  # FastAPI's way to replace it
 
 
 def document(api: FastAPI) -> dict[str, Any]:

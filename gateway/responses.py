@@ -118,7 +118,7 @@ def to_chat(body: dict[str, Any]) -> tuple[dict[str, Any], Request]:
         not isinstance(include, list) or not all(isinstance(i, str) for i in include)
     ):
         raise Invalid("include", "include: a list of strings")
-    logprobs = bool(include) and LOGPROBS_INCLUDE in include  # type: ignore[operator]
+    logprobs = isinstance(include, list) and LOGPROBS_INCLUDE in include
     top = body.get("top_logprobs")
     if top is not None and (not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= 20):
         raise Invalid("top_logprobs", "top_logprobs: an integer from 0 to 20")

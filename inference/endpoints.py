@@ -408,7 +408,7 @@ class Server:
         if isinstance(prompt, str):
             prompt = [prompt]
         elif prompt and isinstance(prompt[0], int):
-            prompt = [prompt]  # type: ignore[list-item]
+            prompt = [prompt]  # type: ignore[list-item]  # one prompt of token ids
         if not prompt:
             raise BadRequest("prompt must not be empty", param="prompt")
         ids = [

@@ -91,7 +91,7 @@ _REASONS = {
 
 def install(app: FastAPI) -> None:
     """Serve `document(app)` at the app's openapi_url (built on first request, then kept)."""
-    app.openapi = lambda: document(app)  # type: ignore[method-assign]
+    app.openapi = lambda: document(app)  # type: ignore[method-assign]  # FastAPI's way to replace it
 
 
 def document(app: FastAPI) -> dict[str, Any]:

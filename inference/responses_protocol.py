@@ -149,7 +149,7 @@ class ResponsesRequest(SamplingFields):
 
     def wants_logprobs(self) -> bool:
         """vLLM's `is_include_output_logprobs`: log-probs only through `include`."""
-        return bool(self.include) and LOGPROBS_INCLUDE in self.include  # type: ignore[operator]
+        return self.include is not None and LOGPROBS_INCLUDE in self.include
 
     def chat_messages(self) -> list[dict[str, Any]]:
         """The chat messages the template renders (vLLM's `construct_input_messages`): the instructions as a

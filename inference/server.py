@@ -175,7 +175,7 @@ async def unload_lora_adapter(request: Request) -> Response:
 
 @rl_router.post("/pause")
 async def pause(request: Request, mode: str = "abort", clear_cache: bool = True) -> Response:
-    await _model(request).weights.pause(mode)  # type: ignore[arg-type]
+    await _model(request).weights.pause(mode)  # type: ignore[arg-type]  # pause() refuses another mode
     return _ok({"status": "paused"})
 
 
