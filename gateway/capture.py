@@ -202,7 +202,7 @@ def transitions(
     usage = payload.get("usage")
     response_id = payload.get("id")
     prompt_token_ids = payload.get("prompt_token_ids")
-    out = []
+    out: list[Transition] = []
     for choice in payload.get("choices") or ():
         if endpoint == "chat.completions":
             response = CallResponse(

@@ -577,8 +577,9 @@ class MessagesRelay(TranslatedRelay):
         if not self._started:
             return out
         self._close(out)
-        tool_used = self._last_tool is not None
-        complete = tool_used and _is_json(self._arguments[self._last_tool])  # a call cut short must not run
+        last = self._last_tool
+        tool_used = last is not None
+        complete = last is not None and _is_json(self._arguments[last])  # a call cut short must not run
         reason, sequence = stop_reason(self._finish or "stop", self._stop, tool_used, complete)
         out.append(
             _event(

@@ -3,7 +3,7 @@ chunks, and assembling the complete call from the deltas."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import orjson
@@ -28,7 +28,7 @@ def split_events(buffer: bytes) -> tuple[list[bytes], bytes]:
     """
     if buffer.find(b"\r") != -1:
         buffer = buffer.replace(b"\r\n", b"\n")
-    events = []
+    events: list[bytes] = []
     find = buffer.find
     start = 0
     while True:
@@ -82,6 +82,7 @@ class StreamRelay:
         strip = injected.any
         out = []
         for event in events:
+            payload: bytes | None
             if event.startswith(b"data: ") and event.find(b"\n") == -1:
                 payload = event[6:]
             else:
@@ -153,7 +154,7 @@ def strip_chunk(endpoint: Endpoint, chunk: dict[str, Any], injected: Injected) -
     sends them as `delta: {}` without a finish reason (docs/vllm-wire-format.md, section 4).
     """
     strip_response(endpoint, chunk, injected)
-    choices = chunk.get("choices") or ()
+    choices: Sequence[Any] = chunk.get("choices") or ()
     if (
         endpoint == "chat.completions"
         and injected.token_ids
