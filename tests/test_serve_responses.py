@@ -21,6 +21,7 @@ transformers = pytest.importorskip("transformers")
 openai = pytest.importorskip("openai")
 
 from conftest import Proc, start_rlgate_serve
+from test_gateway_proxy import TOOLS
 from test_serve import direct_logprobs, hf, model_dir, prompt_ids, server  # noqa: F401 (the tiny model's fixtures)
 
 from inference.engine import SamplingParams
@@ -66,17 +67,7 @@ RESPONSE_KEYS = [
     "input_messages",
     "output_messages",
 ]
-CALCULATOR = {
-    "type": "function",
-    "name": "calculator",
-    "description": "Evaluate an arithmetic expression.",
-    "parameters": {
-        "type": "object",
-        "properties": {"expression": {"type": "string"}},
-        "required": ["expression"],
-    },
-    "strict": False,
-}
+CALCULATOR = {"type": "function", **TOOLS[0]["function"], "strict": False}  # the chat tests' tool, flat
 
 
 @pytest.fixture(scope="module")

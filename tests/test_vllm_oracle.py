@@ -28,6 +28,7 @@ import httpx
 import pytest
 from conftest import ROOT, Proc
 from test_gateway_proxy import MESSAGES, TOOLS
+from test_serve_responses import CALCULATOR
 
 ORACLE_SCRIPT = ROOT / "tests" / "vllm_oracle.py"
 TOOL_CALL_TOKEN = 259  # `<tool_call>` in the tiny model's tokenizer
@@ -637,19 +638,7 @@ def test_processed_logits_match_vllms_sampler(oracle: Oracle):
 
 # ------------------------------------------------------------------------------------------- /v1/responses
 
-RESPONSES_TOOLS = [
-    {
-        "type": "function",
-        "name": "calculator",
-        "description": "Evaluate an arithmetic expression.",
-        "parameters": {
-            "type": "object",
-            "properties": {"expression": {"type": "string"}},
-            "required": ["expression"],
-        },
-        "strict": False,
-    }
-]
+RESPONSES_TOOLS = [CALCULATOR]
 RESPONSES_CASES = [
     {"input": "What is 17 + 25?", "max_output_tokens": 6, "seed": 1},
     {
