@@ -19,7 +19,7 @@ import openai
 import pytest
 import redis
 from conftest import REDIS_URL, ROOT, Proc, free_port, rlgate, start_gateway, start_rlgate_serve
-from test_learner_e2e import BIAS, MESSAGES, MODEL  # the same agent as the one-rank tests
+from test_learner_e2e import BIAS, MESSAGES, MODEL, steps  # the same agent as the one-rank tests
 
 pytest.importorskip("openrlhf")
 pytest.importorskip("deepspeed")
@@ -94,11 +94,6 @@ def learner(model: Path, serve: Proc, out: Path, ranks: int, **settings: str) ->
         stdout=(out.parent / f"{out.name}.log").open("ab"),
         stderr=subprocess.STDOUT,
     )
-
-
-def steps(out: Path) -> list[dict]:
-    path = out / "steps.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def adapter(out: Path, version: int) -> dict:
