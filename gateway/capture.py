@@ -72,6 +72,16 @@ class InvalidField(ValueError):
         self.param = param
 
 
+def chat_stream(stream: Any) -> dict[str, Any]:
+    """The stream fields of the chat completion a translated request (Messages, Responses) becomes: its
+    `stream` read as vLLM reads it (raise `InvalidField`), and when true, usage asked with every chunk (the
+    translated stream's usage events need it)."""
+    check_read_fields("chat.completions", {"stream": stream})
+    if not is_true(stream):
+        return {}
+    return {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+
+
 def check_read_fields(endpoint: Endpoint, body: dict[str, Any]) -> None:
     """Refuse, as vLLM's pydantic models would, a value the gateway would otherwise read its own way: a
     boolean it reads (`stream`, ...) must be one pydantic's lax mode takes (true/false, 0/1, "yes"/"no",

@@ -100,15 +100,10 @@ def to_chat(body: dict[str, Any], count_only: bool = False) -> dict[str, Any]:
                 if not isinstance(value, (int, float)) or isinstance(value, bool):
                     raise Invalid(name, f"{name}: a number")
                 chat[name] = value
-        stream = body.get("stream")
-        if stream is not None:
-            try:
-                capture.check_read_fields("chat.completions", {"stream": stream})
-            except capture.InvalidField as exc:
-                raise Invalid("stream", str(exc)) from exc
-            if capture.is_true(stream):
-                chat["stream"] = True
-                chat["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+        try:
+            chat.update(capture.chat_stream(body.get("stream")))
+        except capture.InvalidField as exc:
+            raise Invalid("stream", str(exc)) from exc
     for name in VLLM_EXTRAS:  # vLLM's own fields, passed on as its /v1/messages passes them
         if body.get(name) is not None:
             chat[name] = body[name]

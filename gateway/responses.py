@@ -165,15 +165,10 @@ def to_chat(body: dict[str, Any]) -> tuple[dict[str, Any], Request]:
         chat["logprobs"] = True
         if top:
             chat["top_logprobs"] = top
-    stream = body.get("stream")
-    if stream is not None:
-        try:
-            capture.check_read_fields("chat.completions", {"stream": stream})
-        except capture.InvalidField as exc:
-            raise Invalid("stream", str(exc)) from exc
-        if capture.is_true(stream):
-            chat["stream"] = True
-            chat["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    try:
+        chat.update(capture.chat_stream(body.get("stream")))
+    except capture.InvalidField as exc:
+        raise Invalid("stream", str(exc)) from exc
     return chat, request
 
 
