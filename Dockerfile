@@ -21,12 +21,9 @@ ARG BASE_IMAGE=python:3.11-slim
 # only the last layer, not the dependencies' (torch and DeepSpeed take minutes)
 FROM scratch AS source
 COPY pyproject.toml README.md /app/
-COPY episodes /app/episodes
 COPY gateway /app/gateway
 COPY reward_hooks /app/reward_hooks
 COPY learner /app/learner
-COPY inference /app/inference
-COPY demo /app/demo
 COPY rlgate /app/rlgate
 
 FROM ${BASE_IMAGE} AS base

@@ -7,8 +7,8 @@ from typing import Any
 
 import orjson
 
-from episodes import Endpoint
 from gateway import errors
+from rlgate.episodes import Endpoint
 
 
 async def read_json(receive: Any, limit: int) -> dict[str, Any]:

@@ -14,8 +14,8 @@ from typing import Any
 import orjson
 import structlog
 
-import episodes
-from episodes import EpisodeLifecycle, EpisodeStore
+from rlgate import episodes
+from rlgate.episodes import EpisodeLifecycle, EpisodeStore
 
 log = structlog.get_logger("rlgate.gateway")
 

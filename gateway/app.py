@@ -34,8 +34,6 @@ import structlog
 from fastapi import APIRouter
 from starlette.routing import BaseRoute, Match
 
-from episodes import EpisodeStore
-from episodes.api_error import error_body
 from gateway import errors, messages, ui
 from gateway._asgi import send_body
 from gateway.auth import Credentials, bearer
@@ -44,6 +42,8 @@ from gateway.proxy import Proxy
 from gateway.routes import build_api
 from gateway.servers import Servers
 from gateway.settings import GatewaySettings
+from rlgate.episodes import EpisodeStore
+from rlgate.episodes.api_error import error_body
 
 log = structlog.get_logger("rlgate.gateway")
 

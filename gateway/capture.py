@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from episodes import CallResponse, Endpoint
+from rlgate.episodes import CallResponse, Endpoint
 
 
 @dataclass(slots=True)

@@ -12,7 +12,7 @@ from typing import Any
 
 import orjson
 
-from episodes.api_error import (
+from rlgate.episodes.api_error import (
     ApiError,
     BadRequest,
     Conflict,

@@ -19,9 +19,6 @@ from typing import Any, Literal, NamedTuple, NoReturn
 import orjson
 import structlog
 
-import episodes
-from episodes import CallError, CallRecord, Endpoint, EpisodeStore
-from episodes.api_error import from_store
 from gateway import capture, errors, messages, responses
 from gateway._asgi import disconnected, error_event, read_json, send_body
 from gateway._http import BodyTooLarge
@@ -32,6 +29,9 @@ from gateway.servers import Server, Servers
 from gateway.settings import GatewaySettings
 from gateway.streaming import DONE, StreamRelay, TranslatedRelay
 from gateway.watch import StoreWatch
+from rlgate import episodes
+from rlgate.episodes import CallError, CallRecord, Endpoint, EpisodeStore
+from rlgate.episodes.api_error import from_store
 
 log = structlog.get_logger("rlgate.gateway")
 

@@ -19,11 +19,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-import episodes
-from episodes import RolloutView
-from episodes.api_error import ApiError, error_body, from_store
-from episodes.records import RolloutListing
 from gateway import errors, openapi
+from rlgate import episodes
+from rlgate.episodes import RolloutView
+from rlgate.episodes.api_error import ApiError, error_body, from_store
+from rlgate.episodes.records import RolloutListing
 
 if TYPE_CHECKING:
     from gateway.app import Gateway

@@ -35,11 +35,11 @@ from dataclasses import dataclass
 
 import structlog
 
-import episodes
-from episodes import EpisodeStore, Policy, server_name
 from gateway import errors
 from gateway.settings import GatewaySettings
 from gateway.upstream import Upstream
+from rlgate import episodes
+from rlgate.episodes import EpisodeStore, Policy, server_name
 
 log = structlog.get_logger("rlgate.gateway")
 

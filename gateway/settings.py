@@ -7,7 +7,7 @@ from typing import ClassVar, Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import SettingsConfigDict
 
-from episodes.settings import (
+from rlgate.episodes.settings import (
     REDIS_URL,
     SHARED_ENV,
     KeyPrefix,
@@ -17,7 +17,7 @@ from episodes.settings import (
     RetentionSeconds,
     SharedSettings,
 )
-from episodes.store import RETENTION_S
+from rlgate.episodes.store import RETENTION_S
 
 
 class GatewaySettings(SharedSettings):

@@ -8,7 +8,6 @@ from typing import Any
 
 import orjson
 
-from episodes import CallError, CallResponse, Endpoint
 from gateway.capture import (
     Injected,
     Transition,
@@ -16,6 +15,7 @@ from gateway.capture import (
     sampled_tokens,
     strip_response,
 )
+from rlgate.episodes import CallError, CallResponse, Endpoint
 
 DONE = b"data: [DONE]"
 

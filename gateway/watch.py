@@ -29,11 +29,11 @@ import time
 
 import structlog
 
-import episodes
-from episodes import EpisodeStore
 from gateway import errors
 from gateway.metrics import GatewayMetrics
 from gateway.settings import GatewaySettings
+from rlgate import episodes
+from rlgate.episodes import EpisodeStore
 
 log = structlog.get_logger("rlgate.gateway")
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from episodes import ClosedEpisode
+from rlgate.episodes import ClosedEpisode
 
 
 @dataclass

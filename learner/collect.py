@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from episodes import ClosedEpisode, ClosedEpisodes
+from rlgate.episodes import ClosedEpisode, ClosedEpisodes
 
 log = structlog.get_logger("rlgate.learner")
 

@@ -39,7 +39,6 @@ from typing import Any
 import structlog
 import torch
 
-from episodes import ClosedEpisode, ClosedEpisodes, EpisodeStore, RolloutStatus, RolloutView, StoreUnavailable
 from learner import checkpoint
 from learner.collect import Collector, Group, Tally
 from learner.policy import Policy
@@ -48,6 +47,14 @@ from learner.ranks import Order, Ranks, RanksMisconfigured
 from learner.samples import Sample, Transition, build_samples, history_splits, micro_batches, shard
 from learner.settings import LearnerSettings
 from learner.transitions import credited_transitions
+from rlgate.episodes import (
+    ClosedEpisode,
+    ClosedEpisodes,
+    EpisodeStore,
+    RolloutStatus,
+    RolloutView,
+    StoreUnavailable,
+)
 
 log = structlog.get_logger("rlgate.learner")
 

@@ -32,7 +32,7 @@ from typing import Any
 import aiohttp
 import structlog
 
-from episodes import EpisodeStore, Policy, server_name
+from rlgate.episodes import EpisodeStore, Policy, server_name
 
 log = structlog.get_logger("rlgate.learner")
 

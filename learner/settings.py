@@ -9,7 +9,7 @@ from typing import Annotated, ClassVar, Literal
 from pydantic import BeforeValidator, Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from episodes.settings import (
+from rlgate.episodes.settings import (
     REDIS_URL,
     SHARED_ENV,
     KeyPrefix,
@@ -18,7 +18,7 @@ from episodes.settings import (
     RetentionSeconds,
     SharedSettings,
 )
-from episodes.store import RETENTION_S
+from rlgate.episodes.store import RETENTION_S
 
 # A model as given (a folder, or a Hub id): text, so that `./tiny` stays a path (a Path would drop the `./`).
 ModelRef = Annotated[str, BeforeValidator(lambda value: str(value) if isinstance(value, Path) else value)]

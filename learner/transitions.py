@@ -26,12 +26,12 @@ from typing import Any
 
 import torch
 
-from episodes import IndexedCall, RolloutView
 from learner.advantages import group_advantages, whiten
 from learner.credit import assign_credit
 from learner.push import ADAPTER_NAME
 from learner.samples import Transition
 from learner.settings import LearnerSettings
+from rlgate.episodes import IndexedCall, RolloutView
 
 
 def sampling_processing(

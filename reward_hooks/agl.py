@@ -37,13 +37,13 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-import episodes
-from episodes import EpisodeLifecycle, EpisodeStore, RolloutEvent
-from episodes.agl_queue import ACTIVE, AglConflict, AglCreate, AglPatch, AglQueue
 from reward_hooks import errors
 from reward_hooks.limits import RewardOutOfRange, check_reward
 from reward_hooks.routes import _store_errors
 from reward_hooks.settings import RewardSettings
+from rlgate import episodes
+from rlgate.episodes import EpisodeLifecycle, EpisodeStore, RolloutEvent
+from rlgate.episodes.agl_queue import ACTIVE, AglConflict, AglCreate, AglPatch, AglQueue
 
 __all__ = ["build_agl_router"]
 

@@ -3,8 +3,8 @@ bad credential."""
 
 from __future__ import annotations
 
-from episodes import api_error
-from episodes.api_error import (
+from rlgate.episodes import api_error
+from rlgate.episodes.api_error import (
     ApiError,
     BadRequest,
     Conflict,

@@ -18,11 +18,11 @@ import structlog
 from rq import get_current_job
 from rq.timeouts import JobTimeoutException
 
-import episodes
-from episodes import EpisodeLifecycle, EpisodeStore, RolloutView
 from reward_hooks.limits import RewardOutOfRange, check_reward
 from reward_hooks.rewards import RewardInput, RewardInputError, UnknownRewardFn, get_allowed_reward_fn
 from reward_hooks.settings import RewardSettings
+from rlgate import episodes
+from rlgate.episodes import EpisodeLifecycle, EpisodeStore, RolloutView
 
 log = structlog.get_logger("rlgate.reward")
 

@@ -6,8 +6,8 @@ import redis
 from rq import Queue, Retry
 from rq.serializers import JSONSerializer
 
-from episodes.store import is_cluster_url, standalone_url
 from reward_hooks.settings import RewardSettings
+from rlgate.episodes.store import is_cluster_url, standalone_url
 
 JOB = "reward_hooks.jobs.compute_reward"  # referenced by name: the worker imports it, the web side need not
 

@@ -27,15 +27,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from redis.exceptions import RedisError
 from starlette.concurrency import run_in_threadpool
 
-import episodes
-from episodes import EpisodeLifecycle, EpisodeStore, FinishRequest
-from episodes.api_error import from_store
 from reward_hooks import errors, signing
 from reward_hooks.auth import WebhookAuth
 from reward_hooks.limits import RewardOutOfRange, check_reward
 from reward_hooks.queue import RewardQueue
 from reward_hooks.rewards import UnknownRewardFn, get_allowed_reward_fn
 from reward_hooks.settings import RewardSettings
+from rlgate import episodes
+from rlgate.episodes import EpisodeLifecycle, EpisodeStore, FinishRequest
+from rlgate.episodes.api_error import from_store
 
 __all__ = ["build_router"]
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from episodes.settings import (
+from rlgate.episodes.settings import (
     REDIS_URL,
     KeyPrefix,
     QueueRedisUrl,
@@ -16,7 +16,7 @@ from episodes.settings import (
     RetentionSeconds,
     SharedSettings,
 )
-from episodes.store import RETENTION_S
+from rlgate.episodes.store import RETENTION_S
 
 MIN_SECRET_CHARS = 16  # as the gateway's operator token
 

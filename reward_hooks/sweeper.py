@@ -22,8 +22,8 @@ import uuid
 
 import structlog
 
-from episodes import EpisodeLifecycle, EpisodeStore, StoreUnavailable
 from reward_hooks.settings import RewardSettings
+from rlgate.episodes import EpisodeLifecycle, EpisodeStore, StoreUnavailable
 
 log = structlog.get_logger("rlgate.sweeper")
 

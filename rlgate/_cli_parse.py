@@ -19,8 +19,8 @@ from pydantic_core import core_schema
 from pydantic_settings import BaseSettings, CliSettingsSource, EnvSettingsSource
 from pydantic_settings.sources.providers.cli import _CliInternalArgParser, _CliPositionalArg, _CliSubCommand
 
-from episodes.settings import SharedSettings
 from rlgate._errors import EXIT_USAGE
+from rlgate.episodes.settings import SharedSettings
 
 
 def parse_time(value: Any) -> Any:

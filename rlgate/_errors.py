@@ -83,7 +83,7 @@ def explain(exc: BaseException, command: str, option: Callable[[tuple[Any, ...]]
     """The one line for an ordinary mistake, or None for anything else (a bug: keep the traceback)."""
     from redis import exceptions as redis_exc
 
-    from episodes import StoreUnavailable
+    from rlgate.episodes import StoreUnavailable
 
     if isinstance(exc, UsageError):
         return str(exc)

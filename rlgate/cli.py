@@ -43,8 +43,6 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
-from episodes import StoreUnavailable
-from episodes.settings import REDIS_URL, KeyPrefix, RedisTimeoutSeconds, RedisUrl, SharedSettings
 from gateway import GatewaySettings
 from learner.settings import LearnerSettings
 from reward_hooks.settings import RewardSettings
@@ -59,6 +57,8 @@ from rlgate._cli_parse import (
 )
 from rlgate._errors import EXIT_USAGE, UsageError, explain
 from rlgate._logging import configure_logging
+from rlgate.episodes import StoreUnavailable
+from rlgate.episodes.settings import REDIS_URL, KeyPrefix, RedisTimeoutSeconds, RedisUrl, SharedSettings
 
 
 def _redact(url: str) -> str:
@@ -73,7 +73,7 @@ def _redact(url: str) -> str:
 async def _check_redis(url: str, prefix: str, timeout_s: float) -> None:
     """Raise `StoreUnavailable` (one line for the user) unless Redis answers: a service that starts
     anyway would only fail later, less clearly."""
-    from episodes import EpisodeStore
+    from rlgate.episodes import EpisodeStore
 
     store = EpisodeStore.from_url(url, prefix=prefix, timeout_s=timeout_s)
     try:
@@ -315,8 +315,8 @@ class ExportCommand(SharedSettings):
     def cli_cmd(self) -> None:
         import asyncio
 
-        from episodes import EpisodeStore
-        from episodes.export import ExportFilter, export
+        from rlgate.episodes import EpisodeStore
+        from rlgate.episodes.export import ExportFilter, export
 
         flt = ExportFilter(tuple(self.status), self.since, self.until, self.task, self.agent, self.min_reward)
         if self.follow:
@@ -345,8 +345,8 @@ class ExportCommand(SharedSettings):
         import asyncio
         import signal
 
-        from episodes import EpisodeStore
-        from episodes.export import FollowCounts, follow
+        from rlgate.episodes import EpisodeStore
+        from rlgate.episodes.export import FollowCounts, follow
 
         async def run() -> Any:
             stop = asyncio.Event()
@@ -391,7 +391,7 @@ class ExportCommand(SharedSettings):
         rollouts), and what the export looked for."""
         from collections import Counter
 
-        from episodes.export import rollout_ids
+        from rlgate.episodes.export import rollout_ids
 
         statuses: Counter[str] = Counter()
         batch: list[str] = []
@@ -481,8 +481,8 @@ class ServeCommand(SharedSettings):
     log_format: Literal["auto", "json", "console"] = Field("auto", description="auto, json or console.")
 
     def cli_cmd(self) -> None:
-        from inference.access import VllmEnvironment, WeightsRoot
-        from inference.server import serve
+        from rlgate.inference.access import VllmEnvironment, WeightsRoot
+        from rlgate.inference.server import serve
 
         configure_logging(self.log_level, self.log_format)
         try:
@@ -542,7 +542,7 @@ class MakeTinyModelCommand(_FlagsOnly):
     )
 
     def cli_cmd(self) -> None:
-        from inference.tiny_model import build_tiny_model
+        from rlgate.inference.tiny_model import build_tiny_model
 
         try:
             path = build_tiny_model(
@@ -619,8 +619,8 @@ class DemoCommand(SharedSettings):
 
     task: Literal["calc", "calc-chat"] = Field(
         "calc",
-        description="calc: one token a call, the allowed tokens forced (demo.agent); calc-chat: a chat agent "
-        "with the OpenAI tools API, warm-started on teacher traces first (demo.chat_agent).",
+        description="calc: one token a call, the allowed tokens forced (rlgate.demo.agent); calc-chat: a chat agent "
+        "with the OpenAI tools API, warm-started on teacher traces first (rlgate.demo.chat_agent).",
     )
     workdir: Path = Field(Path("runs/demo"), description="Model, logs, adapters, summary and curve.")
     minutes: float = Field(
@@ -679,8 +679,8 @@ class DemoCommand(SharedSettings):
         raise ValueError("must be auto, vllm, rlgate-serve or a server's http(s) URL")
 
     def cli_cmd(self) -> None:
-        from demo.engines import choose
-        from demo.run import DemoConfig, run
+        from rlgate.demo.engines import choose
+        from rlgate.demo.run import DemoConfig, run
         from rlgate.vllm_server import VllmUnavailable
 
         cfg = DemoConfig(

@@ -33,11 +33,11 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from inference.tiny_model import build_tiny_model  # noqa: E402
 from learner.policy import Policy  # noqa: E402
 from learner.samples import Transition, build_samples, micro_batches  # noqa: E402
 from learner.settings import LearnerSettings  # noqa: E402
 from rlgate._net import free_port as _free_port  # noqa: E402
+from rlgate.inference.tiny_model import build_tiny_model  # noqa: E402
 
 
 def episodes(n: int, prompt: int, completion: int, rng: random.Random) -> list[list[Transition]]:
@@ -188,8 +188,8 @@ def bench_ranks(model: Path, counts: list[int], sizes: list[int], args: argparse
 async def bench_push(
     settings: LearnerSettings, model: Path, repeat: int, redis_url: str
 ) -> dict[str, list[float]]:
-    from episodes import EpisodeStore
     from learner.push import FullPusher, LoraPusher
+    from rlgate.episodes import EpisodeStore
 
     sys.path.insert(0, str(ROOT / "tests"))
     from conftest import start_rlgate_serve

@@ -141,7 +141,7 @@ def main() -> None:
     args = parser.parse_args()
     python = vllm_server.find_python()  # fails here, in one line, without vLLM
 
-    from inference.tiny_model import build_tiny_model
+    from rlgate.inference.tiny_model import build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

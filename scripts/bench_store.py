@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from redis_servers import cluster_ports  # noqa: E402
 
-from episodes import CallRecord, EpisodeStore  # noqa: E402
+from rlgate.episodes import CallRecord, EpisodeStore  # noqa: E402
 
 
 class Servers:

@@ -9,7 +9,7 @@ It starts the demo's processes on loopback, each under a supervisor thread that 
 Redis (a redis-server of its own, AOF on with `appendfsync everysec`, as docs/deployment.md recommends),
 the inference server (real vLLM where its venv is installed, else rlgate serve), the gateway, the reward
 worker, the learner (it resumes from its checkpoint) and the demo's agents (never killed: they are the
-outside world, and count what the gateway acknowledged in a ledger, `demo.agent --ledger`). Then it kills,
+outside world, and count what the gateway acknowledged in a ledger, `rlgate.demo.agent --ledger`). Then it kills,
 with SIGKILL to the whole process group, one service after another in a seeded random order, every service
 at least twice, at random moments; every other learner kill waits for the policy pointer to move (after the
 push, before the acknowledgement) and every other worker kill for a job in flight. It prints what it
@@ -58,11 +58,11 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 import redis  # noqa: E402
 
-from demo import engines  # noqa: E402
-from demo.run import MODEL_NAME, DemoConfig, Where, commands, read_steps  # noqa: E402
-from episodes import rq_queue_key  # noqa: E402
 from rlgate import vllm_server  # noqa: E402
 from rlgate._net import free_port  # noqa: E402
+from rlgate.demo import engines  # noqa: E402
+from rlgate.demo.run import MODEL_NAME, DemoConfig, Where, commands, read_steps  # noqa: E402
+from rlgate.episodes import rq_queue_key  # noqa: E402
 
 SERVICES = ("gateway", "worker", "learner", "inference", "redis")
 REWARD_JOB_TIMEOUT_S = 20  # math_answer takes milliseconds; a job whose worker died is retried 80 s later
@@ -898,7 +898,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"chaos: {exc}")
         return 2
     say(f"inference: {args.engine}" + (f" (not vLLM: {reason})" if reason else ""))
-    from inference.tiny_model import build_tiny_model
+    from rlgate.inference.tiny_model import build_tiny_model
 
     model = args.workdir / "model"
     if not (model / "config.json").is_file():

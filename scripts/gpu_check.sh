@@ -47,11 +47,11 @@ from pathlib import Path
 import httpx
 sys.path.insert(0, "tests"); sys.path.insert(0, ".")
 from conftest import free_port, start_gateway
-from inference.tiny_model import build_tiny_model
+from rlgate.inference.tiny_model import build_tiny_model
 from learner.settings import LearnerSettings
 from learner.policy import Policy
 from learner.push import LoraPusher
-from episodes import EpisodeStore
+from rlgate.episodes import EpisodeStore
 out = Path(sys.argv[1])
 model = build_tiny_model(out / "tiny", seed=0, hidden_size=256, num_layers=4)
 port = free_port()

@@ -17,8 +17,8 @@ import httpx
 import pytest
 import redis
 
-from episodes import CallRecord
 from rlgate._net import free_port
+from rlgate.episodes import CallRecord
 
 ROOT = Path(__file__).resolve().parent.parent
 # CI (`.ci/run`) sets this: a test that skips is a failure, unless it is marked `gpu`. Every outside program
@@ -318,7 +318,7 @@ def start_rlgate_serve(
 def rlgate_serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
     """`rlgate serve` on the tiny model, serving it under the fake upstream's model name (url ends in /v1)."""
     pytest.importorskip("torch")
-    from inference.tiny_model import build_tiny_model
+    from rlgate.inference.tiny_model import build_tiny_model
 
     tmp = tmp_path_factory.mktemp("rlgate_serve")
     # dev mode: the oracle compares the RL routes' errors with vLLM's too
@@ -352,7 +352,7 @@ def vllm_python() -> Path:
 def vllm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The default tiny model (`rlgate make-tiny-model`'s, seed 0): the one `rlgate_serve` serves too."""
     pytest.importorskip("torch")
-    from inference.tiny_model import build_tiny_model
+    from rlgate.inference.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("vllm_model") / "tiny", seed=0)
 

@@ -444,8 +444,8 @@ def test_rollouts_commands_use_the_operator_token(fake_vllm: Proc, tmp_path, red
 def test_list_rollouts_reads_are_bounded():
     import asyncio
 
-    from episodes import EpisodeStore
-    from episodes.store import LIST_MAX
+    from rlgate.episodes import EpisodeStore
+    from rlgate.episodes.store import LIST_MAX
 
     async def go() -> None:
         store = EpisodeStore.from_url(REDIS_URL)

@@ -307,7 +307,7 @@ def test_the_two_servers_override_puts_a_second_vllm_behind_the_gateway(monkeypa
     """docker-compose.servers.yml as Compose renders it: a second vLLM like the first on a GPU of its own,
     the gateway routing over both (RLGATE_UPSTREAM_URLS), the learner pushing to both, named alike (the
     gateway's version check matches the servers by name), both waited for."""
-    from episodes import server_name
+    from rlgate.episodes import server_name
 
     COMPOSE_V2[:] = COMPOSE_V2 or compose_v2()
     config = render("docker-compose.yml", "docker-compose.servers.yml")
@@ -516,7 +516,7 @@ def test_the_cpu_profile_commands_parse_and_are_wired_together(
         assert not settings.fork  # light reward jobs, as `rlgate demo` runs them
     if service == "learner":
         assert settings.device == "cpu" and settings.inference_urls == [serve_url]
-        # the demo's learner (`rlgate demo`'s defaults: demo.external's agents assume them)
+        # the demo's learner (`rlgate demo`'s defaults: rlgate.demo.external's agents assume them)
         assert (settings.tasks_per_step, settings.rollouts_per_task, settings.learning_rate) == (16, 4, 2e-3)
 
 
@@ -548,7 +548,7 @@ def test_the_cpu_profile_builds_the_same_dockerfile_with_a_cpu_torch(rendered_cp
 def test_the_demo_agents_drive_a_gateway_with_rollout_keys_through_its_control_port(
     tmp_path: Path, fake_vllm, redis_client
 ):
-    """`demo.agent --control`: each episode created on the control port with the operator token, its calls
+    """`rlgate.demo.agent --control`: each episode created on the control port with the operator token, its calls
     made with the rollout's own key (the only credential this gateway takes from agents), its reward job
     asked for on the control port."""
     control_port = free_port()
@@ -565,7 +565,7 @@ def test_the_demo_agents_drive_a_gateway_with_rollout_keys_through_its_control_p
         [
             sys.executable,
             "-m",
-            "demo.agent",
+            "rlgate.demo.agent",
             "--gateway",
             gateway.url,
             "--control",
@@ -729,7 +729,7 @@ def test_compose_up_cpu_runs_the_loop_in_containers(tmp_path: Path):
         assert subprocess.run(["pgrep", "-x", "dockerd"], check=False, capture_output=True).returncode == 1, (
             "dockerd left running"
         )
-    for pattern in (str(run), f"demo.agent --gateway http://127.0.0.1:{gateway_port}"):
+    for pattern in (str(run), f"rlgate.demo.agent --gateway http://127.0.0.1:{gateway_port}"):
         assert subprocess.run(["pgrep", "-f", pattern], check=False, capture_output=True).returncode == 1, (
             f"left running: {pattern}"
         )

@@ -28,8 +28,8 @@ import redis
 from conftest import REDIS_URL, ROOT, Proc, free_port, start_fake_vllm, start_gateway
 from prometheus_client.parser import text_string_to_metric_families
 
-from episodes import ClosedEpisodes, EpisodeStore, Policy
 from gateway.ui.html import num
+from rlgate.episodes import ClosedEpisodes, EpisodeStore, Policy
 
 webdriver = pytest.importorskip("selenium.webdriver")
 from selenium.common.exceptions import StaleElementReferenceException  # noqa: E402

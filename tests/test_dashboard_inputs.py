@@ -66,7 +66,7 @@ def _spans(html: str) -> list[tuple[str | None, str]]:
 
 
 def _call(**kw):
-    from episodes import IndexedCall
+    from rlgate.episodes import IndexedCall
 
     return IndexedCall(
         rollout_id="r",

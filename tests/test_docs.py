@@ -45,9 +45,19 @@ def test_the_layout_names_every_module_script_and_compose_file():
     file of scripts/, and every compose file: a module added without a line there fails here."""
     named = set(re.findall(r"`([^`]+)`", (ROOT / "docs" / "layout.md").read_text()))
     missing = []
-    for package in ("episodes", "gateway", "reward_hooks", "inference", "learner", "demo", "rlgate"):
+    for package in (
+        "rlgate/episodes",
+        "gateway",
+        "reward_hooks",
+        "rlgate/inference",
+        "learner",
+        "rlgate/demo",
+        "rlgate",
+    ):
         for path in sorted((ROOT / package).rglob("*.py")):
             relative = path.relative_to(ROOT / package)
+            if package == "rlgate" and relative.parts[0] in ("episodes", "inference", "demo"):
+                continue  # named as packages of their own above
             if path.stem in ("__init__", "__main__"):
                 continue
             names = {path.stem} if len(relative.parts) == 1 else {f"{relative.parts[0]}/"}

@@ -9,7 +9,7 @@ transformers = pytest.importorskip("transformers")
 
 from dataclasses import replace  # noqa: E402
 
-from inference.engine import Engine, SamplingParams, processed_logits  # noqa: E402
+from rlgate.inference.engine import Engine, SamplingParams, processed_logits  # noqa: E402
 
 VOCAB, PAD, EOS = 300, 0, 1
 
@@ -128,7 +128,7 @@ def test_top_k_and_top_p_truncate():
 def test_scheduler_batches_concurrent_requests(engine):
     import asyncio
 
-    from inference.scheduler import Scheduler
+    from rlgate.inference.scheduler import Scheduler
 
     params = [SamplingParams(max_tokens=6, seed=i) for i in range(12)]
     prompts = [PROMPTS[i % 3] for i in range(12)]
@@ -201,7 +201,7 @@ def test_stop_strings_end_generation_where_the_answer_is_cut(tmp_path):
     import subprocess
     import sys
 
-    from inference.model import Model
+    from rlgate.inference.model import Model
 
     path = tmp_path / "tiny"
     subprocess.run(
@@ -269,7 +269,7 @@ def test_one_rows_failure_does_not_fail_its_batch_mates(engine):
     scheduler, only the failing requests raise."""
     import asyncio
 
-    from inference.scheduler import Scheduler
+    from rlgate.inference.scheduler import Scheduler
 
     def broken(ids):
         raise RuntimeError("stop callback bug")
@@ -310,10 +310,10 @@ def test_one_logprobs_mode_default_everywhere():
     """vLLM's default (raw_logprobs) for the engine, its sampler, the model, the LoRA adapters and the server."""
     import inspect
 
-    from inference.engine import sample
-    from inference.lora import Adapters
-    from inference.model import Model
-    from inference.server import build_app, serve
+    from rlgate.inference.engine import sample
+    from rlgate.inference.lora import Adapters
+    from rlgate.inference.model import Model
+    from rlgate.inference.server import build_app, serve
 
     defaults = {
         f.__qualname__: inspect.signature(f).parameters["logprobs_mode"].default
@@ -343,7 +343,7 @@ def test_a_closed_scheduler_fails_its_running_batch_and_a_drained_one_finishes_i
     import asyncio
     import time
 
-    from inference.scheduler import Scheduler
+    from rlgate.inference.scheduler import Scheduler
 
     params = SamplingParams(max_tokens=48, seed=3)
 

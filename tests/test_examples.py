@@ -81,7 +81,7 @@ def test_example_agent_is_recorded_with_its_tool_calls(example: str, tool_stack:
     assert rollout["status"] == "closed" and rollout["reward"] == 1.0 and rollout["task_id"] == "calc-17-25"
     calls = rollout["calls"]
     assert len(calls) >= 2
-    from episodes import CallRecord
+    from rlgate.episodes import CallRecord
 
     for call in calls:
         assert call["error"] is None and call["prompt_token_ids"] and call["completion_token_ids"]

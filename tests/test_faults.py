@@ -68,7 +68,7 @@ class AofRedis:
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("torch")
-    from inference.tiny_model import build_tiny_model
+    from rlgate.inference.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("faults") / "tiny", seed=3)
 

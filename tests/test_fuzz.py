@@ -180,7 +180,7 @@ def test_gateway_refuses_unstorable_json(fuzz_gateway):
 @pytest.fixture
 def fuzz_serve(tmp_path: Path):
     pytest.importorskip("torch")
-    from inference.tiny_model import build_tiny_model
+    from rlgate.inference.tiny_model import build_tiny_model
 
     proc = start_rlgate_serve(build_tiny_model(tmp_path / "tiny", seed=0), tmp_path, "tiny")
     yield proc

@@ -95,7 +95,7 @@ def test_the_request_is_stored_once_per_call_not_once_per_choice(gateway: Proc, 
 
     from conftest import REDIS_URL
 
-    from episodes import EpisodeStore
+    from rlgate.episodes import EpisodeStore
 
     rid = uuid.uuid4().hex
     padding = "x" * (256 * 1024)

@@ -132,7 +132,7 @@ def test_a_server_behind_on_the_policy_version_gets_no_calls(two, redis_client: 
 
 
 def test_servers_are_named_alike_by_the_gateway_and_the_learner():
-    from episodes import server_name
+    from rlgate.episodes import server_name
 
     assert (
         server_name("http://127.0.0.1:8000/v1/")

@@ -23,8 +23,8 @@ import redis
 from conftest import REDIS_URL, Proc, free_port, rlgate, start_gateway
 from test_gateway_proxy import MESSAGES, MODEL, rollout
 
-from episodes import EpisodeStore
 from reward_hooks.sweeper import SweeperLease
+from rlgate.episodes import EpisodeStore
 
 
 def events(proc: Proc, name: str) -> list[dict]:

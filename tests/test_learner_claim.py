@@ -9,7 +9,7 @@ import asyncio
 import redis
 from conftest import REDIS_URL, call_record
 
-from episodes import ClosedEpisodes, EpisodeLifecycle, EpisodeStore, RolloutStatus
+from rlgate.episodes import ClosedEpisodes, EpisodeLifecycle, EpisodeStore, RolloutStatus
 
 
 def run(scenario):

@@ -10,8 +10,8 @@ import pytest
 import redis
 from conftest import REDIS_URL
 
-from episodes import ClosedEpisodes, EpisodeStore
 from learner.collect import Collector
+from rlgate.episodes import ClosedEpisodes, EpisodeStore
 
 
 def publish(redis_client: redis.Redis, task: str | None, n: int, start: int = 0) -> None:
@@ -125,7 +125,7 @@ def test_validation_episodes_are_scored_apart_and_never_trained(redis_client: re
     """A rollout created with mode val, closed like any other: on the stream with its mode, acknowledged
     (consumed) by the collector at once, its reward kept for the step's val_* numbers, in no group, and
     counted under the policy version that served its first call (its stream entry carries it)."""
-    from episodes import CallRecord, EpisodeLifecycle
+    from rlgate.episodes import CallRecord, EpisodeLifecycle
 
     async def body(store):
         lifecycle = EpisodeLifecycle(store)
@@ -163,7 +163,7 @@ def test_dynamic_filtering_drops_groups_whose_rewards_are_all_equal(redis_client
     tallied for the step's success rate; the step waits for groups whose rewards differ, and an overdue
     incomplete group of equal rewards is dropped too. Without it the oldest ready groups train, equal or
     not."""
-    from episodes import EpisodeLifecycle
+    from rlgate.episodes import EpisodeLifecycle
 
     rewards = {"a": [1, 1, 1], "b": [1, 0, 1], "c": [0, 0, 0], "d": [0, 1, 1], "e": [1, 1]}
 

@@ -33,7 +33,7 @@ BIAS = {str(ord(c)): 30.0 for c in "0123456789"}
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, Proc, Path]]:
-    from inference.tiny_model import build_tiny_model
+    from rlgate.inference.tiny_model import build_tiny_model
 
     tmp = tmp_path_factory.mktemp("learner_e2e")
     model = build_tiny_model(tmp / "tiny", seed=3)

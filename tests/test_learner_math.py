@@ -257,7 +257,7 @@ def test_multi_call_episodes_of_every_group_size_equal_openrlhf(estimator: str):
 
 
 def _view(rid: str, reward: float, calls: list[tuple[str, int]]):
-    from episodes import RolloutView
+    from rlgate.episodes import RolloutView
 
     return RolloutView.model_validate(
         {

@@ -11,11 +11,11 @@ import torch
 
 pytest.importorskip("openrlhf")
 
-from inference.tiny_model import build_tiny_model  # noqa: E402
 from learner._openrlhf import PolicyLoss  # noqa: E402
 from learner.policy import Policy, processed_log_probs  # noqa: E402
 from learner.samples import Transition, build_samples, collate, micro_batches  # noqa: E402
 from learner.settings import LearnerSettings  # noqa: E402
+from rlgate.inference.tiny_model import build_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")

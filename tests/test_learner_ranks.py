@@ -27,7 +27,7 @@ pytest.importorskip("deepspeed")
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, Proc, Path]]:
-    from inference.tiny_model import build_tiny_model
+    from rlgate.inference.tiny_model import build_tiny_model
 
     tmp = tmp_path_factory.mktemp("learner_ranks")
     model = build_tiny_model(tmp / "tiny", seed=3)
@@ -134,7 +134,7 @@ def test_settings_several_ranks_cannot_train_with_are_one_line(
     tmp_path: Path, redis_client: redis.Redis, settings: dict, message: str
 ):
     """Refused before any process group forms: the launcher's other rank need not exist."""
-    from inference.tiny_model import build_tiny_model
+    from rlgate.inference.tiny_model import build_tiny_model
 
     model = build_tiny_model(tmp_path / "tiny", seed=0)
     env = {

@@ -10,7 +10,7 @@ import pytest
 import redis
 from conftest import REDIS_URL, call_record
 
-from episodes import (
+from rlgate.episodes import (
     CallNotFound,
     ClosedEpisodes,
     EpisodeLifecycle,
@@ -250,7 +250,7 @@ def test_repair_never_republishes_a_consumed_episode(redis_client: redis.Redis):
 
 
 def test_a_rollout_whose_reward_job_never_closed_it_fails_at_its_ttl(redis_client: redis.Redis):
-    from episodes import FinishRequest
+    from rlgate.episodes import FinishRequest
 
     async def scenario(store, lifecycle):
         await store.create_rollout("judged")
@@ -444,7 +444,7 @@ def test_the_sweeper_trims_only_entries_every_group_acknowledged_past_the_retent
 def test_the_stream_entry_reads_back_what_is_written():
     """The closed-episode stream entry's wire format is one model (`ClosedEpisode`: `fields` for XADD,
     `from_entry` for a learner), so what a closer writes is what a learner reads, for every shape."""
-    from episodes import ClosedEpisode
+    from rlgate.episodes import ClosedEpisode
 
     for episode in (
         ClosedEpisode("", "r1", "t1", 1.0),

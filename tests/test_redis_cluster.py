@@ -26,11 +26,11 @@ from redis.crc import key_slot
 from redis_servers import cluster_ports
 from test_gateway_proxy import MESSAGES, MODEL
 
-from episodes import CallRecord, EpisodeStore, Keys, RolloutNotOpen, StoreUnavailable
-from episodes.export import rollout_ids
-from episodes.lifecycle import EpisodeLifecycle
-from episodes.overview import StoreOverview
-from episodes.stream import ClosedEpisodes
+from rlgate.episodes import CallRecord, EpisodeStore, Keys, RolloutNotOpen, StoreUnavailable
+from rlgate.episodes.export import rollout_ids
+from rlgate.episodes.lifecycle import EpisodeLifecycle
+from rlgate.episodes.overview import StoreOverview
+from rlgate.episodes.stream import ClosedEpisodes
 
 pytestmark = pytest.mark.skipif(
     shutil.which("redis-server") is None or shutil.which("redis-cli") is None,
@@ -494,7 +494,7 @@ def _slots(text: str) -> set[int]:
 def test_cluster_urls_and_what_needs_a_standalone_redis(cluster: Cluster, fake_vllm: Proc, tmp_path: Path):
     from test_cli import rlgate
 
-    from episodes.store import parse_url
+    from rlgate.episodes.store import parse_url
 
     assert parse_url("redis+cluster://h:7000/?wait_replicas=2") == ("redis://h:7000/", True, 2)
     assert parse_url("rediss://u:p@h:6380/3?ssl_cert_reqs=none") == (
@@ -691,7 +691,7 @@ def test_a_learner_step_on_a_cluster(cluster: Cluster, tmp_path: Path):
     from test_learner_e2e import BIAS, SERVE_KEY, episode, learner, steps
     from test_learner_e2e import MODEL as SERVED
 
-    from inference.tiny_model import build_tiny_model
+    from rlgate.inference.tiny_model import build_tiny_model
 
     prefix = f"c{uuid.uuid4().hex[:6]}"
     model = build_tiny_model(tmp_path / "tiny", seed=3)

@@ -1,4 +1,4 @@
-"""`rlgate serve` (inference/server.py) as a real process on the tiny model, driven by the openai SDK and
+"""`rlgate serve` (rlgate/inference/server.py) as a real process on the tiny model, driven by the openai SDK and
 raw httpx: vLLM 0.33's wire format field by field (docs/vllm-wire-format.md), log-probs against a direct
 forward pass, seeded determinism, stop strings, streaming, errors, and hermes tool-call parsing."""
 
@@ -21,9 +21,9 @@ openai = pytest.importorskip("openai")
 from conftest import Proc, start_rlgate_serve
 from test_gateway_proxy import MESSAGES, TOOLS
 
-from inference.engine import SamplingParams, processed_logits
-from inference.tiny_model import build_tiny_model
-from inference.tools import hermes_stream_deltas, parse_hermes
+from rlgate.inference.engine import SamplingParams, processed_logits
+from rlgate.inference.tiny_model import build_tiny_model
+from rlgate.inference.tools import hermes_stream_deltas, parse_hermes
 
 MODEL = "tiny"
 EOS, TOOL_CALL = 258, 259
@@ -700,7 +700,7 @@ def test_generation_config_sampling_defaults(model_dir: Path, tmp_path: Path, hf
 
     from fastapi.testclient import TestClient
 
-    from inference.server import build_app
+    from rlgate.inference.server import build_app
 
     greedy_dir = tmp_path / "greedy"
     shutil.copytree(model_dir, greedy_dir)

@@ -18,8 +18,8 @@ transformers = pytest.importorskip("transformers")
 
 from conftest import Proc, start_rlgate_serve  # noqa: E402
 
-from inference.engine import SamplingParams, processed_logits  # noqa: E402
-from inference.tiny_model import build_tiny_model  # noqa: E402
+from rlgate.inference.engine import SamplingParams, processed_logits  # noqa: E402
+from rlgate.inference.tiny_model import build_tiny_model  # noqa: E402
 
 MODEL = "tiny"
 MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")

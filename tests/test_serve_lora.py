@@ -17,7 +17,7 @@ peft = pytest.importorskip("peft")
 
 from conftest import Proc, start_rlgate_serve  # noqa: E402
 
-from inference.tiny_model import build_tiny_model  # noqa: E402
+from rlgate.inference.tiny_model import build_tiny_model  # noqa: E402
 
 MODEL = "tiny"
 PROMPT = {

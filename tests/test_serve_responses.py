@@ -1,4 +1,4 @@
-"""`POST /v1/responses` of `rlgate serve` (inference/responses.py) as a real process: vLLM 0.33's body and
+"""`POST /v1/responses` of `rlgate serve` (rlgate/inference/responses.py) as a real process: vLLM 0.33's body and
 event stream field by field (docs/vllm-wire-format.md section 7), token ids and log-probs against the
 tokenizer and a direct forward pass, `--logprobs-mode`, hermes function calls with the tiny model taught to
 call the calculator (tests/tool_model.py), errors, and the real OpenAI SDK and OpenAI Agents SDK as clients.
@@ -24,7 +24,7 @@ from conftest import Proc, start_rlgate_serve
 from test_gateway_proxy import TOOLS
 from test_serve import direct_logprobs, hf, model_dir, prompt_ids, server  # noqa: F401 (the tiny model's fixtures)
 
-from inference.engine import SamplingParams
+from rlgate.inference.engine import SamplingParams
 
 MODEL = "tiny"
 EOS = 258

@@ -15,7 +15,7 @@ from conftest import Proc, start_rlgate_serve
 
 pytest.importorskip("torch")
 
-from inference.tiny_model import build_tiny_model  # noqa: E402
+from rlgate.inference.tiny_model import build_tiny_model  # noqa: E402
 
 PROMPT = [72, 105, 33, 32, 50, 43, 51, 61]
 
@@ -271,9 +271,9 @@ def test_pause_abort_ends_the_queued_requests_of_every_scheduler():
     with finish_reason "abort" when the server pauses with mode=abort."""
     import asyncio
 
-    from inference.engine import SamplingParams
-    from inference.scheduler import Scheduler
-    from inference.weights import WeightSync
+    from rlgate.inference.engine import SamplingParams
+    from rlgate.inference.scheduler import Scheduler
+    from rlgate.inference.weights import WeightSync
 
     async def go():
         base, adapter = Scheduler(engine=None), Scheduler(engine=None)  # not started: requests stay queued

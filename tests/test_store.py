@@ -8,7 +8,7 @@ import pytest
 import redis
 from conftest import REDIS_URL, call_record
 
-from episodes import (
+from rlgate.episodes import (
     CallRecord,
     EpisodeStore,
     InvalidId,
@@ -383,14 +383,14 @@ def test_a_store_on_a_unix_socket(password_redis: int, tmp_path):
 
 
 def test_every_redis_py_connection_option_is_honoured_or_refused():
-    """The hand-written record connection (episodes/_batch.py) knows every option of the installed
+    """The hand-written record connection (rlgate/episodes/_batch.py) knows every option of the installed
     redis-py's connections: each is honoured, does not apply, or is refused at start. A redis-py that adds
     an option fails here, not silently in production."""
     import inspect
 
     import redis.asyncio.connection as connection
 
-    from episodes import _batch
+    from rlgate.episodes import _batch
 
     options = set()
     for cls in (connection.Connection, connection.SSLConnection, connection.UnixDomainSocketConnection):
@@ -508,7 +508,7 @@ def test_records_are_batched_per_loop_turn_and_survive_a_killed_connection(redis
 def test_the_record_size_limit_counts_utf8_bytes(redis_client):
     """`max_bytes` bounds what Redis stores: bytes, not characters (an answer in another script takes 2-4
     bytes a character)."""
-    from episodes import RecordTooLarge
+    from rlgate.episodes import RecordTooLarge
 
     async def go():
         store = EpisodeStore.from_url(REDIS_URL)

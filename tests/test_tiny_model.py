@@ -16,7 +16,7 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from inference import build_tiny_model, build_tokenizer
+from rlgate.inference import build_tiny_model, build_tokenizer
 
 FILES = [
     "config.json",
@@ -107,7 +107,9 @@ def test_same_seed_gives_identical_files_and_another_seed_other_weights(tmp_path
     first = digests(build_tiny_model(tmp_path / "a", seed=7))
     second = digests(build_tiny_model(tmp_path / "b", seed=7))
     other = digests(build_tiny_model(tmp_path / "c", seed=8))
-    script = f"from inference import build_tiny_model; build_tiny_model({str(tmp_path / 'd')!r}, seed=7)"
+    script = (
+        f"from rlgate.inference import build_tiny_model; build_tiny_model({str(tmp_path / 'd')!r}, seed=7)"
+    )
     subprocess.run([sys.executable, "-c", script], check=True, cwd=Path(__file__).parent.parent)
     assert first == second == digests(tmp_path / "d")  # also across processes (no hash-order effects)
     assert other["model.safetensors"] != first["model.safetensors"]

@@ -88,7 +88,7 @@ def test_responses_keep_the_token_text_of_their_output(
 def test_a_record_too_large_with_the_text_is_kept_without_it(fake_vllm: Proc, tmp_path, redis_client):
     """The text is for display: a call whose record fits RLGATE_MAX_RECORD_BYTES only without it is
     recorded without it, never failed for it."""
-    from episodes import CallRecord
+    from rlgate.episodes import CallRecord
 
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 64, "seed": 11, "temperature": 1.0}
     sizes = []

@@ -261,10 +261,10 @@ def test_a_server_without_the_pointers_adapter_is_a_503_to_retry(vllm_gateway: P
 
 
 def test_a_running_server_is_named_by_its_own_version(vllm: Proc, fake_vllm: Proc):
-    """`rlgate demo --inference URL` and `demo.external --inference URL` (the compose profile's summary):
+    """`rlgate demo --inference URL` and `rlgate.demo.external --inference URL` (the compose profile's summary):
     real vLLM is named by its `/version`; a server without that route is not called vLLM; a server that
     does not serve the model is refused, saying what it serves."""
-    from demo import engines
+    from rlgate.demo import engines
 
     base = vllm.url.removesuffix("/v1")
     engine = engines.running(vllm.url, "fake-model")

@@ -134,7 +134,7 @@ def oracle(oracle_python: str) -> Iterator[Oracle]:
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model's folder (its tokenizer is what vLLM's parser gets)."""
-    from inference.tiny_model import build_tiny_model
+    from rlgate.inference.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("oracle_tokenizer") / "tiny", seed=0)
 
@@ -406,7 +406,7 @@ def no_ids(deltas: list[dict | None]) -> list[dict | None]:
 
 
 def test_hermes_matches_vllms_parser(oracle: Oracle, tokenizer_dir: Path):
-    from inference.tools import chat_fields, hermes_stream_deltas, keeps_tool_calls
+    from rlgate.inference.tools import chat_fields, hermes_stream_deltas, keeps_tool_calls
 
     rng = random.Random(0)
     cases, mine = [], []
@@ -459,7 +459,7 @@ def test_hermes_matches_vllms_parser(oracle: Oracle, tokenizer_dir: Path):
 
 def test_hermes_stream_finish_reason_is_vllms(oracle: Oracle, tokenizer_dir: Path):
     """The streamed finish reason: "tool_calls" once a call streamed (even one the whole text cannot parse)."""
-    from inference.tools import HermesStream
+    from rlgate.inference.tools import HermesStream
 
     rng = random.Random(1)
     cases, mine = [], []
@@ -576,9 +576,9 @@ def test_processed_logits_match_vllms_sampler(oracle: Oracle):
     temperatures), `Sampler.apply_temperature` and `apply_top_k_top_p` on the same random logits."""
     import torch
 
-    from inference.engine import SamplingParams, processed_logits
     from learner.samples import Transition, build_samples, collate
     from learner.transitions import sampling_processing
+    from rlgate.inference.engine import SamplingParams, processed_logits
 
     generator = torch.Generator().manual_seed(0)
     settings = [
@@ -776,7 +776,7 @@ def test_responses_bodies_and_events_are_vllms(
 def test_responses_function_call_events_are_vllms(oracle: Oracle):
     """vLLM's own streaming-event emitters (streaming_events.py) give the reference shapes for a streamed
     function call; ours (inference.responses) are judged the same way as every other event."""
-    from inference.responses import _function_call
+    from rlgate.inference.responses import _function_call
 
     item = _function_call("fc_1", "chatcmpl-tool-1", "calculator", "", "in_progress")
     events = [

@@ -23,8 +23,8 @@ from test_gateway_errors import assert_openai_error
 from test_gateway_proxy import rollout
 from test_reward_hooks import SECRET, agent_call, redis_snapshot, run_worker, stream_entries
 
-from episodes import CallRecord, CallResponse, ClosedEpisodes, EpisodeStore
 from reward_hooks import signing
+from rlgate.episodes import CallRecord, CallResponse, ClosedEpisodes, EpisodeStore
 
 TOLERANCE_S = 300  # large: a binding check must fail on the binding, not on a slow machine's clock
 

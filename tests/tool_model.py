@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from inference.tiny_model import build_tiny_model
+from rlgate.inference.tiny_model import build_tiny_model
 
 QUESTION = "What is 17 + 25? Use the calculator."
 EXPRESSION = "17 + 25"
@@ -139,7 +139,7 @@ def cached_tool_calling_model(steps: int = 400, seed: int = 0) -> Path:
     import os
     import shutil
 
-    import inference.tiny_model as tiny
+    import rlgate.inference.tiny_model as tiny
 
     digest = hashlib.sha256()
     for source in (Path(__file__), Path(tiny.__file__)):

@@ -15,10 +15,10 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
 
-from episodes.overview import StoreCounts
-from episodes.records import RolloutSummary
 from gateway.ui.html import Html, join, num, tag, when
 from gateway.ui.svg import line_chart
+from rlgate.episodes.overview import StoreCounts
+from rlgate.episodes.records import RolloutSummary
 
 
 def counter_values(

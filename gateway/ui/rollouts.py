@@ -14,9 +14,9 @@ from urllib.parse import urlencode
 
 import orjson
 
-from episodes.records import IndexedCall, RolloutStatus, RolloutSummary, RolloutView
 from gateway.ui.html import Html, join, num, tag, truncate, when
 from gateway.ui.overview import ROLLOUT_HEADER, rollout_rows
+from rlgate.episodes.records import IndexedCall, RolloutStatus, RolloutSummary, RolloutView
 
 TEXT_MAX = 4000  # characters of one message, argument list or answer shown
 TOKENS_MAX = 4096  # completion tokens shown per call

@@ -22,11 +22,11 @@ from urllib.parse import parse_qs, urlencode, urlsplit
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-import episodes
-from episodes.overview import StoreOverview
-from episodes.records import RolloutStatus
 from gateway.ui import overview, rollouts, session, training
 from gateway.ui.html import join, page, tag
+from rlgate import episodes
+from rlgate.episodes.overview import StoreOverview
+from rlgate.episodes.records import RolloutStatus
 
 if TYPE_CHECKING:
     from gateway.app import Gateway

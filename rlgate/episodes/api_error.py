@@ -13,7 +13,7 @@ from typing import Any
 
 import orjson
 
-from episodes import errors as store
+from rlgate.episodes import errors as store
 
 
 class ApiError(Exception):

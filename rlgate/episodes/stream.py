@@ -11,9 +11,9 @@ from typing import cast
 
 from redis import exceptions as redis_exc
 
-from episodes.lifecycle import EpisodeLifecycle
-from episodes.records import ClosedEpisode
-from episodes.store import EpisodeStore
+from rlgate.episodes.lifecycle import EpisodeLifecycle
+from rlgate.episodes.records import ClosedEpisode
+from rlgate.episodes.store import EpisodeStore
 
 # XREADGROUP's reply on a connection without decoding: per stream, its entries (id, fields; no fields for
 # an entry deleted since it was delivered)

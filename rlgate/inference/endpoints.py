@@ -13,17 +13,17 @@ import orjson
 import structlog
 from fastapi.responses import Response, StreamingResponse
 
-from inference.engine import SamplingParams
-from inference.model import Model, Output
-from inference.protocol import (
+from rlgate.inference.engine import SamplingParams
+from rlgate.inference.model import Model, Output
+from rlgate.inference.protocol import (
     BadRequest,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
-from inference.responses_protocol import ResponsesRequest
-from inference.tools import HermesStream, chat_fields, keeps_tool_calls
+from rlgate.inference.responses_protocol import ResponsesRequest
+from rlgate.inference.tools import HermesStream, chat_fields, keeps_tool_calls
 
 log = structlog.get_logger("rlgate.serve")
 LOGPROB_FLOOR = -9999.0  # vLLM clamps reported log-probs here (-inf is not JSON)

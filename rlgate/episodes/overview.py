@@ -24,9 +24,9 @@ from typing import Any
 
 import orjson
 
-from episodes.keys import rq_queue_key
-from episodes.records import Policy
-from episodes.store import EpisodeStore
+from rlgate.episodes.keys import rq_queue_key
+from rlgate.episodes.records import Policy
+from rlgate.episodes.store import EpisodeStore
 
 STEPS_MAX = 2000  # most learner steps one read returns
 

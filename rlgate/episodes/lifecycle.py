@@ -11,16 +11,16 @@ from typing import Any
 
 import orjson
 
-from episodes import _lua
-from episodes.errors import (
+from rlgate.episodes import _lua
+from rlgate.episodes.errors import (
     CallNotFound,
     RewardConflict,
     RolloutExpired,
     RolloutNotFound,
     RolloutNotOpen,
 )
-from episodes.records import ClosedEpisode, FinishRequest
-from episodes.store import EpisodeStore
+from rlgate.episodes.records import ClosedEpisode, FinishRequest
+from rlgate.episodes.store import EpisodeStore
 
 
 def canonical_reward(reward: float) -> str:

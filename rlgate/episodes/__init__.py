@@ -4,7 +4,7 @@ The three services import this package and never each other. `keys` is the key l
 pydantic records that Redis holds as JSON, `store` the async store whose multi-key writes are Lua scripts.
 """
 
-from episodes.errors import (
+from rlgate.episodes.errors import (
     CallNotFound,
     InvalidId,
     ModeMismatch,
@@ -21,7 +21,7 @@ from episodes.errors import (
     TaskMismatch,
     TooManyAttempts,
 )
-from episodes.keys import (
+from rlgate.episodes.keys import (
     Keys,
     attempt_episode,
     parent_of,
@@ -30,8 +30,8 @@ from episodes.keys import (
     validate_episode_id,
     validate_id,
 )
-from episodes.lifecycle import CloseResult, EpisodeLifecycle, canonical_reward
-from episodes.records import (
+from rlgate.episodes.lifecycle import CloseResult, EpisodeLifecycle, canonical_reward
+from rlgate.episodes.records import (
     SCHEMA_VERSION,
     AgentApi,
     CallError,
@@ -47,8 +47,8 @@ from episodes.records import (
     RolloutStatus,
     RolloutView,
 )
-from episodes.store import EVENT_MAX_BYTES, EVENTS_MAX, EpisodeStore
-from episodes.stream import ClosedEpisode, ClosedEpisodes
+from rlgate.episodes.store import EVENT_MAX_BYTES, EVENTS_MAX, EpisodeStore
+from rlgate.episodes.stream import ClosedEpisode, ClosedEpisodes
 
 __all__ = [
     "SCHEMA_VERSION",

@@ -37,12 +37,12 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
 
-from inference import openapi, responses
-from inference.access import ApiKeyMiddleware
-from inference.endpoints import Server
-from inference.engine import LogprobsMode
-from inference.model import Model
-from inference.protocol import (
+from rlgate.inference import openapi, responses
+from rlgate.inference.access import ApiKeyMiddleware
+from rlgate.inference.endpoints import Server
+from rlgate.inference.engine import LogprobsMode
+from rlgate.inference.model import Model
+from rlgate.inference.protocol import (
     BadRequest,
     ChatCompletionRequest,
     CompletionRequest,
@@ -53,7 +53,7 @@ from inference.protocol import (
     UnloadLoraAdapterRequest,
     request_validation_error,
 )
-from inference.responses_protocol import ResponsesRequest
+from rlgate.inference.responses_protocol import ResponsesRequest
 
 log = structlog.get_logger("rlgate.serve")
 
@@ -135,7 +135,7 @@ def _string_field(body: dict[str, Any], key: str, *, required: bool) -> str | No
 # -- Gated routes (inference.access): registered only when enabled, as vLLM registers them ------------
 
 lora_router = APIRouter()  # VLLM_ALLOW_RUNTIME_LORA_UPDATING / --allow-runtime-lora-updating
-rl_router = APIRouter()  # VLLM_SERVER_DEV_MODE / --dev-mode: vLLM's RL routes (inference/weights.py)
+rl_router = APIRouter()  # VLLM_SERVER_DEV_MODE / --dev-mode: vLLM's RL routes (rlgate/inference/weights.py)
 
 
 def _model(request: Request) -> Model:

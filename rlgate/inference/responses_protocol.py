@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from inference.protocol import BadRequest, SamplingFields, invalid
+from rlgate.inference.protocol import BadRequest, SamplingFields, invalid
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 IncludeItem = Literal[

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from inference.access import WeightsRoot
-from inference.engine import Engine, LogprobsMode
-from inference.protocol import BadRequest, ServeError
-from inference.scheduler import Scheduler
+from rlgate.inference.access import WeightsRoot
+from rlgate.inference.engine import Engine, LogprobsMode
+from rlgate.inference.protocol import BadRequest, ServeError
+from rlgate.inference.scheduler import Scheduler
 
 
 class AdapterNotFound(ServeError):

@@ -1,15 +1,15 @@
-"""`rlgate demo --task calc-chat`: what differs from the one-token demo (`demo.run` drives both).
+"""`rlgate demo --task calc-chat`: what differs from the one-token demo (`rlgate.demo.run` drives both).
 
 Before the loop starts, the policy is warm-started the way real pipelines do it, through the product:
 
-1. the base model (`demo.base_model`, built once per machine and cached);
-2. the teacher (`demo.teacher`, scripted and imperfect on purpose) answers `WARM_EPISODES` Calc-X
-   conversations of the unchanged agent (`demo.chat_agent`) through an rlgate gateway, which records them
+1. the base model (`rlgate.demo.base_model`, built once per machine and cached);
+2. the teacher (`rlgate.demo.teacher`, scripted and imperfect on purpose) answers `WARM_EPISODES` Calc-X
+   conversations of the unchanged agent (`rlgate.demo.chat_agent`) through an rlgate gateway, which records them
    under a key prefix of their own; the `math_answer` reward job closes each;
 3. `rlgate export --format sft` writes them as chat rows;
-4. `demo.warm_start` fine-tunes the base on those rows: the warm policy.
+4. `rlgate.demo.warm_start` fine-tunes the base on those rows: the warm policy.
 
-Then `demo.run` serves the warm policy and runs the same agent against the gateway with the learner
+Then `rlgate.demo.run` serves the warm policy and runs the same agent against the gateway with the learner
 training on what it records. The learner's samples are trajectories (`sample_shape=trajectory`): the chat
 template renders the model's tool call back exactly as it wrote it, so the second call's prompt extends the
 first call's prompt and completion and an episode of two turns trains as one sequence (a call whose
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 
 if TYPE_CHECKING:
-    from demo.run import DemoConfig
+    from rlgate.demo.run import DemoConfig
 
 WARM_EPISODES = 400
 WARM_STEPS = 400
@@ -43,9 +43,9 @@ def warm_policy(cfg: DemoConfig, redis_url: str) -> tuple[Path, dict[str, Any]]:
     """Build the warm-started policy in `cfg.workdir / "warm"`; returns its path and what happened."""
     from transformers.utils import logging as transformers_logging
 
-    from demo.base_model import cached_base_model
-    from demo.run import cleanup, free_port, spawn, stop_named, wait_http
-    from demo.warm_start import warm_start
+    from rlgate.demo.base_model import cached_base_model
+    from rlgate.demo.run import cleanup, free_port, spawn, stop_named, wait_http
+    from rlgate.demo.warm_start import warm_start
 
     transformers_logging.disable_progress_bar()  # the demo prints its own progress lines
 
@@ -69,7 +69,7 @@ def warm_policy(cfg: DemoConfig, redis_url: str) -> tuple[Path, dict[str, Any]]:
             [
                 sys.executable,
                 "-m",
-                "demo.teacher",
+                "rlgate.demo.teacher",
                 "--port",
                 str(teacher_port),
                 "--seed",
@@ -104,7 +104,7 @@ def warm_policy(cfg: DemoConfig, redis_url: str) -> tuple[Path, dict[str, Any]]:
             [
                 sys.executable,
                 "-m",
-                "demo.chat_agent",
+                "rlgate.demo.chat_agent",
                 "--gateway",
                 gateway_url,
                 "--model",

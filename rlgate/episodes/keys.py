@@ -95,7 +95,7 @@ from __future__ import annotations
 import re
 from urllib.parse import urlsplit
 
-from episodes.errors import InvalidId
+from rlgate.episodes.errors import InvalidId
 
 # Characters allowed in rollout and task ids: they appear in URL paths and inside a hash tag, so no
 # slashes and no braces.

@@ -42,9 +42,9 @@ import structlog
 import torch
 from torch import nn
 
-from inference.access import WeightsRoot
-from inference.protocol import BadRequest, ServeError
-from inference.scheduler import Scheduler
+from rlgate.inference.access import WeightsRoot
+from rlgate.inference.protocol import BadRequest, ServeError
+from rlgate.inference.scheduler import Scheduler
 
 log = structlog.get_logger("rlgate.serve")
 

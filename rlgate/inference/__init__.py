@@ -6,6 +6,6 @@ template in code; `engine` samples batches on the CPU with the log-probs of the 
 (`server` documents the contract and the differences).
 """
 
-from inference.tiny_model import CHAT_TEMPLATE, build_tiny_model, build_tokenizer
+from rlgate.inference.tiny_model import CHAT_TEMPLATE, build_tiny_model, build_tokenizer
 
 __all__ = ["CHAT_TEMPLATE", "build_tiny_model", "build_tokenizer"]

@@ -16,9 +16,9 @@ from typing import Any, Literal
 
 import orjson
 
-from episodes.records import RolloutStatus, RolloutView
-from episodes.store import EpisodeStore
-from episodes.stream import ClosedEpisodes
+from rlgate.episodes.records import RolloutStatus, RolloutView
+from rlgate.episodes.store import EpisodeStore
+from rlgate.episodes.stream import ClosedEpisodes
 
 Format = Literal["jsonl", "parquet", "sft"]
 

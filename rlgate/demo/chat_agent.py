@@ -6,7 +6,7 @@ without a call (at most `MAX_TURNS` model calls). No token ids, no `logit_bias`,
 
 Against any OpenAI-compatible server, e.g. vLLM serving a model under the name `policy`:
 
-    OPENAI_BASE_URL=http://127.0.0.1:8000/v1 OPENAI_API_KEY=... python -m demo.chat_agent --model policy
+    OPENAI_BASE_URL=http://127.0.0.1:8000/v1 OPENAI_API_KEY=... python -m rlgate.demo.chat_agent --model policy
 
 solves `--episodes` questions and prints how many it got right. With `--gateway URL` it runs as the
 demo's harness drives it: every episode under its own rollout (`.../tasks/{task}/rollouts/{id}/v1`, so
@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 import openai
 
-from demo.calc_chat import SYSTEM, TOOLS, Question, calculate, random_question
+from rlgate.demo.calc_chat import SYSTEM, TOOLS, Question, calculate, random_question
 
 MAX_TURNS = 4
 TEMPERATURE = 0.7

@@ -14,13 +14,13 @@ import structlog
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from inference.access import WeightsRoot
-from inference.detokenize import Detokenizer
-from inference.engine import Completion, Engine, LogprobsMode, SamplingParams
-from inference.lora import Adapters
-from inference.protocol import BadRequest, ModelNotFound, SamplingFields
-from inference.scheduler import Scheduler
-from inference.weights import WeightSync
+from rlgate.inference.access import WeightsRoot
+from rlgate.inference.detokenize import Detokenizer
+from rlgate.inference.engine import Completion, Engine, LogprobsMode, SamplingParams
+from rlgate.inference.lora import Adapters
+from rlgate.inference.protocol import BadRequest, ModelNotFound, SamplingFields
+from rlgate.inference.scheduler import Scheduler
+from rlgate.inference.weights import WeightSync
 
 log = structlog.get_logger("rlgate.serve")
 

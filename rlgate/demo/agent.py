@@ -3,7 +3,7 @@ rollout (`.../tasks/{task}/rollouts/{rollout}/v1`, which is how the gateway lear
 which episode) and the reward endpoint it asks to grade its answer (`/rollouts/{rollout}/finish` with
 the `math_answer` reward job and the ground truth).
 
-    python -m demo.agent --gateway http://127.0.0.1:8100 --model tiny --concurrency 32
+    python -m rlgate.demo.agent --gateway http://127.0.0.1:8100 --model tiny --concurrency 32
 
 Runs until stopped (SIGTERM/SIGINT): tasks of `--rollouts-per-task` episodes each (the learner's GRPO
 groups), `--concurrency` episodes in flight.
@@ -31,7 +31,7 @@ import uuid
 import httpx
 import openai
 
-from demo.task import ANSWER_BIAS, FIRST_CALL_BIAS, TEMPERATURE, TOOL_TOKEN, Question, random_question
+from rlgate.demo.task import ANSWER_BIAS, FIRST_CALL_BIAS, TEMPERATURE, TOOL_TOKEN, Question, random_question
 
 FINISH_TRIES = 8  # a finish that found no gateway (restarting) or a 5xx is asked again, with backoff
 

@@ -8,7 +8,7 @@ for a hermes-format model: well-formed calls in `tool_calls` with finish reason 
 one as plain content. It serves no token ids or log-probs: its calls are recorded for their messages (the
 warm start's data) and are not trainable. It is the demo's data source, not an inference server.
 
-    python -m demo.teacher --port 8200 --tool-rate 0.45 --broken-rate 0.2
+    python -m rlgate.demo.teacher --port 8200 --tool-rate 0.45 --broken-rate 0.2
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from demo.calc_chat import warm_start_answer
+from rlgate.demo.calc_chat import warm_start_answer
 
 
 def build_app(tool_rate: float, broken_rate: float, seed: int, model: str = "teacher") -> FastAPI:

@@ -17,7 +17,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from inference.protocol import (
+from rlgate.inference.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -25,7 +25,7 @@ from inference.protocol import (
     TokenizeRequest,
     UnloadLoraAdapterRequest,
 )
-from inference.responses_protocol import ResponsesRequest
+from rlgate.inference.responses_protocol import ResponsesRequest
 
 __all__ = ["install", "document"]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from inference.engine import Completion, Engine, SamplingParams
+from rlgate.inference.engine import Completion, Engine, SamplingParams
 
 
 @dataclass

@@ -20,9 +20,9 @@ from redis import exceptions as redis_exc
 from redis.asyncio.cluster import RedisCluster
 from redis.typing import EncodableT, FieldT
 
-from episodes import _lua
-from episodes._batch import ScriptBatcher
-from episodes.errors import (
+from rlgate.episodes import _lua
+from rlgate.episodes._batch import ScriptBatcher
+from rlgate.episodes.errors import (
     ModeMismatch,
     RecordTooLarge,
     RolloutExists,
@@ -34,8 +34,8 @@ from episodes.errors import (
     TaskMismatch,
     TooManyAttempts,
 )
-from episodes.keys import Keys, parent_of, validate_id
-from episodes.records import (
+from rlgate.episodes.keys import Keys, parent_of, validate_id
+from rlgate.episodes.records import (
     SCHEMA_VERSION,
     CallRecord,
     IndexedCall,

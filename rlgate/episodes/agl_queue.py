@@ -25,10 +25,10 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from redis.typing import EncodableT, FieldT
 
-from episodes import _lua
-from episodes.errors import InvalidId, RolloutExists, RolloutNotFound, StoreError
-from episodes.keys import _ID_RE, validate_id
-from episodes.store import EpisodeStore
+from rlgate.episodes import _lua
+from rlgate.episodes.errors import InvalidId, RolloutExists, RolloutNotFound, StoreError
+from rlgate.episodes.keys import _ID_RE, validate_id
+from rlgate.episodes.store import EpisodeStore
 
 AglState = Literal["queuing", "running", "succeeded", "failed"]
 ACTIVE: tuple[AglState, ...] = ("queuing", "running")

@@ -22,7 +22,7 @@ copies digits 99.6% right after 1,000. After the same warm start on tool-only tr
 only misses were one-digit negative results.
 
 Nothing in the pretraining corpus is a Calc-X conversation, a tool call or an answer: the task's format
-is what the warm start (`demo.warm_start`) teaches, from teacher traces recorded through the gateway.
+is what the warm start (`rlgate.demo.warm_start`) teaches, from teacher traces recorded through the gateway.
 
 Built once per machine and kept (`cached_base_model`), as a downloaded base would be.
 """
@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from demo.calc_chat import SYSTEM, TOOL_NAME, TOOLS, random_question
+from rlgate.demo.calc_chat import SYSTEM, TOOL_NAME, TOOLS, random_question
 
 WIDTH = 128
 LAYERS = 3
@@ -60,7 +60,7 @@ def tokenizer_corpus(rng: random.Random, n: int = 300) -> list[str]:
     """Chat text the tokenizer's merges are learned from: Calc-X-like conversations rendered by the
     model's chat template (the system prompt, the tool schema, questions and tool turns): the text the
     tokenizer will mostly see, as a real tokenizer is trained on text like its model's."""
-    from inference.tiny_model import build_tokenizer
+    from rlgate.inference.tiny_model import build_tokenizer
 
     template = build_tokenizer()
     texts = []
@@ -118,8 +118,8 @@ def build_base_model(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from demo.warm_start import supervised_step
-    from inference.tiny_model import build_tiny_model
+    from rlgate.demo.warm_start import supervised_step
+    from rlgate.inference.tiny_model import build_tiny_model
 
     rng = random.Random(seed)
     build_tiny_model(
@@ -162,7 +162,7 @@ def cached_base_model(seed: int = 0, steps: int = PRETRAIN_STEPS, log: Any = pri
     named by a hash of the code that builds it, the arguments and torch's version."""
     import torch
 
-    import inference.tiny_model as tiny
+    import rlgate.inference.tiny_model as tiny
 
     digest = hashlib.sha256()
     for source in (Path(__file__), Path(tiny.__file__), Path(__file__).with_name("calc_chat.py")):

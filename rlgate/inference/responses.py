@@ -28,12 +28,12 @@ from typing import Any
 import orjson
 from fastapi.responses import Response, StreamingResponse
 
-from inference.endpoints import Server, _aiter, _log_completion, random_id
-from inference.engine import SamplingParams
-from inference.model import Output
-from inference.protocol import BadRequest, ServeError
-from inference.responses_protocol import ResponsesRequest
-from inference.tools import chat_fields, tool_call_id
+from rlgate.inference.endpoints import Server, _aiter, _log_completion, random_id
+from rlgate.inference.engine import SamplingParams
+from rlgate.inference.model import Output
+from rlgate.inference.protocol import BadRequest, ServeError
+from rlgate.inference.responses_protocol import ResponsesRequest
+from rlgate.inference.tools import chat_fields, tool_call_id
 
 
 class ResponseNotFound(ServeError):

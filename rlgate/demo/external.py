@@ -1,13 +1,13 @@
 """The demo's agents against an rlgate loop that runs elsewhere (docker compose: scripts/compose-up-cpu),
 until the success rate rises; then `rlgate demo`'s summary.
 
-    RLGATE_OPERATOR_TOKEN=... python -m demo.external --gateway http://127.0.0.1:18100 \\
+    RLGATE_OPERATOR_TOKEN=... python -m rlgate.demo.external --gateway http://127.0.0.1:18100 \\
         --control http://127.0.0.1:18101 --redis-url redis://127.0.0.1:18179/0 \\
         --steps runs/compose-cpu/learner/steps.jsonl --json runs/compose-cpu/summary.json
 
 Only the agents run here. The loop's learner must train as `rlgate demo`'s does (docker-compose.cpu.yml
 sets it so: groups of `--rollouts-per-task` episodes, `--tasks-per-step` tasks a step); its per-step lines
-(`steps.jsonl` in its output folder) are the progress and the summary, as in `demo.run`. Redis is read
+(`steps.jsonl` in its output folder) are the progress and the summary, as in `rlgate.demo.run`. Redis is read
 for the backlog only; its keys belong to the deployment and stay.
 """
 
@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from demo.run import (
+from rlgate.demo.run import (
     MODEL_NAME,
     DemoConfig,
     read_steps,
@@ -83,12 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     (cfg.workdir / "logs").mkdir(parents=True, exist_ok=True)
     if args.inference:
-        from demo import engines
+        from rlgate.demo import engines
 
         try:
             cfg.engines.append(engines.running(args.inference, MODEL_NAME))
         except engines.vllm_server.VllmUnavailable as exc:
-            print(f"demo.external: {exc}", file=sys.stderr)
+            print(f"rlgate.demo.external: {exc}", file=sys.stderr)
             return 1
         print(engines.describe(cfg.engines[0]), flush=True)
     where = {
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     agent = [
         sys.executable,
         "-m",
-        "demo.agent",
+        "rlgate.demo.agent",
         "--gateway",
         args.gateway,
         "--model",

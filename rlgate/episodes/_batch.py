@@ -123,7 +123,7 @@ def check_options(kwargs: dict[str, Any], connection_class: type | None = None) 
     provider (redis-py refuses the pair too)."""
     if "connection_pool" in kwargs:  # a Sentinel-managed pool: its master is found at connect time
         raise ValueError(
-            "the store's pipelined record connection (episodes/_batch.py) does not support Redis Sentinel "
+            "the store's pipelined record connection (rlgate/episodes/_batch.py) does not support Redis Sentinel "
             "pools: give the store the master's URL"
         )
     if kwargs.get("credential_provider") is not None and (kwargs.get("username") or kwargs.get("password")):
@@ -142,7 +142,7 @@ def check_options(kwargs: dict[str, Any], connection_class: type | None = None) 
         unsupported.append(f"connection_class={cls.__name__}")
     if unsupported:
         raise ValueError(
-            f"the store's pipelined record connection (episodes/_batch.py) does not support the redis "
+            f"the store's pipelined record connection (rlgate/episodes/_batch.py) does not support the redis "
             f"option{'s' if len(unsupported) > 1 else ''} {', '.join(unsupported)}: leave "
             f"{'them' if len(unsupported) > 1 else 'it'} out of the Redis URL or client"
         )

