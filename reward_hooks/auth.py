@@ -6,7 +6,7 @@ returns the raw body the route then parses, and leaves the verified `webhook-id`
 `request.state.webhook_id`: the routes then accept each id once (`reward_hooks.routes`), so a signed
 request cannot be sent again within the tolerance window. With `is_operator` (a check of the operator's
 credential, given the request's Authorization header value), a request it accepts needs no signature, and
-any other needs a valid one, secret or not. `build_router(..., auth=...)` takes another callable of the same shape
+any other needs a valid one, secret or not. `Webhooks(..., check=...)` takes another callable of the same shape
 (request -> raw body, raising an `ApiError`) to change who may post.
 """
 

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from redis.exceptions import RedisError
@@ -35,9 +36,10 @@ from reward_hooks.rewards import UnknownRewardFn, get_allowed_reward_fn
 from reward_hooks.settings import RewardSettings
 from rlgate import episodes
 from rlgate.episodes import EpisodeLifecycle, EpisodeStore, FinishRequest
+from rlgate.episodes.agl_queue import AglQueue
 from rlgate.episodes.api_error import from_store
 
-__all__ = ["build_router"]
+__all__ = ["Webhooks", "install", "webhooks"]
 
 MAX_REASON_CHARS = 2000
 
@@ -141,136 +143,171 @@ def openapi_extra(model: type[BaseModel], max_abs_reward: float, required: bool 
     }
 
 
-def build_router(
-    store: EpisodeStore, settings: RewardSettings, queue: RewardQueue | None, auth: Auth | None = None
-) -> APIRouter:
-    """The webhook routes. `auth` reads and authenticates each request and returns its raw body (default:
-    `WebhookAuth(settings)`). Without `queue`, /finish answers 503 (no reward worker configured)."""
-    router = APIRouter()
-    lifecycle = EpisodeLifecycle(store)
-    check = auth or WebhookAuth(settings)
-    replay_ttl_s = 2 * settings.webhook_tolerance_s  # a timestamp is accepted within ±tolerance of the clock
+@dataclass
+class Webhooks:
+    """What the webhook routes (and Agent Lightning's, `reward_hooks.agl`) work with: the app's
+    `state.webhooks`, which `install` sets. `check` reads and authenticates each request and returns its
+    raw body (default: `WebhookAuth(settings)`). Without `queue`, /finish answers 503 (no reward worker
+    configured)."""
 
-    async def checked_body(request: Request) -> bytes:
-        """Every route's first step: the raw body, authenticated, its webhook-id (if signed) never seen."""
-        body = await check(request)
-        msg_id = getattr(request.state, "webhook_id", None)
-        if msg_id is not None:
-            with _store_errors():
-                async with store.guard():
-                    fresh = await store.redis.set(store.keys.webhook(msg_id), b"1", nx=True, ex=replay_ttl_s)
-            if not fresh:
-                raise errors.Conflict(
-                    f"webhook-id {msg_id!r} was already accepted: a signed request is "
-                    "accepted once; sign each request with a new id",
-                    code="webhook_replayed",
-                )
-        return body
+    store: EpisodeStore
+    settings: RewardSettings
+    queue: RewardQueue | None = None
+    check: Auth | None = None
+    lifecycle: EpisodeLifecycle = field(init=False)
+    agl_queue: AglQueue = field(init=False)
 
-    authorized = Depends(checked_body)
+    def __post_init__(self) -> None:
+        self.check = self.check or WebhookAuth(self.settings)
+        self.lifecycle = EpisodeLifecycle(self.store)
+        self.agl_queue = AglQueue(self.store)
 
-    def parse(raw: bytes, model: type[BaseModel], rollout_id: str) -> Any:
-        try:
-            episodes.validate_episode_id(rollout_id)
-        except episodes.InvalidId as exc:
-            raise from_store(exc) from exc
-        try:
-            body = model.model_validate_json(raw)
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(p) for p in first["loc"]) or None
-            raise errors.Unprocessable(f"{where or 'body'}: {first['msg']}", param=where) from exc
-        try:  # what is stored must be written back as JSON: integers past 64 bits, nesting past 254 levels
-            orjson.dumps(body.model_dump())
-        except orjson.JSONEncodeError as exc:
-            raise errors.Unprocessable(
-                f"the body cannot be stored as JSON: {exc}", code="unstorable_json"
-            ) from exc
-        return body
 
-    def bounded(reward: float) -> float:
-        try:
-            return check_reward(reward, settings.max_abs_reward, "reward")
-        except RewardOutOfRange as exc:
-            raise errors.Unprocessable(str(exc), param="reward", code="reward_out_of_range") from exc
+def webhooks(request: Request) -> Webhooks:
+    hooks: Webhooks = request.app.state.webhooks  # set by install
+    return hooks
+
+
+def install(app: FastAPI, hooks: Webhooks) -> APIRouter:
+    """Give `app` the webhooks' objects and return the webhook routes, their bodies documented with this
+    deployment's reward bound (the caller includes them: `Gateway.add_routes`)."""
+    app.state.webhooks = hooks
 
     def described(model: type[BaseModel], required: bool = True) -> dict[str, Any]:
-        return openapi_extra(model, settings.max_abs_reward, required)
+        return openapi_extra(model, hooks.settings.max_abs_reward, required)
 
-    @router.post(
-        "/rollouts/{rollout_id}/reward", response_model=RewardAccepted, openapi_extra=described(RewardPost)
-    )
-    async def post_reward(rollout_id: str, raw: bytes = authorized) -> Response:
-        body: RewardPost = parse(raw, RewardPost, rollout_id)
-        reward = bounded(body.reward)
-        with _store_errors():
-            try:
-                result = await lifecycle.close(rollout_id, reward, body.metadata)
-            except ValueError as exc:  # metadata that is not JSON (e.g. integers over 64 bits)
-                raise errors.Unprocessable(str(exc), param="metadata") from exc
-        answer = RewardAccepted(
-            rollout_id=rollout_id, status="closed", reward=result.reward, outcome=result.outcome
+    router = APIRouter()
+    for path, endpoint, answer, body, status in (
+        ("/rollouts/{rollout_id}/reward", post_reward, RewardAccepted, described(RewardPost), 200),
+        (
+            "/rollouts/{rollout_id}/calls/{index}/reward",
+            post_call_reward,
+            CallRewardAccepted,
+            described(CallRewardPost),
+            200,
+        ),
+        ("/rollouts/{rollout_id}/finish", post_finish, FinishAccepted, described(FinishPost), 202),
+        ("/rollouts/{rollout_id}/fail", post_fail, RolloutFailed, described(FailPost, required=False), 200),
+    ):
+        router.add_api_route(
+            path, endpoint, methods=["POST"], status_code=status, response_model=answer, openapi_extra=body
         )
-        return Response(answer.model_dump_json(), media_type="application/json")
-
-    @router.post(
-        "/rollouts/{rollout_id}/calls/{index}/reward",
-        response_model=CallRewardAccepted,
-        openapi_extra=described(CallRewardPost),
-    )
-    async def post_call_reward(rollout_id: str, index: int, raw: bytes = authorized) -> Response:
-        body: CallRewardPost = parse(raw, CallRewardPost, rollout_id)
-        reward = bounded(body.reward)
-        if index < 0:
-            raise errors.NotFound(f"no call {index}", code="call_not_found")
-        with _store_errors():
-            await lifecycle.set_call_reward(rollout_id, index, reward)
-        return Response(
-            orjson.dumps({"rollout_id": rollout_id, "index": index, "reward": reward}),
-            media_type="application/json",
-        )
-
-    @router.post(
-        "/rollouts/{rollout_id}/finish",
-        status_code=202,
-        response_model=FinishAccepted,
-        openapi_extra=described(FinishPost),
-    )
-    async def post_finish(rollout_id: str, raw: bytes = authorized) -> Response:
-        body: FinishPost = parse(raw, FinishPost, rollout_id)
-        try:
-            get_allowed_reward_fn(body.reward_fn, settings.reward_fn_modules)
-        except UnknownRewardFn as exc:
-            raise errors.Unprocessable(str(exc), param="reward_fn") from exc
-        if queue is None:
-            raise errors.StoreUnavailable("no reward queue is configured", code="no_reward_queue")
-        with _store_errors():
-            await lifecycle.set_finish(rollout_id, FinishRequest(**body.model_dump()))
-        try:
-            job_id = await run_in_threadpool(queue.enqueue, rollout_id)
-        except RedisError as exc:
-            raise errors.StoreUnavailable(f"the reward job could not be queued: {exc}") from exc
-        return Response(
-            orjson.dumps({"rollout_id": rollout_id, "job_id": job_id}),
-            status_code=202,
-            media_type="application/json",
-        )
-
-    @router.post(
-        "/rollouts/{rollout_id}/fail",
-        response_model=RolloutFailed,
-        openapi_extra=described(FailPost, required=False),
-    )
-    async def post_fail(rollout_id: str, raw: bytes = authorized) -> Response:
-        """Close an open rollout as failed, exactly once: it is never published, so no learner trains on it
-        (a second call, or one on a rollout that is closed, consumed or failed, is 409)."""
-        body: FailPost = parse(raw or b"{}", FailPost, rollout_id)
-        with _store_errors():
-            await lifecycle.mark_failed(rollout_id, body.reason)
-        answer = RolloutFailed(rollout_id=rollout_id, status="failed", error=body.reason)
-        return Response(answer.model_dump_json(), media_type="application/json")
-
     return router
+
+
+async def checked_body(request: Request) -> bytes:
+    """Every route's first step: the raw body, authenticated, its webhook-id (if signed) never seen."""
+    hooks = webhooks(request)
+    assert hooks.check is not None
+    body = await hooks.check(request)
+    msg_id = getattr(request.state, "webhook_id", None)
+    if msg_id is not None:
+        store = hooks.store
+        replay_ttl_s = 2 * hooks.settings.webhook_tolerance_s  # a timestamp is accepted within ±tolerance
+        with _store_errors():
+            async with store.guard():
+                fresh = await store.redis.set(store.keys.webhook(msg_id), b"1", nx=True, ex=replay_ttl_s)
+        if not fresh:
+            raise errors.Conflict(
+                f"webhook-id {msg_id!r} was already accepted: a signed request is "
+                "accepted once; sign each request with a new id",
+                code="webhook_replayed",
+            )
+    return body
+
+
+AUTHORIZED = Depends(checked_body)
+
+
+def _parse(raw: bytes, model: type[BaseModel], rollout_id: str) -> Any:
+    try:
+        episodes.validate_episode_id(rollout_id)
+    except episodes.InvalidId as exc:
+        raise from_store(exc) from exc
+    try:
+        body = model.model_validate_json(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or None
+        raise errors.Unprocessable(f"{where or 'body'}: {first['msg']}", param=where) from exc
+    try:  # what is stored must be written back as JSON: integers past 64 bits, nesting past 254 levels
+        orjson.dumps(body.model_dump())
+    except orjson.JSONEncodeError as exc:
+        raise errors.Unprocessable(
+            f"the body cannot be stored as JSON: {exc}", code="unstorable_json"
+        ) from exc
+    return body
+
+
+def _bounded(reward: float, settings: RewardSettings) -> float:
+    try:
+        return check_reward(reward, settings.max_abs_reward, "reward")
+    except RewardOutOfRange as exc:
+        raise errors.Unprocessable(str(exc), param="reward", code="reward_out_of_range") from exc
+
+
+async def post_reward(rollout_id: str, request: Request, raw: bytes = AUTHORIZED) -> Response:
+    hooks = webhooks(request)
+    body: RewardPost = _parse(raw, RewardPost, rollout_id)
+    reward = _bounded(body.reward, hooks.settings)
+    with _store_errors():
+        try:
+            result = await hooks.lifecycle.close(rollout_id, reward, body.metadata)
+        except ValueError as exc:  # metadata that is not JSON (e.g. integers over 64 bits)
+            raise errors.Unprocessable(str(exc), param="metadata") from exc
+    answer = RewardAccepted(
+        rollout_id=rollout_id, status="closed", reward=result.reward, outcome=result.outcome
+    )
+    return Response(answer.model_dump_json(), media_type="application/json")
+
+
+async def post_call_reward(
+    rollout_id: str, index: int, request: Request, raw: bytes = AUTHORIZED
+) -> Response:
+    hooks = webhooks(request)
+    body: CallRewardPost = _parse(raw, CallRewardPost, rollout_id)
+    reward = _bounded(body.reward, hooks.settings)
+    if index < 0:
+        raise errors.NotFound(f"no call {index}", code="call_not_found")
+    with _store_errors():
+        await hooks.lifecycle.set_call_reward(rollout_id, index, reward)
+    return Response(
+        orjson.dumps({"rollout_id": rollout_id, "index": index, "reward": reward}),
+        media_type="application/json",
+    )
+
+
+async def post_finish(rollout_id: str, request: Request, raw: bytes = AUTHORIZED) -> Response:
+    hooks = webhooks(request)
+    body: FinishPost = _parse(raw, FinishPost, rollout_id)
+    try:
+        get_allowed_reward_fn(body.reward_fn, hooks.settings.reward_fn_modules)
+    except UnknownRewardFn as exc:
+        raise errors.Unprocessable(str(exc), param="reward_fn") from exc
+    if hooks.queue is None:
+        raise errors.StoreUnavailable("no reward queue is configured", code="no_reward_queue")
+    with _store_errors():
+        await hooks.lifecycle.set_finish(rollout_id, FinishRequest(**body.model_dump()))
+    try:
+        job_id = await run_in_threadpool(hooks.queue.enqueue, rollout_id)
+    except RedisError as exc:
+        raise errors.StoreUnavailable(f"the reward job could not be queued: {exc}") from exc
+    return Response(
+        orjson.dumps({"rollout_id": rollout_id, "job_id": job_id}),
+        status_code=202,
+        media_type="application/json",
+    )
+
+
+async def post_fail(rollout_id: str, request: Request, raw: bytes = AUTHORIZED) -> Response:
+    """Close an open rollout as failed, exactly once: it is never published, so no learner trains on it
+    (a second call, or one on a rollout that is closed, consumed or failed, is 409)."""
+    hooks = webhooks(request)
+    body: FailPost = _parse(raw or b"{}", FailPost, rollout_id)
+    with _store_errors():
+        await hooks.lifecycle.mark_failed(rollout_id, body.reason)
+    answer = RolloutFailed(rollout_id=rollout_id, status="failed", error=body.reason)
+    return Response(answer.model_dump_json(), media_type="application/json")
 
 
 @contextmanager

@@ -100,10 +100,10 @@ class GatewayCommand(GatewaySettings, RewardSettings):
         import asyncio
 
         from gateway import Gateway, serve
-        from reward_hooks.agl import build_agl_router
+        from reward_hooks import agl
         from reward_hooks.auth import WebhookAuth
         from reward_hooks.queue import RewardQueue, queue_url
-        from reward_hooks.routes import build_router
+        from reward_hooks.routes import Webhooks, install
         from reward_hooks.sweeper import sweep_forever
 
         configure_logging(self.log_level, self.log_format)
@@ -117,11 +117,9 @@ class GatewayCommand(GatewaySettings, RewardSettings):
             operator = app.is_operator if gateway_settings.operator_token is not None else None
             auth = WebhookAuth(reward_settings, is_operator=operator)
             queue = RewardQueue(reward_settings) if queue_url(reward_settings) else None  # none on a cluster
-            app.add_routes(
-                build_router(app.store, reward_settings, queue, auth),
-                signed=reward_settings.webhook_secret is not None,
-            )
-            app.add_agent_routes(build_agl_router(app.store, reward_settings))
+            webhook_routes = install(app.api, Webhooks(app.store, reward_settings, queue, auth))
+            app.add_routes(webhook_routes, signed=reward_settings.webhook_secret is not None)
+            app.add_agent_routes(agl.router)
             app.add_background(
                 lambda store: sweep_forever(store, reward_settings, gateway_settings.learner_group)
             )
