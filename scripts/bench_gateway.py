@@ -49,6 +49,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
@@ -319,7 +320,27 @@ def pct(values: list[float], q: float) -> float:
     )
 
 
-def main() -> None:
+# ---------------------------------------------------------------------------------------------------------
+# The run
+
+
+@dataclass
+class Run:
+    """One run's state: its temporary folder, the processes it started (stopped in reverse order by
+    `stop`), the targets it loads, and what each cell measured."""
+
+    tmp: Path
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    redis_port: int = 0
+    secret: bytes | None = None  # --rollout-keys: the secret the gateways derive rollout keys from
+    # name -> (base URL, pid of the process tree whose CPU is the target's; None for direct)
+    targets: dict[str, tuple[str, int | None]] = field(default_factory=dict)
+    dashboard: tuple[str, str | None] = ("", None)  # the last gateway's URL and operator token (--poll-ui)
+    results: dict[tuple[str, bool, int, int], dict[str, list[float]]] = field(default_factory=dict)
+    redis_cost: dict[tuple[str, bool, int], dict[str, list[float]]] = field(default_factory=dict)
+
+
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--requests", type=int, default=2000, help="requests per cell per round")
@@ -371,6 +392,304 @@ def main() -> None:
         ap.error("--baseline: a checkout's folder (with its gateway/), without --workers")
     if args.baseline is not None and args.poll_ui:
         ap.error("--baseline with --poll-ui: the dashboard reader would load one of the two gateways only")
+    return args
+
+
+def start_upstream(run: Run) -> str:
+    """This script again as the canned upstream, on the load's CPU; returns its base URL once it is ready."""
+    up_port = free_port()
+    upstream = subprocess.Popen(
+        [sys.executable, __file__, "--upstream-only", str(up_port), "--bodies", str(run.tmp / "bodies.json")],
+        stdout=subprocess.PIPE,
+        text=True,
+        preexec_fn=pinned(CPU_LOAD),
+    )
+    run.procs.append(upstream)
+    assert upstream.stdout.readline().startswith("READY")
+    return f"http://127.0.0.1:{up_port}/v1"
+
+
+def start_redis(run: Run) -> None:
+    """A dedicated redis-server, without persistence, on the load's CPU."""
+    run.redis_port = free_port()
+    run.procs.append(
+        subprocess.Popen(
+            [
+                "redis-server",
+                "--port",
+                str(run.redis_port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ],
+            stdout=subprocess.DEVNULL,
+            preexec_fn=pinned(CPU_LOAD),
+        )
+    )
+
+
+def gateway_env(
+    upstream_url: str, port: int, redis_port: int, workers: int, secret: bytes | None
+) -> dict[str, str]:
+    """The environment of one gateway: this process's, with the gateway's settings over it."""
+    env = {
+        **os.environ,
+        "RLGATE_UPSTREAM_URL": upstream_url,
+        "RLGATE_PORT": str(port),
+        "RLGATE_REDIS_URL": f"redis://127.0.0.1:{redis_port}/0",
+        "RLGATE_LOG_FORMAT": "json",
+        # each load worker records into one rollout for the whole run (bench-<i>): at concurrency 1 that
+        # is every call of the run, above the default cap of 10,000 calls a rollout (409 rollout_full)
+        "RLGATE_MAX_CALLS_PER_ROLLOUT": "0",
+        **({"RLGATE_WORKERS": str(workers)} if workers else {}),
+    }
+    if secret is not None:
+        env.update(
+            RLGATE_ROLLOUT_KEY_SECRET=secret.decode(),
+            RLGATE_REQUIRE_ROLLOUT_KEYS="true",
+            RLGATE_OPERATOR_TOKEN=os.urandom(16).hex(),
+        )
+    return env
+
+
+def start_gateways(run: Run, upstream_url: str, worker_counts: list[int], baseline: Path | None) -> None:
+    """One gateway per worker count (and the baseline checkout's), each recording under its own key prefix,
+    on the proxies' CPU; each is a target once its /healthz answers."""
+    gateways = [(f"rlgate-{n}w" if n else "rlgate", n, ROOT) for n in worker_counts]
+    if baseline is not None:
+        gateways.append(("rlgate-baseline", 0, baseline.resolve()))
+    for name, workers, root in gateways:  # workers 0: one gateway, as `rlgate gateway` starts by default
+        gw_port = free_port()
+        env = gateway_env(upstream_url, gw_port, run.redis_port, workers, run.secret)
+        gateway = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "rlgate",
+                "gateway",
+            ],  # the code of `root` (python -m: its folder first)
+            env={**env, "RLGATE_KEY_PREFIX": name},
+            cwd=root,
+            stdout=(run.tmp / f"{name}.log").open("wb"),
+            stderr=subprocess.STDOUT,
+            preexec_fn=pinned(CPU_PROXY),
+        )
+        run.procs.append(gateway)
+        wait_http(f"http://127.0.0.1:{gw_port}/healthz")
+        run.targets[name] = (f"http://127.0.0.1:{gw_port}/v1", gateway.pid)
+        run.dashboard = (f"http://127.0.0.1:{gw_port}", env.get("RLGATE_OPERATOR_TOKEN"))
+
+
+def start_litellm(run: Run, binary: str, upstream_url: str) -> None:
+    """The LiteLLM proxy (one worker, no database) in front of the upstream, on the proxies' CPU; a target
+    once it is live (its log's tail on stderr if it never is)."""
+    ll_port = free_port()
+    config = run.tmp / "litellm.yaml"
+    config.write_text(
+        f"model_list:\n  - model_name: {MODEL}\n    litellm_params:\n"
+        f"      model: hosted_vllm/{MODEL}\n      api_base: {upstream_url}\n"
+        f"      api_key: none\n"
+    )
+    litellm = subprocess.Popen(
+        [binary, "--config", str(config), "--port", str(ll_port), "--num_workers", "1"],
+        cwd=run.tmp,
+        stdout=(run.tmp / "litellm.log").open("wb"),
+        stderr=subprocess.STDOUT,
+        preexec_fn=pinned(CPU_PROXY),
+        env={**os.environ, "LITELLM_LOG": "ERROR", "LITELLM_MASTER_KEY": BENCH_KEY},
+    )
+    run.procs.append(litellm)
+    try:
+        wait_http(f"http://127.0.0.1:{ll_port}/health/liveliness", timeout=180)
+    except Exception:
+        print((run.tmp / "litellm.log").read_text()[-3000:], file=sys.stderr)
+        raise
+    run.targets["litellm"] = (f"http://127.0.0.1:{ll_port}/v1", litellm.pid)
+
+
+def parse_cells(spec: str, sizes: list[int]) -> list[tuple[bool, int, int]]:
+    """(stream, concurrency, prompt's extra characters) of each cell: the cells of `spec` once per size."""
+    return [
+        (mode == "stream", int(conc), chars)
+        for chars in sizes
+        for mode, conc in (cell.split(":") for cell in spec.split(","))
+    ]
+
+
+def warm_up(run: Run, cells: list[tuple[bool, int, int]]) -> None:
+    """200 requests per cell to every target, before anything is measured."""
+    for name, (url, _) in run.targets.items():
+        for stream, conc, chars in cells:
+            asyncio.run(
+                drive(
+                    f"{url}/chat/completions",
+                    stream,
+                    conc,
+                    200,
+                    run.secret if name.startswith("rlgate") else None,
+                    chars,
+                )
+            )
+
+
+def start_py_spy(prefix: str, pid: int, stream: bool, conc: int, chars: int) -> subprocess.Popen:
+    """py-spy recording the process `pid` into PREFIX-<cell>.svg, once it had a second to attach."""
+    out = f"{prefix}-{'stream' if stream else 'unary'}-c{conc}-p{chars}.svg"
+    spy = subprocess.Popen(
+        [
+            shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy"),
+            "record",
+            "--pid",
+            str(pid),
+            "--rate",
+            "1000",
+            "--nonblocking",
+            "--output",
+            out,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    time.sleep(1.0)  # py-spy attaches
+    return spy
+
+
+def measure_cell(run: Run, name: str, cell: tuple[bool, int, int], requests: int, py_spy: str | None) -> None:
+    """One round of one cell on the target `name`: its latencies, throughput and CPU per request into
+    `run.results`, and for a gateway what its calls cost Redis into `run.redis_cost` (profiled into py-spy's
+    flame graphs when `py_spy` is a prefix)."""
+    stream, conc, chars = cell
+    url, pid = run.targets[name]
+    spy = start_py_spy(py_spy, pid, stream, conc, chars) if py_spy else None
+    cpu0 = tree_cpu_seconds(pid) if pid else 0.0
+    keys = run.secret if name.startswith("rlgate") else None
+    before = redis_counters(run.redis_port) if name.startswith("rlgate") else None
+    wall, lat, ttfb = uvloop.run(drive(f"{url}/chat/completions", stream, conc, requests, keys, chars))
+    cpu = (tree_cpu_seconds(pid) - cpu0) if pid else float("nan")
+    if before is not None:  # what the recording cost Redis, per call of this cell
+        after = redis_counters(run.redis_port)
+        per_call = run.redis_cost.setdefault((name, stream, chars), {k: [] for k in after})
+        for key, value in after.items():
+            per_call[key].append((value - before[key]) / len(lat))
+    if spy is not None:
+        spy.send_signal(signal.SIGINT)  # py-spy writes its flame graph and exits
+        spy.wait(timeout=60)
+    result = run.results.setdefault(
+        (name, stream, conc, chars), {"rps": [], "lat": [], "ttfb": [], "cpu": []}
+    )
+    result["rps"].append(len(lat) / wall)
+    result["lat"].extend(lat)
+    result["ttfb"].extend(ttfb)
+    result["cpu"].append(cpu / len(lat) * 1000)
+
+
+def run_rounds(run: Run, args: argparse.Namespace, cells: list[tuple[bool, int, int]]) -> dict[str, int]:
+    """`args.rounds` rounds, each every cell on every target in turn, the dashboard read meanwhile with
+    --poll-ui; returns the dashboard reader's counts of pages read and failed."""
+    stop_polling, polled = threading.Event(), {"ok": 0, "failed": 0}
+    if args.poll_ui:
+        poller = threading.Thread(
+            target=poll_dashboard,
+            args=(*run.dashboard, args.poll_ui, stop_polling, polled),
+            daemon=True,
+        )
+        poller.start()
+    for r in range(args.rounds):
+        for cell in cells:
+            for name in run.targets:
+                profile = name.startswith("rlgate") and r == args.rounds - 1
+                measure_cell(run, name, cell, args.requests, args.py_spy if profile else None)
+        print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+    stop_polling.set()
+    return polled
+
+
+def print_latency_table(run: Run, cells: list[tuple[bool, int, int]], sized: bool) -> None:
+    """Per cell and target: throughput, latency, TTFB, added p50 over direct, proxy CPU per request."""
+    print(
+        ("| prompt chars " if sized else "")
+        + "| target | stream | concurrency | req/s | p50 ms | p99 ms | TTFB p50 ms | added p50 ms | proxy CPU ms/req |"
+    )
+    print(("|---:" if sized else "") + "|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for stream, conc, chars in cells:
+        base = pct(run.results[("direct", stream, conc, chars)]["lat"], 50)
+        for name in run.targets:
+            c = run.results[(name, stream, conc, chars)]
+            p50 = pct(c["lat"], 50)
+            cpu = statistics.median(c["cpu"])
+            print(
+                (f"| {chars:,} " if sized else "")
+                + f"| {name} | {'yes' if stream else 'no'} | {conc} | {statistics.median(c['rps']):,.0f} | "
+                f"{p50:.2f} | {pct(c['lat'], 99):.2f} | {pct(c['ttfb'], 50):.2f} | "
+                f"{'' if name == 'direct' else f'{p50 - base:+.2f}'} | "
+                f"{'' if name == 'direct' else f'{cpu:.3f}'} |"
+            )
+
+
+def print_redis_table(run: Run, sized: bool) -> None:
+    """Per gateway, stream mode and prompt size: what a call cost Redis, the median over the rounds and
+    concurrencies."""
+    print(
+        "\nRedis per recorded call (deltas of the dedicated redis-server's INFO over each cell, divided by "
+        "its calls; each load worker records into one rollout of its own, bench-<i>, for the whole run, "
+        "so this is a call added to an open rollout: the rollout's own hash and index entries, once per "
+        "episode, are not in it; nothing is consumed or expired during the run)\n"
+    )
+    print(
+        ("| prompt chars " if sized else "")
+        + "| target | stream | commands/call | bytes in/call | bytes out/call | memory/call | keys/call |"
+    )
+    print(("|---:" if sized else "") + "|---|---|---:|---:|---:|---:|---:|")
+    for (name, stream, chars), cost in run.redis_cost.items():
+        med = {k: statistics.median(v) for k, v in cost.items()}
+        print(
+            (f"| {chars:,} " if sized else "")
+            + f"| {name} | {'yes' if stream else 'no'} | {med['commands']:.2f} | {med['in']:,.0f} | "
+            f"{med['out']:,.0f} | {med['memory']:,.0f} B | {med['keys']:.2f} |"
+        )
+
+
+def print_report(
+    run: Run,
+    args: argparse.Namespace,
+    cells: list[tuple[bool, int, int]],
+    sized: bool,
+    polled: dict[str, int],
+) -> None:
+    """The run's layout, the dashboard reader's counts, and the two tables; `sized`: a prompt-size column."""
+    layout = (
+        f"proxies on CPU {CPU_PROXY}, load + upstream + redis on CPU {CPU_LOAD}"
+        if PIN
+        else f"nothing pinned: everything shares the {os.cpu_count()} CPUs"
+    )
+    print(f"\n{args.rounds} rounds x {args.requests} requests per cell; {layout}\n")
+    if args.poll_ui:
+        print(
+            f"dashboard read every {args.poll_ui:g} s during the load: {polled['ok']} pages, "
+            f"{polled['failed']} failed\n"
+        )
+    print_latency_table(run, cells, sized)
+    print_redis_table(run, sized)
+
+
+def stop(run: Run) -> None:
+    """SIGTERM to every process, the last started first; SIGKILL to those still there after 10 s each;
+    the temporary folder removed."""
+    for p in reversed(run.procs):
+        p.send_signal(signal.SIGTERM)
+    for p in run.procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+    shutil.rmtree(run.tmp, ignore_errors=True)
+
+
+def main() -> None:
+    args = parse_args()
     if args.upstream_only:
         serve_upstream(args.upstream_only, Path(args.bodies))
         return
@@ -383,239 +702,24 @@ def main() -> None:
     )
     if PIN:
         os.sched_setaffinity(0, {CPU_LOAD})
-    tmp = Path(tempfile.mkdtemp(prefix="rlgate-bench-"))
-    procs: list[subprocess.Popen] = []
+    run = Run(tmp=Path(tempfile.mkdtemp(prefix="rlgate-bench-")))
     try:
         sizes = [int(n) for n in args.prompt_chars.split(",")]
-        capture_bodies(tmp / "bodies.json", sizes)
-        up_port = free_port()
-        upstream = subprocess.Popen(
-            [sys.executable, __file__, "--upstream-only", str(up_port), "--bodies", str(tmp / "bodies.json")],
-            stdout=subprocess.PIPE,
-            text=True,
-            preexec_fn=pinned(CPU_LOAD),
-        )
-        procs.append(upstream)
-        assert upstream.stdout.readline().startswith("READY")
-        upstream_url = f"http://127.0.0.1:{up_port}/v1"
-
-        redis_port = free_port()
-        procs.append(
-            subprocess.Popen(
-                [
-                    "redis-server",
-                    "--port",
-                    str(redis_port),
-                    "--bind",
-                    "127.0.0.1",
-                    "--save",
-                    "",
-                    "--appendonly",
-                    "no",
-                ],
-                stdout=subprocess.DEVNULL,
-                preexec_fn=pinned(CPU_LOAD),
-            )
-        )
-        secret = os.urandom(16).hex().encode() if args.rollout_keys else None
-        targets = {"direct": (upstream_url, None)}
-        gateways = [(f"rlgate-{n}w" if n else "rlgate", n, ROOT) for n in worker_counts]
-        if args.baseline is not None:
-            gateways.append(("rlgate-baseline", 0, args.baseline.resolve()))
-        for name, workers, root in gateways:  # workers 0: one gateway, as `rlgate gateway` starts by default
-            gw_port = free_port()
-            env = {
-                **os.environ,
-                "RLGATE_UPSTREAM_URL": upstream_url,
-                "RLGATE_PORT": str(gw_port),
-                "RLGATE_REDIS_URL": f"redis://127.0.0.1:{redis_port}/0",
-                "RLGATE_LOG_FORMAT": "json",
-                **({"RLGATE_WORKERS": str(workers)} if workers else {}),
-            }
-            if secret is not None:
-                env.update(
-                    RLGATE_ROLLOUT_KEY_SECRET=secret.decode(),
-                    RLGATE_REQUIRE_ROLLOUT_KEYS="true",
-                    RLGATE_OPERATOR_TOKEN=os.urandom(16).hex(),
-                )
-            gateway = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "rlgate",
-                    "gateway",
-                ],  # the code of `root` (python -m: its folder first)
-                env={**env, "RLGATE_KEY_PREFIX": name},
-                cwd=root,
-                stdout=(tmp / f"{name}.log").open("wb"),
-                stderr=subprocess.STDOUT,
-                preexec_fn=pinned(CPU_PROXY),
-            )
-            procs.append(gateway)
-            wait_http(f"http://127.0.0.1:{gw_port}/healthz")
-            targets[name] = (f"http://127.0.0.1:{gw_port}/v1", gateway.pid)
-
+        capture_bodies(run.tmp / "bodies.json", sizes)
+        upstream_url = start_upstream(run)
+        start_redis(run)
+        run.secret = os.urandom(16).hex().encode() if args.rollout_keys else None
+        run.targets["direct"] = (upstream_url, None)
+        start_gateways(run, upstream_url, worker_counts, args.baseline)
         if args.litellm != "none":
-            ll_port = free_port()
-            config = tmp / "litellm.yaml"
-            config.write_text(
-                f"model_list:\n  - model_name: {MODEL}\n    litellm_params:\n"
-                f"      model: hosted_vllm/{MODEL}\n      api_base: {upstream_url}\n"
-                f"      api_key: none\n"
-            )
-            litellm = subprocess.Popen(
-                [args.litellm, "--config", str(config), "--port", str(ll_port), "--num_workers", "1"],
-                cwd=tmp,
-                stdout=(tmp / "litellm.log").open("wb"),
-                stderr=subprocess.STDOUT,
-                preexec_fn=pinned(CPU_PROXY),
-                env={**os.environ, "LITELLM_LOG": "ERROR", "LITELLM_MASTER_KEY": BENCH_KEY},
-            )
-            procs.append(litellm)
-            try:
-                wait_http(f"http://127.0.0.1:{ll_port}/health/liveliness", timeout=180)
-            except Exception:
-                print((tmp / "litellm.log").read_text()[-3000:], file=sys.stderr)
-                raise
-            targets["litellm"] = (f"http://127.0.0.1:{ll_port}/v1", litellm.pid)
+            start_litellm(run, args.litellm, upstream_url)
 
-        cells = [
-            (mode == "stream", int(conc), chars)
-            for chars in sizes
-            for mode, conc in (cell.split(":") for cell in args.cells.split(","))
-        ]
-        results: dict[tuple[str, bool, int, int], dict[str, list[float]]] = {}
-        redis_cost: dict[tuple[str, bool, int], dict[str, list[float]]] = {}
-        for name, (url, _) in targets.items():  # warm-up
-            for stream, conc, chars in cells:
-                asyncio.run(
-                    drive(
-                        f"{url}/chat/completions",
-                        stream,
-                        conc,
-                        200,
-                        secret if name.startswith("rlgate") else None,
-                        chars,
-                    )
-                )
-        stop_polling, polled = threading.Event(), {"ok": 0, "failed": 0}
-        if args.poll_ui:
-            poller = threading.Thread(
-                target=poll_dashboard,
-                args=(
-                    f"http://127.0.0.1:{gw_port}",
-                    env.get("RLGATE_OPERATOR_TOKEN"),
-                    args.poll_ui,
-                    stop_polling,
-                    polled,
-                ),
-                daemon=True,
-            )
-            poller.start()
-        for r in range(args.rounds):
-            for stream, conc, chars in cells:
-                for name, (url, pid) in targets.items():
-                    spy = None
-                    if args.py_spy and name.startswith("rlgate") and r == args.rounds - 1:
-                        out = f"{args.py_spy}-{'stream' if stream else 'unary'}-c{conc}-p{chars}.svg"
-                        spy = subprocess.Popen(
-                            [
-                                shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy"),
-                                "record",
-                                "--pid",
-                                str(pid),
-                                "--rate",
-                                "1000",
-                                "--nonblocking",
-                                "--output",
-                                out,
-                            ],
-                            stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL,
-                        )
-                        time.sleep(1.0)  # py-spy attaches
-                    cpu0 = tree_cpu_seconds(pid) if pid else 0.0
-                    keys = secret if name.startswith("rlgate") else None
-                    before = redis_counters(redis_port) if name.startswith("rlgate") else None
-                    wall, lat, ttfb = uvloop.run(
-                        drive(f"{url}/chat/completions", stream, conc, args.requests, keys, chars)
-                    )
-                    cpu = (tree_cpu_seconds(pid) - cpu0) if pid else float("nan")
-                    if before is not None:  # what the recording cost Redis, per call of this cell
-                        after = redis_counters(redis_port)
-                        per_call = redis_cost.setdefault((name, stream, chars), {k: [] for k in after})
-                        for key, value in after.items():
-                            per_call[key].append((value - before[key]) / len(lat))
-                    if spy is not None:
-                        spy.send_signal(signal.SIGINT)  # py-spy writes its flame graph and exits
-                        spy.wait(timeout=60)
-                    cell = results.setdefault(
-                        (name, stream, conc, chars), {"rps": [], "lat": [], "ttfb": [], "cpu": []}
-                    )
-                    cell["rps"].append(len(lat) / wall)
-                    cell["lat"].extend(lat)
-                    cell["ttfb"].extend(ttfb)
-                    cell["cpu"].append(cpu / len(lat) * 1000)
-            print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
-        stop_polling.set()
-
-        layout = (
-            f"proxies on CPU {CPU_PROXY}, load + upstream + redis on CPU {CPU_LOAD}"
-            if PIN
-            else f"nothing pinned: everything shares the {os.cpu_count()} CPUs"
-        )
-        print(f"\n{args.rounds} rounds x {args.requests} requests per cell; {layout}\n")
-        if args.poll_ui:
-            print(
-                f"dashboard read every {args.poll_ui:g} s during the load: {polled['ok']} pages, "
-                f"{polled['failed']} failed\n"
-            )
-        sized = len(sizes) > 1  # a column for the prompt's extra characters
-        print(
-            ("| prompt chars " if sized else "")
-            + "| target | stream | concurrency | req/s | p50 ms | p99 ms | TTFB p50 ms | added p50 ms | proxy CPU ms/req |"
-        )
-        print(("|---:" if sized else "") + "|---|---|---:|---:|---:|---:|---:|---:|---:|")
-        for stream, conc, chars in cells:
-            base = pct(results[("direct", stream, conc, chars)]["lat"], 50)
-            for name in targets:
-                c = results[(name, stream, conc, chars)]
-                p50 = pct(c["lat"], 50)
-                cpu = statistics.median(c["cpu"])
-                print(
-                    (f"| {chars:,} " if sized else "")
-                    + f"| {name} | {'yes' if stream else 'no'} | {conc} | {statistics.median(c['rps']):,.0f} | "
-                    f"{p50:.2f} | {pct(c['lat'], 99):.2f} | {pct(c['ttfb'], 50):.2f} | "
-                    f"{'' if name == 'direct' else f'{p50 - base:+.2f}'} | "
-                    f"{'' if name == 'direct' else f'{cpu:.3f}'} |"
-                )
-        print(
-            "\nRedis per recorded call (deltas of the dedicated redis-server's INFO over each cell, divided by "
-            "its calls; each load worker records into one rollout of its own, bench-<i>, for the whole run, "
-            "so this is a call added to an open rollout: the rollout's own hash and index entries, once per "
-            "episode, are not in it; nothing is consumed or expired during the run)\n"
-        )
-        print(
-            ("| prompt chars " if sized else "")
-            + "| target | stream | commands/call | bytes in/call | bytes out/call | memory/call | keys/call |"
-        )
-        print(("|---:" if sized else "") + "|---|---|---:|---:|---:|---:|---:|")
-        for (name, stream, chars), cost in redis_cost.items():
-            med = {k: statistics.median(v) for k, v in cost.items()}
-            print(
-                (f"| {chars:,} " if sized else "")
-                + f"| {name} | {'yes' if stream else 'no'} | {med['commands']:.2f} | {med['in']:,.0f} | "
-                f"{med['out']:,.0f} | {med['memory']:,.0f} B | {med['keys']:.2f} |"
-            )
+        cells = parse_cells(args.cells, sizes)
+        warm_up(run, cells)
+        polled = run_rounds(run, args, cells)
+        print_report(run, args, cells, len(sizes) > 1, polled)
     finally:
-        for p in reversed(procs):
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        shutil.rmtree(tmp, ignore_errors=True)
+        stop(run)
 
 
 if __name__ == "__main__":
