@@ -25,47 +25,28 @@ from rlgate.episodes.api_error import (
 )
 
 
-class PolicyPushing(ApiError):
+class PolicyPushing(ApiError, status=429, type="rate_limit_error", code="policy_push_in_progress"):
     """A full-weight push is under way and the gateway is set to refuse calls meanwhile (or waited too long)."""
 
-    status = 429
-    type = "rate_limit_error"
-    code = "policy_push_in_progress"
 
-
-class BacklogFull(ApiError):
+class BacklogFull(ApiError, status=429, type="rate_limit_error", code="backlog_full"):
     """Too many episodes wait for rewards or training: a new rollout is refused for now (`max_backlog`)."""
 
-    status = 429
-    type = "rate_limit_error"
-    code = "backlog_full"
 
-
-class UpstreamError(ApiError):
+class UpstreamError(ApiError, status=502, type="upstream_error"):
     """The inference server could not be reached or did not answer in time."""
 
-    status = 502
-    type = "upstream_error"
 
-
-class BadUpstreamAnswer(ApiError):
+class BadUpstreamAnswer(ApiError, status=502, type="upstream_error", code="bad_upstream_answer"):
     """The inference server answered 200 with something that is not what its protocol promises."""
 
-    status = 502
-    type = "upstream_error"
-    code = "bad_upstream_answer"
 
-
-class NoUpstream(UpstreamError):
+class NoUpstream(UpstreamError, status=503, code="no_upstream"):
     """No inference server can take the call now: every one is down (`gateway.servers`)."""
 
-    status = 503
-    code = "no_upstream"
 
-
-class UpstreamTimeout(UpstreamError):
-    status = 504
-    code = "upstream_timeout"
+class UpstreamTimeout(UpstreamError, status=504, code="upstream_timeout"):
+    pass
 
 
 def upstream_error_payload(status: int, raw: bytes) -> dict[str, Any]:

@@ -17,9 +17,23 @@ from rlgate.episodes import errors as store
 
 
 class ApiError(Exception):
+    """An error answered as `{"error": ...}`; a subclass names its status, type and default code in its
+    declaration: `class NotFound(ApiError, status=404, type="not_found_error")`."""
+
     status: int = 500
     type: str = "internal_error"
     code: str | None = None
+
+    def __init_subclass__(
+        cls, status: int | None = None, type: str | None = None, code: str | None = None, **kwargs: Any
+    ) -> None:
+        super().__init_subclass__(**kwargs)
+        if status is not None:
+            cls.status = status
+        if type is not None:
+            cls.type = type
+        if code is not None:
+            cls.code = code
 
     def __init__(
         self,
@@ -44,65 +58,44 @@ def error_body(message: str, type_: str, param: str | None = None, code: Any = N
     return orjson.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}})
 
 
-class BadRequest(ApiError):
-    status = 400
-    type = "invalid_request_error"
+class BadRequest(ApiError, status=400, type="invalid_request_error"):
+    pass
 
 
-class Unauthorized(ApiError):
-    status = 401
-    type = "authentication_error"
-    code = "invalid_api_key"
+class Unauthorized(ApiError, status=401, type="authentication_error", code="invalid_api_key"):
+    pass
 
 
-class Forbidden(ApiError):
+class Forbidden(ApiError, status=403, type="permission_error", code="forbidden"):
     """A valid credential used where it does not open the door (another rollout, the other surface)."""
 
-    status = 403
-    type = "permission_error"
-    code = "forbidden"
+
+class NotFound(ApiError, status=404, type="not_found_error"):
+    pass
 
 
-class NotFound(ApiError):
-    status = 404
-    type = "not_found_error"
+class MethodNotAllowed(ApiError, status=405, type="invalid_request_error", code="method_not_allowed"):
+    pass
 
 
-class MethodNotAllowed(ApiError):
-    status = 405
-    type = "invalid_request_error"
-    code = "method_not_allowed"
+class Conflict(ApiError, status=409, type="conflict_error"):
+    pass
 
 
-class Conflict(ApiError):
-    status = 409
-    type = "conflict_error"
+class Gone(ApiError, status=410, type="gone_error", code="rollout_expired"):
+    pass
 
 
-class Gone(ApiError):
-    status = 410
-    type = "gone_error"
-    code = "rollout_expired"
+class PayloadTooLarge(ApiError, status=413, type="invalid_request_error", code="payload_too_large"):
+    pass
 
 
-class PayloadTooLarge(ApiError):
-    status = 413
-    type = "invalid_request_error"
-    code = "payload_too_large"
+class Unprocessable(ApiError, status=422, type="invalid_request_error", code="validation_error"):
+    pass
 
 
-class Unprocessable(ApiError):
-    status = 422
-    type = "invalid_request_error"
-    code = "validation_error"
-
-
-class StoreUnavailable(ApiError):
+class StoreUnavailable(ApiError, status=503, type="service_unavailable_error", code="store_unavailable"):
     """Redis cannot take the write (or answer the read) the request needs; nothing was changed."""
-
-    status = 503
-    type = "service_unavailable_error"
-    code = "store_unavailable"
 
 
 # The store's outcomes as API errors, for every route alike: class and code (also the calls metric's
