@@ -132,18 +132,75 @@ def _string_field(body: dict[str, Any], key: str, *, required: bool) -> str | No
     )
 
 
-# -- Gated routes (inference.access): registered only when enabled, as vLLM registers them ------------
+# -- The app's objects (`build_app` puts them on `app.state`), as vLLM's routers take theirs ------------
 
-lora_router = APIRouter()  # VLLM_ALLOW_RUNTIME_LORA_UPDATING / --allow-runtime-lora-updating
-rl_router = APIRouter()  # VLLM_SERVER_DEV_MODE / --dev-mode: vLLM's RL routes (rlgate/inference/weights.py)
+
+def _server(request: Request) -> Server:
+    return request.app.state.server
 
 
 def _model(request: Request) -> Model:
-    return request.app.state.server.model
+    return request.app.state.model
 
 
 def _ok(body: dict[str, Any]) -> Response:
     return Response(orjson.dumps(body), media_type="application/json")
+
+
+# -- Routes every server has ------------------------------------------------------------------------
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions")
+async def chat(request: Request) -> Response:
+    return await _server(request).chat(await _parse(request, ChatCompletionRequest))
+
+
+@router.post("/v1/responses")
+async def create_response(request: Request) -> Response:
+    return await responses.create(_server(request), await _parse(request, ResponsesRequest))
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve_response(response_id: str) -> Response:
+    raise responses.ResponseNotFound(response_id)
+
+
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel_response(response_id: str) -> Response:
+    raise responses.ResponseNotFound(response_id)
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    return await _server(request).completions(await _parse(request, CompletionRequest))
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> Response:
+    return _ok(_server(request).models())
+
+
+@router.get("/health")
+async def health() -> Response:
+    return Response(status_code=200)
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request) -> Response:
+    return _ok(_server(request).tokenize(await _parse(request, TokenizeRequest)))
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request) -> Response:
+    return _ok(_server(request).detokenize(await _parse(request, DetokenizeRequest)))
+
+
+# -- Gated routes (inference.access): registered only when enabled, as vLLM registers them ------------
+
+lora_router = APIRouter()  # VLLM_ALLOW_RUNTIME_LORA_UPDATING / --allow-runtime-lora-updating
+rl_router = APIRouter()  # VLLM_SERVER_DEV_MODE / --dev-mode: vLLM's RL routes (rlgate/inference/weights.py)
 
 
 async def _optional_json(request: Request) -> dict[str, Any]:
@@ -234,6 +291,44 @@ async def weight_info(request: Request) -> Response:
     return _ok({"weight_version": _model(request).weights.version})
 
 
+# -- The app ----------------------------------------------------------------------------------------
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """The scheduler runs while the app does; the adapters and the scheduler close with it."""
+    model: Model = app.state.model
+    model.scheduler.start()
+    try:
+        yield
+    finally:
+        await model.adapters.aclose()
+        await model.scheduler.aclose()
+
+
+async def _serve_error(request: Request, exc: ServeError) -> Response:
+    return Response(
+        orjson.dumps(exc.body()),
+        status_code=exc.status,
+        media_type="application/json",
+        headers=exc.headers,
+    )
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    """vLLM's 500 body, never a bare text."""
+    log.error("request failed", path=request.url.path, exc_info=exc)
+    body = {
+        "error": {
+            "message": "Internal server error",
+            "type": "InternalServerError",
+            "param": None,
+            "code": 500,
+        }
+    }
+    return Response(orjson.dumps(body), status_code=500, media_type="application/json")
+
+
 def build_app(
     model_dir: Path | str,
     *,
@@ -258,19 +353,15 @@ def build_app(
         logprobs_mode,
         Path(weights_root) if weights_root is not None else None,
     )
-    server = Server(model)
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        model.scheduler.start()
-        try:
-            yield
-        finally:
-            await model.adapters.aclose()
-            await model.scheduler.aclose()
-
-    app = FastAPI(title="rlgate serve", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.server = server
+    app = FastAPI(
+        title="rlgate serve",
+        lifespan=_lifespan,
+        docs_url=None,
+        redoc_url=None,
+        exception_handlers={ServeError: _serve_error, Exception: _internal_error},
+    )
+    app.state.model = model
+    app.state.server = Server(model)
     openapi.install(app)  # request bodies as _parse validates them (inference.openapi)
     if allow_runtime_lora_updating:
         log.warning(
@@ -283,75 +374,9 @@ def build_app(
             weights_root=str(model.weights_root.root),
         )
         app.include_router(rl_router)
+    app.include_router(router)  # after the gated routes, as the OpenAPI document lists them
     if tokens := [key for key in api_keys or [] if key]:
         app.add_middleware(ApiKeyMiddleware, tokens=tokens)
-
-    @app.exception_handler(ServeError)
-    async def serve_error(request: Request, exc: ServeError) -> Response:
-        return Response(
-            orjson.dumps(exc.body()),
-            status_code=exc.status,
-            media_type="application/json",
-            headers=exc.headers,
-        )
-
-    @app.exception_handler(Exception)
-    async def internal_error(
-        request: Request, exc: Exception
-    ) -> Response:  # vLLM's 500 body, never a bare text
-        log.error("request failed", path=request.url.path, exc_info=exc)
-        body = {
-            "error": {
-                "message": "Internal server error",
-                "type": "InternalServerError",
-                "param": None,
-                "code": 500,
-            }
-        }
-        return Response(orjson.dumps(body), status_code=500, media_type="application/json")
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return await server.chat(await _parse(request, ChatCompletionRequest))
-
-    @app.post("/v1/responses")
-    async def create_response(request: Request) -> Response:
-        return await responses.create(server, await _parse(request, ResponsesRequest))
-
-    @app.get("/v1/responses/{response_id}")
-    async def retrieve_response(response_id: str) -> Response:
-        raise responses.ResponseNotFound(response_id)
-
-    @app.post("/v1/responses/{response_id}/cancel")
-    async def cancel_response(response_id: str) -> Response:
-        raise responses.ResponseNotFound(response_id)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await server.completions(await _parse(request, CompletionRequest))
-
-    @app.get("/v1/models")
-    async def models() -> Response:
-        return Response(orjson.dumps(server.models()), media_type="application/json")
-
-    @app.get("/health")
-    async def health() -> Response:
-        return Response(status_code=200)
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> Response:
-        return Response(
-            orjson.dumps(server.tokenize(await _parse(request, TokenizeRequest))),
-            media_type="application/json",
-        )
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> Response:
-        return Response(
-            orjson.dumps(server.detokenize(await _parse(request, DetokenizeRequest))),
-            media_type="application/json",
-        )
-
     return app
 
 
