@@ -35,6 +35,7 @@ import orjson
 
 from gateway import capture
 from gateway.streaming import StreamAssembler, TranslatedRelay
+from rlgate import responses_items as items
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 NAMESPACE_SEPARATOR = "__"  # vLLM's flat name of a namespace's function: "<namespace>__<name>"
@@ -285,13 +286,7 @@ def _item(item: Any, previous: dict[str, Any] | None, where: str) -> dict[str, A
                 raise Invalid(where, f"{where}.input: a string is required")
             arguments = json.dumps({CUSTOM_INPUT_KEY: payload}, ensure_ascii=False)
         call = {"id": call_id, "function": {"name": name, "arguments": arguments}, "type": "function"}
-        if assistant is not None and isinstance(assistant.get("tool_calls"), list):
-            assistant["tool_calls"].append(call)
-            return None
-        if assistant is not None and assistant.get("tool_calls") is None:
-            assistant["tool_calls"] = [call]
-            return None
-        return {"role": "assistant", "tool_calls": [call]}
+        return items.input_tool_call(call, assistant)
     if kind == "reasoning":
         if item.get("encrypted_content"):
             raise Invalid("input", "Encrypted content is not supported.")
@@ -524,21 +519,6 @@ def _random() -> str:
     return f"{uuid.uuid4().int & 0xFFFFFFFFFFFFFFFF:016x}"
 
 
-def _message(item_id: str, parts: list[dict[str, Any]], status: str) -> dict[str, Any]:
-    return {
-        "id": item_id,
-        "content": parts,
-        "role": "assistant",
-        "status": status,
-        "type": "message",
-        "phase": None,
-    }
-
-
-def _text_part(text: str, logprobs: list[dict[str, Any]] | None) -> dict[str, Any]:
-    return {"annotations": [], "text": text, "type": "output_text", "logprobs": logprobs}
-
-
 def _reasoning_item(item_id: str, text: str | None, status: str | None) -> dict[str, Any]:
     return {
         "id": item_id,
@@ -565,17 +545,7 @@ def _call_item(
             "namespace": None,
         }
     name, namespace = request.names.get(flat_name, (flat_name, None))
-    return {
-        "arguments": arguments,
-        "call_id": call_id,
-        "name": name,
-        "type": "function_call",
-        "id": item_id,
-        "async": None,
-        "caller": None,
-        "namespace": namespace,
-        "status": status,
-    }
+    return items.function_call(item_id, call_id, name, arguments, status, namespace)
 
 
 def _custom_input(arguments: str) -> str:
@@ -612,15 +582,6 @@ def _logprob(entry: dict[str, Any]) -> dict[str, Any]:
             }
             for t in entry.get("top_logprobs") or ()
         ],
-    }
-
-
-def _stream_logprob(entry: dict[str, Any]) -> dict[str, Any]:
-    """vLLM's `_to_stream_logprobs`: a delta event's entries carry no bytes."""
-    return {
-        "token": entry["token"],
-        "logprob": entry["logprob"],
-        "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]} for t in entry["top_logprobs"]],
     }
 
 
@@ -664,29 +625,13 @@ def _echo_tool(tool: Any) -> Any:
     """A function tool as vLLM echoes it (openai's `FunctionTool`, every field); other tools as sent."""
     if not isinstance(tool, dict) or tool.get("type") != "function":
         return tool
-    return {
-        "name": tool.get("name"),
-        "parameters": tool.get("parameters"),
-        "strict": tool.get("strict"),
-        "type": "function",
-        "allowed_callers": tool.get("allowed_callers"),
-        "async": tool.get("async"),
-        "defer_loading": tool.get("defer_loading"),
-        "description": tool.get("description"),
-        "output_schema": tool.get("output_schema"),
-    }
+    return items.function_tool(tool)
 
 
 def _echo_tool_choice(choice: Any) -> Any:
     if isinstance(choice, dict) and isinstance(choice.get("name"), str):
         return {"name": choice["name"], "type": choice.get("type", "function")}
     return choice
-
-
-def _echo_reasoning(reasoning: Any) -> Any:
-    if not isinstance(reasoning, dict):
-        return None
-    return {k: reasoning.get(k) for k in ("context", "effort", "generate_summary", "mode", "summary")}
 
 
 def _echo_text(text: Any) -> Any:
@@ -734,7 +679,7 @@ def body(
         "prompt_cache_options": None,
         "prompt_cache_key": asked.get("prompt_cache_key"),
         "prompt_cache_retention": asked.get("prompt_cache_retention"),
-        "reasoning": _echo_reasoning(asked.get("reasoning")),
+        "reasoning": items.reasoning(asked.get("reasoning")),
         "safety_identifier": asked.get("safety_identifier"),
         "service_tier": asked.get("service_tier", "auto"),
         "status": status,
@@ -772,7 +717,9 @@ def response(payload: dict[str, Any], request: Request) -> dict[str, Any]:
         if request.logprobs:
             logprobs = [_logprob(e) for e in (choice.get("logprobs") or {}).get("content") or ()]
         output.append(
-            _message(f"msg_{_random()}", [_text_part(content, logprobs)], "completed" if calls else status)
+            items.message(
+                f"msg_{_random()}", [items.text_part(content, logprobs)], "completed" if calls else status
+            )
         )
     for i, call in enumerate(calls):
         function = call.get("function") or {}
@@ -895,7 +842,7 @@ class ResponsesRelay(TranslatedRelay):
                     "content_index": 0,
                     "delta": content,
                     "item_id": self._item_id,
-                    "logprobs": [_stream_logprob(e) for e in entries],
+                    "logprobs": [items.stream_logprob(e) for e in entries],
                     "output_index": self._index,
                     "sequence_number": 0,
                     "type": "response.output_text.delta",
@@ -926,14 +873,14 @@ class ResponsesRelay(TranslatedRelay):
         self._state, self._text, self._logprobs = state, "", []
         if state == "content":
             self._item_id = f"msg_{_random()}"
-            self._added(_message(self._item_id, [], "in_progress"), out)
+            self._added(items.message(self._item_id, [], "in_progress"), out)
             self._emit(
                 out,
                 {
                     "content_index": 0,
                     "item_id": self._item_id,
                     "output_index": self._index,
-                    "part": _text_part("", []),
+                    "part": items.text_part("", []),
                     "sequence_number": 0,
                     "type": "response.content_part.added",
                 },
@@ -1021,8 +968,8 @@ class ResponsesRelay(TranslatedRelay):
             return
         item_id, index, text = self._item_id, self._index, self._text
         if state == "content":
-            part = _text_part(text, self._logprobs or None)
-            item = _message(item_id, [part] if text else [], status)
+            part = items.text_part(text, self._logprobs or None)
+            item = items.message(item_id, [part] if text else [], status)
             self._emit(
                 out,
                 {

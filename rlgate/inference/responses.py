@@ -28,6 +28,7 @@ from typing import Any
 import orjson
 from fastapi.responses import Response, StreamingResponse
 
+from rlgate import responses_items as items
 from rlgate.inference.endpoints import Server, _aiter, _log_completion, random_id
 from rlgate.inference.engine import SamplingParams
 from rlgate.inference.model import Output
@@ -89,35 +90,6 @@ async def create(server: Server, request: ResponsesRequest) -> Response:
 # ---------------------------------------------------------------- items
 
 
-def _message(item_id: str, parts: list[dict[str, Any]], status: str) -> dict[str, Any]:
-    return {
-        "id": item_id,
-        "content": parts,
-        "role": "assistant",
-        "status": status,
-        "type": "message",
-        "phase": None,
-    }
-
-
-def _text_part(text: str, logprobs: list[dict[str, Any]] | None) -> dict[str, Any]:
-    return {"annotations": [], "text": text, "type": "output_text", "logprobs": logprobs}
-
-
-def _function_call(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
-    return {
-        "arguments": arguments,
-        "call_id": call_id,
-        "name": name,
-        "type": "function_call",
-        "id": item_id,
-        "async": None,
-        "caller": None,
-        "namespace": None,
-        "status": status,
-    }
-
-
 def _logprob(entry: dict[str, Any]) -> dict[str, Any]:
     """A chat log-prob entry in the order of openai's `response_output_text.Logprob`."""
     return {
@@ -130,38 +102,8 @@ def _logprob(entry: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _stream_logprob(entry: dict[str, Any]) -> dict[str, Any]:
-    """vLLM's `_to_stream_logprobs`: the delta event's entries carry no bytes."""
-    return {
-        "token": entry["token"],
-        "logprob": entry["logprob"],
-        "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]} for t in entry["top_logprobs"]],
-    }
-
-
-def _echo_tool(tool: dict[str, Any]) -> dict[str, Any]:
-    """A flat function tool as vLLM echoes it (openai's `FunctionTool`, every field)."""
-    return {
-        "name": tool["name"],
-        "parameters": tool.get("parameters"),
-        "strict": tool.get("strict"),
-        "type": "function",
-        "allowed_callers": tool.get("allowed_callers"),
-        "async": tool.get("async"),
-        "defer_loading": tool.get("defer_loading"),
-        "description": tool.get("description"),
-        "output_schema": tool.get("output_schema"),
-    }
-
-
 def _echo_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
     return choice if isinstance(choice, str) else {"name": choice["name"], "type": "function"}
-
-
-def _echo_reasoning(reasoning: dict[str, Any] | None) -> dict[str, Any] | None:
-    if reasoning is None:
-        return None
-    return {k: reasoning.get(k) for k in ("context", "effort", "generate_summary", "mode", "summary")}
 
 
 def _echo_text(text: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -202,19 +144,21 @@ class _Answer:
         if request.parallel_tool_calls is False:
             calls = calls[:1]
         last = self.status()
-        items = []
+        output: list[dict[str, Any]] = []
         if content:
             lps = (
                 [_logprob(e) for e in self.logprobs(0, len(out.token_ids))]
                 if request.wants_logprobs()
                 else None
             )
-            items.append(
-                _message(f"msg_{random_id()}", [_text_part(content, lps)], "completed" if calls else last)
+            output.append(
+                items.message(
+                    f"msg_{random_id()}", [items.text_part(content, lps)], "completed" if calls else last
+                )
             )
         for i, call in enumerate(calls):
-            items.append(
-                _function_call(
+            output.append(
+                items.function_call(
                     f"fc_{random_id()}",
                     call.id,
                     call.name,
@@ -222,7 +166,7 @@ class _Answer:
                     last if i == len(calls) - 1 else "completed",
                 )
             )
-        return items
+        return output
 
     def body(self, output: list[dict[str, Any]], status: str, final: bool = True) -> dict[str, Any]:
         """vLLM's `ResponsesResponse.from_request` dumped with `model_dump(mode="json", by_alias=True)`;
@@ -270,7 +214,7 @@ class _Answer:
             else request.parallel_tool_calls,
             "temperature": float(params.temperature),
             "tool_choice": _echo_tool_choice(request.tool_choice),
-            "tools": [_echo_tool(t) for t in request.tools],
+            "tools": [items.function_tool(t) for t in request.tools],
             "top_p": float(params.top_p),
             "background": request.background,
             "max_output_tokens": params.max_tokens,
@@ -280,7 +224,7 @@ class _Answer:
             "prompt_cache_options": None,
             "prompt_cache_key": request.prompt_cache_key,
             "prompt_cache_retention": request.prompt_cache_retention,
-            "reasoning": _echo_reasoning(request.reasoning),
+            "reasoning": items.reasoning(request.reasoning),
             "safety_identifier": request.safety_identifier,
             "service_tier": request.service_tier,
             "status": status,
@@ -373,7 +317,7 @@ class _Events:
             self.item_id, self.text, self.logprobs = f"msg_{random_id()}", "", []
             self.emit(
                 {
-                    "item": _message(self.item_id, [], "in_progress"),
+                    "item": items.message(self.item_id, [], "in_progress"),
                     "output_index": self.index,
                     "sequence_number": None,
                     "type": "response.output_item.added",
@@ -384,7 +328,7 @@ class _Events:
                     "content_index": 0,
                     "item_id": self.item_id,
                     "output_index": self.index,
-                    "part": _text_part("", []),
+                    "part": items.text_part("", []),
                     "sequence_number": None,
                     "type": "response.content_part.added",
                 }
@@ -399,7 +343,9 @@ class _Events:
         }
         self.emit(
             {
-                "item": _function_call(self.item_id, self.call["id"], self.call["name"], "", "in_progress"),
+                "item": items.function_call(
+                    self.item_id, self.call["id"], self.call["name"], "", "in_progress"
+                ),
                 "output_index": self.index,
                 "sequence_number": None,
                 "type": "response.output_item.added",
@@ -415,7 +361,7 @@ class _Events:
                 "content_index": 0,
                 "delta": text,
                 "item_id": self.item_id,
-                "logprobs": [_stream_logprob(e) for e in entries],
+                "logprobs": [items.stream_logprob(e) for e in entries],
                 "output_index": self.index,
                 "sequence_number": None,
                 "type": "response.output_text.delta",
@@ -424,8 +370,8 @@ class _Events:
 
     def close(self, status: str) -> None:
         if self.state == "content":
-            part = _text_part(self.text, self.logprobs or None)
-            item = _message(self.item_id, [part] if self.text else [], status)
+            part = items.text_part(self.text, self.logprobs or None)
+            item = items.message(self.item_id, [part] if self.text else [], status)
             self.emit(
                 {
                     "content_index": 0,
@@ -449,7 +395,7 @@ class _Events:
             )
         elif self.state == "call":
             call = self.call
-            item = _function_call(self.item_id, call["id"], call["name"], call["arguments"], status)
+            item = items.function_call(self.item_id, call["id"], call["name"], call["arguments"], status)
             self.emit(
                 {
                     "arguments": call["arguments"],

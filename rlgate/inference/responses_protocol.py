@@ -16,6 +16,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from rlgate import responses_items as items
 from rlgate.inference.protocol import BadRequest, SamplingFields, invalid
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -190,13 +191,7 @@ def _chat_message(item: dict[str, Any], assistant: dict[str, Any] | None) -> dic
             "function": {"name": item["name"], "arguments": item["arguments"]},
             "type": "function",
         }
-        if assistant is not None and isinstance(assistant.get("tool_calls"), list):
-            assistant["tool_calls"].append(call)
-            return None
-        if assistant is not None and assistant.get("tool_calls") is None:
-            assistant["tool_calls"] = [call]
-            return None
-        return {"role": "assistant", "tool_calls": [call]}
+        return items.input_tool_call(call, assistant)
     if kind == "function_call_output":
         return {"role": "tool", "content": item.get("output"), "tool_call_id": item.get("call_id")}
     if item.get("role") == "assistant":
