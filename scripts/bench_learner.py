@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -57,6 +58,25 @@ def episodes(n: int, prompt: int, completion: int, rng: random.Random) -> list[l
     ]
 
 
+def timed_updates(policy: Policy, batches: list, repeat: int, ranks: Any = None) -> tuple[float, Any]:
+    """A warm-up update, then the median of `repeat` timed ones (with `ranks`: each ends when the slowest
+    rank's does), and the last one's stats."""
+    policy.update(batches)  # warm-up
+    times = []
+    for _ in range(repeat):
+        if ranks is not None:
+            ranks.barrier()
+        if policy.device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        stats = policy.update(batches)
+        if policy.device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
+        times.append(ranks.max([elapsed])[0] if ranks is not None else elapsed)
+    return statistics.median(times), stats
+
+
 def bench_updates(settings: LearnerSettings, sizes: list[int], args: argparse.Namespace) -> list[dict]:
     policy = Policy(settings)
     rng = random.Random(0)
@@ -67,17 +87,7 @@ def bench_updates(settings: LearnerSettings, sizes: list[int], args: argparse.Na
             settings.micro_batch_tokens,
             policy.pad_token_id,
         )
-        policy.update(batches)  # warm-up
-        times = []
-        for _ in range(args.repeat):
-            if policy.device.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            stats = policy.update(batches)
-            if policy.device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        step = statistics.median(times)
+        step, stats = timed_updates(policy, batches, args.repeat)
         rows.append(
             {
                 "samples": size,
@@ -111,22 +121,10 @@ def rank_worker(args: argparse.Namespace) -> None:
     mine = shard(samples, ranks.size)[ranks.rank]
     batches = micro_batches(mine, settings.micro_batch_tokens, policy.pad_token_id) if mine else []
     batches = ranks.pad(batches, policy.pad_token_id)
-    policy.update(batches)  # warm-up
-    times = []
-    for _ in range(args.repeat):
-        ranks.barrier()
-        if policy.device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        stats = policy.update(batches)
-        if policy.device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(ranks.max([time.perf_counter() - t0])[0])  # the step ends when the slowest rank's does
+    step, stats = timed_updates(policy, batches, args.repeat, ranks)
     if ranks.leader:
         args.json.write_text(
-            json.dumps(
-                {"step_s": statistics.median(times), "tokens": stats.tokens, "micro_batches": len(batches)}
-            )
+            json.dumps({"step_s": step, "tokens": stats.tokens, "micro_batches": len(batches)})
         )
 
 
