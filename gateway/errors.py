@@ -1,6 +1,6 @@
 """The gateway's errors: a shallow tree, each class with its HTTP status and OpenAI error `type`.
 
-Handlers raise; `error_body` (shared, `episodes.api_error`) renders the OpenAI error shape `{"error": {message, type, param, code}}`.
+Handlers raise; `error_body` (shared, `rlgate.episodes.api_error`) renders the OpenAI error shape `{"error": {message, type, param, code}}`.
 The errors every service answers alike (400, 401, 403, 404, 405, 409, 413, 503 store) are the shared tree's,
 imported here; the rest are the gateway's own.
 Client faults are 4xx; only trouble on our side or upstream is 5xx.

@@ -8,7 +8,7 @@ webhook, Agent Lightning's event route) from their models. This module adds what
   schemas and error shape written here) and `GET models` under each prefix, `/v1`, `/rollouts/{rollout_id}/v1`,
   `/tasks/{task_id}/rollouts/{rollout_id}/v1` and Agent Lightning's
   `/proxy/rollout/{rollout_id}/attempt/{attempt_id}/mode/{mode}/openai/v1`, with the ids as path parameters
-  (their patterns are `episodes.keys`'), the routing headers, and vLLM 0.33's request bodies as vLLM's own
+  (their patterns are `rlgate.episodes.keys`'), the routing headers, and vLLM 0.33's request bodies as vLLM's own
   OpenAPI document gives them (`vllm_requests.json`, generated from vLLM by
   `scripts/gen_vllm_request_schemas.py`: nothing here imports vLLM). The gateway itself checks only that a
   body is a JSON object it can store; the upstream checks the rest, and its error answers pass through.

@@ -874,7 +874,7 @@ class Proxy:
 
     def _refused(self, call: Call, exc: episodes.StoreError) -> errors.ApiError:
         """The store refused the call's records: counted under the error's code, answered as every route
-        answers that store outcome (`episodes.api_error.STORE_ERRORS`)."""
+        answers that store outcome (`rlgate.episodes.api_error.STORE_ERRORS`)."""
         error = from_store(exc)
         self.metrics.calls.labels(call.endpoint, error.code).inc()
         return error

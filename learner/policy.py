@@ -95,7 +95,7 @@ def processed_log_probs(logits: torch.Tensor, batch: MicroBatch) -> tuple[torch.
 
 
 def _truncate(z: torch.Tensor, top_k: list[int], top_p: list[float], targets: torch.Tensor) -> torch.Tensor:
-    """Top-k, then top-p, per row, as the server truncates before sampling (`inference.engine`, checked
+    """Top-k, then top-p, per row, as the server truncates before sampling (`rlgate.inference.engine`, checked
     against vLLM's `apply_top_k_top_p`): the tokens cut get -inf, so the log-softmax renormalises over the
     kept ones. The token actually sampled at each position is never cut (a float difference from the
     server must not turn its log-prob into -inf)."""

@@ -1,5 +1,5 @@
 """`rlgate learner` settings: flags or RLGATE_LEARNER_* environment variables (the settings every service
-shares also from their RLGATE_* names: `episodes.settings`)."""
+shares also from their RLGATE_* names: `rlgate.episodes.settings`)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@
     POST /api/rollouts                                            a list of RolloutCreate: queued rollouts
     PATCH /api/rollouts/{rollout_id}                              {"status": {"state": ..., ...}}
 
-The three rollout-queue routes (`episodes.agl_queue`) are its controller's: they take the operator token or
+The three rollout-queue routes (`rlgate.episodes.agl_queue`) are its controller's: they take the operator token or
 the controller's key (`agl_controller_key`, which the controller also hands every agent it starts as
 AGL_KEY, so it is an agent credential too); an agent's own credential is 403 there.
 
@@ -23,7 +23,7 @@ An Agent Lightning 1.x agent reads `AGL_EVENT_URL` and `AGL_KEY` and posts its r
 
 The answer is Agent Lightning's: 200 with the event (`event_type`, `rollout_id`, `attempt_id`, `timestamp`,
 `data`). Attempt 0 is the rollout itself; attempt N the episode `{rollout_id}~{N}` (as the gateway records
-its calls: `episodes.attempt_episode`).
+its calls: `rlgate.episodes.attempt_episode`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Errors of the reward hooks: the shared tree (`episodes.api_error`), with the webhook's own code for a
+"""Errors of the reward hooks: the shared tree (`rlgate.episodes.api_error`), with the webhook's own code for a
 bad credential."""
 
 from __future__ import annotations

@@ -312,7 +312,7 @@ async def post_fail(rollout_id: str, request: Request, raw: bytes = AUTHORIZED) 
 
 @contextmanager
 def _store_errors() -> Iterator[None]:
-    """Store outcomes as API errors (`episodes.api_error.STORE_ERRORS`, the gateway's too)."""
+    """Store outcomes as API errors (`rlgate.episodes.api_error.STORE_ERRORS`, the gateway's too)."""
     try:
         yield
     except episodes.StoreError as exc:

@@ -10,7 +10,7 @@
     rlgate learner --model runs/tiny --served-model-name tiny --inference-urls '["http://127.0.0.1:8000"]'
 
 Settings every service shares (RLGATE_REDIS_URL, RLGATE_KEY_PREFIX, the secrets) have one name for all
-(`episodes.settings`); the others are under the service's prefix (RLGATE_LEARNER_*, RLGATE_SERVE_*,
+(`rlgate.episodes.settings`); the others are under the service's prefix (RLGATE_LEARNER_*, RLGATE_SERVE_*,
 RLGATE_DEMO_*). Booleans are flags (`--resume` / `--no-resume`; `--resume true` still works). An ordinary
 mistake is one line on stderr and exit code 2 (`rlgate._errors`); `--debug` shows the traceback.
 

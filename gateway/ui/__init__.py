@@ -3,7 +3,7 @@
 Pages are rendered on the server (`html`, escaping by default; `svg`, charts), with a stylesheet and one
 small script of our own (`static/`, refreshing the live parts): no build step, nothing fetched from
 elsewhere. `routes` serves them behind the operator token or its session cookie (`session`); the store
-reads they need are bounded (`episodes.overview`). docs/dashboard.md describes the pages.
+reads they need are bounded (`rlgate.episodes.overview`). docs/dashboard.md describes the pages.
 """
 
 from gateway.ui.routes import install

@@ -7,9 +7,9 @@ model fine-tuned on Calc-X traces alone stays at chance on the digits it must co
 does a 64-wide 2-layer model trained on copying alone after 1,500. So this module builds the base the way
 base models are built, at toy scale:
 
-1. a tokenizer: byte-level BPE with merges learned from chat text (`inference.tiny_model`, Qwen2's
+1. a tokenizer: byte-level BPE with merges learned from chat text (`rlgate.inference.tiny_model`, Qwen2's
    split, digits one token each), so that a Calc-X prompt of about 970 characters is about 220 tokens;
-2. a model: `inference.tiny_model` (Qwen2 architecture) `WIDTH` wide and `LAYERS` deep;
+2. a model: `rlgate.inference.tiny_model` (Qwen2 architecture) `WIDTH` wide and `LAYERS` deep;
 3. pretraining: next-token prediction on a synthetic corpus in which text repeats (`copy_text`:
    words, digits and operators, then the same again), the skill every web-text model has: `PRETRAIN_STEPS`
    AdamW steps of `PRETRAIN_BATCH` texts, lr `PRETRAIN_LR` with a cosine decay (about 3 minutes here).

@@ -1,4 +1,4 @@
-"""The Calc-X chat agent (`demo.calc_chat`): OpenAI-SDK code as anyone writes it, with the tools API.
+"""The Calc-X chat agent (`rlgate.demo.calc_chat`): OpenAI-SDK code as anyone writes it, with the tools API.
 
 `solve()` is the agent: it sends the question with `tools=[calculate]` and `tool_choice="auto"`, runs
 the calls the model makes and sends their results back as `tool` messages, until the model answers

@@ -8,7 +8,7 @@
     rlgate gateway  records every call, serves the reward endpoints
     rlgate worker   runs the math_answer reward jobs (rq)
     rlgate learner  trains on closed episodes, pushes LoRA adapters, moves the policy version
-    rlgate.demo.agent      plain OpenAI-SDK agents solving `demo.task`, in parallel
+    rlgate.demo.agent      plain OpenAI-SDK agents solving `rlgate.demo.task`, in parallel
 
 Progress (episodes/s, success rate, policy version) is printed live from the learner's per-step log; at
 the end the demo writes `summary.json` and `reward_curve.png` into its work directory (and the summary to

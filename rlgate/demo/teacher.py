@@ -2,7 +2,7 @@
 
 Real pipelines warm-start a policy on traces of a stronger model, recorded through the same gateway
 (`rlgate export --format sft`). No such model runs here, so this program plays it: it answers
-`POST /v1/chat/completions` with `demo.calc_chat.warm_start_answer` (a tool call part of the time, some
+`POST /v1/chat/completions` with `rlgate.demo.calc_chat.warm_start_answer` (a tool call part of the time, some
 of them malformed, otherwise a direct answer that is often wrong) and returns the message as vLLM does
 for a hermes-format model: well-formed calls in `tool_calls` with finish reason `tool_calls`, a malformed
 one as plain content. It serves no token ids or log-probs: its calls are recorded for their messages (the

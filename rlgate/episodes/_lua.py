@@ -1,5 +1,5 @@
 """Lua scripts of the episode store. Each touches only the keys of one rollout (one hash slot), or one
-global key (the outbox, the stream); the lifecycle they implement is described in `episodes.keys`."""
+global key (the outbox, the stream); the lifecycle they implement is described in `rlgate.episodes.keys`."""
 
 # KEYS[1] rollout hash
 # ARGV[1] rollout_id, ARGV[2] task_id ('' for none), ARGV[3] created_at, ARGV[4] schema_version,
@@ -334,7 +334,7 @@ end
 return {0, redis.call('RPUSH', KEYS[2], ARGV[1]) - 1}
 """
 
-# Agent Lightning's controller changes a rollout's state (`episodes.agl_queue`): queuing -> running or
+# Agent Lightning's controller changes a rollout's state (`rlgate.episodes.agl_queue`): queuing -> running or
 # failed, running -> succeeded or failed; other fields of its status patch are set as given.
 # KEYS[1] the rollout's agl hash
 # ARGV[1] new state ('' to keep it), ARGV[2] last_attempt_id, ARGV[3] error_message, ARGV[4] k8s_job_name

@@ -221,7 +221,7 @@ class Keys:
         return f"{self.prefix}:rollout:{_tag(rollout_id)}:server"
 
     def agl(self, rollout_id: str) -> str:
-        """Agent Lightning's view of the rollout (`episodes.agl_queue`): its input, config and state."""
+        """Agent Lightning's view of the rollout (`rlgate.episodes.agl_queue`): its input, config and state."""
         return f"{self.prefix}:rollout:{_tag(rollout_id)}:agl"
 
     def rollout_keys(self, rollout_id: str) -> list[str]:

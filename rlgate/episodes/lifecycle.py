@@ -1,5 +1,5 @@
 """Episode state transitions: close (reward), intermediate rewards, fail, expire, consume, and the outbox
-that puts every closed episode on the stream. The states and keys are described in `episodes.keys`."""
+that puts every closed episode on the stream. The states and keys are described in `rlgate.episodes.keys`."""
 
 from __future__ import annotations
 

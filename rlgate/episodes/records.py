@@ -30,7 +30,7 @@ class _Record(BaseModel):
 
 
 class RolloutStatus(StrEnum):
-    """Where a rollout is in its life (transitions: `episodes.keys`)."""
+    """Where a rollout is in its life (transitions: `rlgate.episodes.keys`)."""
 
     OPEN = "open"  # the agent is working; calls are recorded
     CLOSED = "closed"  # its final return is known; waiting for the learner

@@ -1,4 +1,4 @@
-"""The async Redis store of rollouts and their calls. Key layout: `episodes.keys`.
+"""The async Redis store of rollouts and their calls. Key layout: `rlgate.episodes.keys`.
 
 Every write that touches several keys is one Lua script; every Redis failure surfaces as
 `StoreUnavailable` (translated here, in one place), so callers never mistake a lost write for success.

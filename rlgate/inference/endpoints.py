@@ -1,5 +1,5 @@
 """The endpoints of `rlgate serve`: each builds vLLM 0.33's response (or chunk sequence) for one request;
-`inference.server` has the contract and the differences from vLLM."""
+`rlgate.inference.server` has the contract and the differences from vLLM."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ class Server:
     def token_logprobs(self, out: Output, lo: int, hi: int, k: int) -> list[dict[str, Any]]:
         """Tokens lo..hi-1 as vLLM's chat and Responses log-prob entries show them: `{"token", "logprob",
         "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}` with the first k candidates (sampled
-        first), clamped at -9999.0. (Responses reorders the keys: `inference.responses`.)"""
+        first), clamped at -9999.0. (Responses reorders the keys: `rlgate.inference.responses`.)"""
         detok, entries = self.model.detok, []
         for pos in range(lo, hi):
             tops = [
@@ -250,7 +250,7 @@ class Server:
         self, request: ChatCompletionRequest | ResponsesRequest, out: Output, stops: list[str]
     ) -> tuple[list[dict[str, Any] | None], str]:
         """Per token, the delta to stream (None: nothing), and the chat choice's finish reason. Unless
-        `tool_choice` is "none", the text goes through the streaming hermes parser (`inference.tools`),
+        `tool_choice` is "none", the text goes through the streaming hermes parser (`rlgate.inference.tools`),
         as vLLM's does (its Responses stream too): the finish reason is "tool_calls" once a call streamed
         (a named tool: "stop")."""
         pieces = self.model.detok.stream_pieces(out.token_ids, out.text, stops)

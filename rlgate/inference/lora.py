@@ -11,7 +11,7 @@ server is for (memory grows by one model per adapter; vLLM instead applies adapt
 shared batch).
 
 The routes exist only when runtime LoRA updating is enabled, and `lora_path` must lie under the weights
-root (`inference.access`); a path outside it gets vLLM's answer for a missing adapter (404, "Loading lora
+root (`rlgate.inference.access`); a path outside it gets vLLM's answer for a missing adapter (404, "Loading lora
 NAME failed: No adapter found for PATH").
 """
 

@@ -1,8 +1,8 @@
 """The OpenAPI document of `rlgate serve` (`GET /openapi.json`, as vLLM serves its own).
 
-The routes read their bodies themselves (`inference.server._parse`: vLLM's 400s for a wrong content type,
+The routes read their bodies themselves (`rlgate.inference.server._parse`: vLLM's 400s for a wrong content type,
 bad JSON or invalid fields), so FastAPI sees no request model; this module adds each route's body from the
-pydantic model `_parse` validates it with (`inference.protocol`, `inference.responses_protocol`), the
+pydantic model `_parse` validates it with (`rlgate.inference.protocol`, `rlgate.inference.responses_protocol`), the
 optional JSON bodies of the RL routes, and the errors in vLLM's shape (`{"error": {message, type, param,
 code}}`, code = the status) with the statuses each route answers. Gated routes (LoRA, dev mode) appear only
 when the app serves them: the document is built from the app's routes.
@@ -38,7 +38,7 @@ BODIES: dict[str, type[BaseModel]] = {
     "/v1/load_lora_adapter": LoadLoraAdapterRequest,
     "/v1/unload_lora_adapter": UnloadLoraAdapterRequest,
 }
-# The RL routes' optional JSON bodies (`inference.server._optional_json`), as their handlers check them.
+# The RL routes' optional JSON bodies (`rlgate.inference.server._optional_json`), as their handlers check them.
 OPTIONAL_BODIES: dict[str, dict[str, Any]] = {
     "/init_weight_transfer_engine": {
         "type": "object",

@@ -2,7 +2,7 @@
 
 Request models accept unknown fields (`extra="allow"`), as vLLM's `OpenAIBaseModel` does: clients send
 fields we do not use (`user`, `metadata`, ...) and must not get a 400 for them. Responses are built in
-`inference.server` key by key in vLLM's order (docs/vllm-wire-format.md), because their exact layout
+`rlgate.inference.server` key by key in vLLM's order (docs/vllm-wire-format.md), because their exact layout
 (every key present, `null` when unused, per-chunk key sets in streams) is the contract.
 
 Errors: one shallow tree, each class with its HTTP status and vLLM error `type`; the server's one handler

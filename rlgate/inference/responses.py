@@ -3,7 +3,7 @@
 `SimpleContext` path; docs/vllm-wire-format.md section 7 has the contract).
 
 The request renders through the chat template (`ResponsesRequest.chat_messages`), generates with the
-engine the chat endpoint uses, and its text is parsed by the same hermes code (`inference.tools`):
+engine the chat endpoint uses, and its text is parsed by the same hermes code (`rlgate.inference.tools`):
 
 - Non-streaming (`_make_response_output_items` + `build_response_output_items`): a message item when
   there is content (whitespace before a call is none), then one `function_call` item per call; the last

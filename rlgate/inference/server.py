@@ -1,18 +1,18 @@
 """`rlgate serve`: an OpenAI-compatible HTTP server on the CPU engine that answers in vLLM 0.33's wire format.
 
 Endpoints (docs/vllm-wire-format.md has the field-by-field contract): `POST /v1/chat/completions`,
-`POST /v1/completions`, `POST /v1/responses` (all with `stream`; `inference.responses`; as vLLM without
+`POST /v1/completions`, `POST /v1/responses` (all with `stream`; `rlgate.inference.responses`; as vLLM without
 its response store, `GET /v1/responses/{id}` and its cancel route answer 404), `GET /v1/models`, `GET /health`, `POST /tokenize`,
 `POST /detokenize`, runtime LoRA (`/v1/load_lora_adapter`, `/v1/unload_lora_adapter`), and vLLM's RL
-routes for pause/resume and full-weight updates (`inference.weights`: `/pause`, `/resume`, `/is_paused`,
+routes for pause/resume and full-weight updates (`rlgate.inference.weights`: `/pause`, `/resume`, `/is_paused`,
 `/init_weight_transfer_engine`, `/start_weight_update`, `/update_weights`, `/finish_weight_update`,
 `/update_weight_version`, `/weight_info`). As in vLLM, the LoRA routes exist only when runtime LoRA updating
 is enabled and the RL routes only in dev mode; `--api-key` guards `/v1` as vLLM's does; adapter and weight
-paths must lie under the weights root (`inference.access`). Keep the server on a private network behind
+paths must lie under the weights root (`rlgate.inference.access`). Keep the server on a private network behind
 the gateway. Tools are parsed hermes-style
-(`inference.tools`), as `vllm serve --enable-auto-tool-choice --tool-call-parser hermes`.
+(`rlgate.inference.tools`), as `vllm serve --enable-auto-tool-choice --tool-call-parser hermes`.
 
-What it reports as log-probs is `--logprobs-mode` (`inference.engine`), with vLLM's four values and
+What it reports as log-probs is `--logprobs-mode` (`rlgate.inference.engine`), with vLLM's four values and
 vLLM's default (`raw_logprobs`); a learner needs `processed_logprobs`. How it still differs from vLLM
 (checked by vLLM's own code in tests/test_vllm_oracle.py) is listed in docs/vllm-wire-format.md, "Known
 differences".
@@ -342,7 +342,7 @@ def build_app(
 ) -> FastAPI:
     """The FastAPI app of `rlgate serve` for the Hugging Face causal LM folder `model_dir` (float32, CPU).
     The model loads now; the scheduler starts with the app (lifespan). `logprobs_mode` is vLLM's
-    `--logprobs-mode` (`inference.engine`), with vLLM's default. The gates (`inference.access`), all off by
+    `--logprobs-mode` (`rlgate.inference.engine`), with vLLM's default. The gates (`rlgate.inference.access`), all off by
     default: `allow_runtime_lora_updating` serves the LoRA routes, `dev_mode` the RL routes, `api_keys`
     requires one of them on `/v1`; adapters and weight files must lie under `weights_root` (default: the
     model folder's parent)."""

@@ -1,6 +1,6 @@
 """Full-weight updates and pause/resume for `rlgate serve`, with vLLM 0.33's RL routes and semantics
 (`vllm/entrypoints/rl/online/api_router.py`; vLLM registers them only with VLLM_SERVER_DEV_MODE=1, and so
-does `rlgate serve`: `inference.access`):
+does `rlgate serve`: `rlgate.inference.access`):
 
     POST /pause?mode=abort|wait|keep     {"status": "paused"}
     POST /resume                         {"status": "resumed"}
@@ -16,7 +16,7 @@ The transport here is on the CPU: the `safetensors` backend (vLLM's backends are
 init_info is `{}`; its update_info is `{"path": FILE}`: a safetensors file of parameters by name (all or
 some of the model's, same shapes), which the server loads and copies into its model between two batches,
 so no batch ever runs on half-updated weights. The file must lie under the weights root
-(`inference.access`); a path outside it gets the same 400 as a missing file.
+(`rlgate.inference.access`); a path outside it gets the same 400 as a missing file.
 
 Pausing: `abort` and `wait` make new requests fail at once with 503 `ServiceUnavailableError` ("Generation
 is paused. Please retry after it resumes.", vLLM's message; we add `Retry-After: 1`); `abort` answers
