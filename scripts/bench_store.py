@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from redis_servers import cluster_ports  # noqa: E402
+from redis_servers import cluster_ports, redis_server_command  # noqa: E402
 
 from rlgate.episodes import CallRecord, EpisodeStore  # noqa: E402
 
@@ -53,17 +53,7 @@ class Servers:
         for port in self.ports:
             work = root / f"{kind}-{port}"
             work.mkdir()
-            args = [
-                "redis-server",
-                "--port",
-                str(port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ]
+            args = redis_server_command(port)
             if kind != "standalone":
                 args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
             self.procs.append(

@@ -170,6 +170,17 @@ def upstream_chat(upstream: Proc, body: dict) -> dict:
     return answer.json()
 
 
+def output_text_logprobs(response: dict) -> list[dict]:
+    """The log-prob entries of a Responses answer's output text, message by message, part by part."""
+    return [
+        entry
+        for item in response["output"]
+        if item["type"] == "message"
+        for part in item["content"]
+        for entry in part.get("logprobs") or ()
+    ]
+
+
 def start_fake_vllm(tmp_path: Path, *args: str, port: int | None = None) -> Proc:
     log_path = tmp_path / f"fake_vllm_{time.monotonic_ns()}.log"
     port = port or free_port()

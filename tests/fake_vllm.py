@@ -363,6 +363,14 @@ def fail_frame(chat: bool) -> bytes:
     return b"data: " + (orjson.dumps(body) if chat else json.dumps(body).encode()) + b"\n\n"
 
 
+def stream_options(body: dict) -> tuple[bool, bool, int | None]:
+    """A stream request's include_usage, continuous_usage_stats (only with include_usage) and
+    fake_fail_after."""
+    opts = body.get("stream_options") or {}
+    inc_usage = bool(opts.get("include_usage"))
+    return inc_usage, inc_usage and bool(opts.get("continuous_usage_stats")), body.get("fake_fail_after")
+
+
 def steps(choices: list[Choice]):
     """Engine order of streamed tokens: one step per token, choices interleaved."""
     for pos in range(max(len(c.ids) for c in choices)):
@@ -509,6 +517,52 @@ class FakeVLLM:
             }
         )
 
+    def token_chunks(
+        self, head: dict, tokens, prompt_tokens: int, choices: list[Choice], body: dict, chat: bool
+    ):
+        """A chat or completions stream's token chunks, given as (chunk, last of its choice), ended as vLLM
+        ends them: the system fingerprint on a choice's last chunk unless a usage chunk follows,
+        kv_transfer_params on each, then the usage chunk (include_usage) and [DONE]; with fake_fail_after,
+        that many chunks, then the error event."""
+        inc_usage, _, fail_after = stream_options(body)
+        for sent, (f, last) in enumerate(tokens):
+            if last and not inc_usage:
+                f["system_fingerprint"] = self.fingerprint
+            f["kv_transfer_params"] = None
+            if fail_after is not None and sent >= fail_after:
+                yield fail_frame(chat=chat)
+                break
+            yield sse(f)
+        else:
+            if inc_usage:
+                yield self.usage_frame(head, prompt_tokens, sum(len(c.ids) for c in choices))
+        yield DONE
+
+    def head(self, request: web.Request, id_prefix: str, obj: str) -> dict:
+        """The fields an answer and each of its chunks start with; the id ends in the X-Request-Id a gateway
+        sent, as vLLM's does."""
+        return {
+            "id": f"{id_prefix}-{request.headers.get('X-Request-Id') or rid()}",
+            "object": obj,
+            "created": int(time.time()),
+            "model": self.model,
+        }
+
+    def answer(self, head: dict, out: list, prompt_tokens: int, choices: list[Choice], **fields) -> dict:
+        """A non-streamed chat or completions answer in vLLM's key order, the endpoint's own `fields` after
+        the usage."""
+        return {
+            **head,
+            "choices": out,
+            "service_tier": None,
+            "system_fingerprint": self.fingerprint,
+            "usage": usage(prompt_tokens, sum(len(c.ids) for c in choices)),
+            **fields,
+            "kv_transfer_params": None,
+            "ec_transfer_params": None,
+            "metrics": None,
+        }
+
     async def chat(self, request: web.Request, body: dict) -> web.StreamResponse:
         if not isinstance(body.get("messages"), list):
             raise validation_error(
@@ -538,12 +592,9 @@ class FakeVLLM:
             body.get("top_logprobs") or 0,
             len(prompt_ids),
         )
-        head = {
-            "id": f"chatcmpl-{request.headers.get('X-Request-Id') or rid()}",
-            "object": "chat.completion.chunk" if body.get("stream") else "chat.completion",
-            "created": int(time.time()),
-            "model": self.model,
-        }
+        head = self.head(
+            request, "chatcmpl", "chat.completion.chunk" if body.get("stream") else "chat.completion"
+        )
         if not body.get("stream"):  # ChatCompletionResponse.model_dump(): every field present
             out = []
             for i, c in enumerate(choices):
@@ -573,49 +624,16 @@ class FakeVLLM:
                         "weight_versions": None,
                     }
                 )
-            return await self.reply(
-                {
-                    **head,
-                    "choices": out,
-                    "service_tier": None,
-                    "system_fingerprint": self.fingerprint,
-                    "usage": usage(P, sum(len(c.ids) for c in choices)),
-                    "prompt_logprobs": None,
-                    "prompt_token_ids": prompt_ids if rti else None,
-                    "prompt_text": None,
-                    "kv_transfer_params": None,
-                    "ec_transfer_params": None,
-                    "metrics": None,
-                },
-                body,
+            ids = prompt_ids if rti else None
+            answer = self.answer(
+                head, out, P, choices, prompt_logprobs=None, prompt_token_ids=ids, prompt_text=None
             )
-        opts = body.get("stream_options") or {}
-        inc_usage = bool(opts.get("include_usage"))
-        cont, fail_after = inc_usage and bool(opts.get("continuous_usage_stats")), body.get("fake_fail_after")
+            return await self.reply(answer, body)
+        _, cont, _ = stream_options(body)
 
-        def frames():  # chunks are dumped with exclude_unset: only fields vLLM set appear
-            for i in range(n):  # first chunk per choice: the role (and the prompt ids)
-                f = {
-                    **head,
-                    "choices": [
-                        {
-                            "index": i,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    ],
-                }
-                if cont:
-                    f["usage"] = {
-                        "prompt_tokens": P,
-                        "total_tokens": P,
-                        "completion_tokens": 0,
-                        "completion_tokens_details": None,
-                    }
-                yield sse({**f, "prompt_token_ids": prompt_ids if rti else None, "prompt_text": None})
+        def tokens():  # each step's chunk, and whether it is its choice's last
             deltas = [hermes_deltas(c, tool_ids[i]) for i, c in enumerate(choices)]
-            tools_sent, sent = [False] * n, 0
+            tools_sent = [False] * n
             for i, c, pos, last in steps(choices):
                 d = deltas[i][pos]
                 if d is None:  # parser had nothing; vLLM still sends a chunk carrying metadata
@@ -645,18 +663,30 @@ class FakeVLLM:
                         "completion_tokens": pos + 1,
                         "completion_tokens_details": None,
                     }
-                if last and not inc_usage:
-                    f["system_fingerprint"] = self.fingerprint
-                f["kv_transfer_params"] = None
-                if fail_after is not None and sent >= fail_after:
-                    yield fail_frame(chat=True)
-                    break
-                sent += 1
-                yield sse(f)
-            else:
-                if inc_usage:
-                    yield self.usage_frame(head, P, sum(len(c.ids) for c in choices))
-            yield DONE
+                yield f, last
+
+        def frames():  # chunks are dumped with exclude_unset: only fields vLLM set appear
+            for i in range(n):  # first chunk per choice: the role (and the prompt ids)
+                f = {
+                    **head,
+                    "choices": [
+                        {
+                            "index": i,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                }
+                if cont:
+                    f["usage"] = {
+                        "prompt_tokens": P,
+                        "total_tokens": P,
+                        "completion_tokens": 0,
+                        "completion_tokens_details": None,
+                    }
+                yield sse({**f, "prompt_token_ids": prompt_ids if rti else None, "prompt_text": None})
+            yield from self.token_chunks(head, tokens(), P, choices, body, chat=True)
 
         return await self.stream(request, frames(), body)
 
@@ -674,12 +704,7 @@ class FakeVLLM:
             for i in range(n)
         ]
         choices, rti, k = [c for _, c in pairs], bool(body.get("return_token_ids")), body.get("logprobs")
-        head = {
-            "id": f"cmpl-{request.headers.get('X-Request-Id') or rid()}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": self.model,
-        }
+        head = self.head(request, "cmpl", "text_completion")
         P = sum(len(x) for x in prompts)
         if not body.get("stream"):
             out = [
@@ -697,26 +722,12 @@ class FakeVLLM:
                 }
                 for j, (pi, c) in enumerate(pairs)
             ]
-            return await self.reply(
-                {
-                    **head,
-                    "choices": out,
-                    "service_tier": None,
-                    "system_fingerprint": self.fingerprint,
-                    "usage": usage(P, sum(len(c.ids) for c in choices)),
-                    "kv_transfer_params": None,
-                    "ec_transfer_params": None,
-                    "metrics": None,
-                },
-                body,
-            )
-        opts = body.get("stream_options") or {}
-        inc_usage = bool(opts.get("include_usage"))
-        cont, fail_after = inc_usage and bool(opts.get("continuous_usage_stats")), body.get("fake_fail_after")
+            return await self.reply(self.answer(head, out, P, choices), body)
+        _, cont, _ = stream_options(body)
 
-        def frames():  # no role chunk; the prompt ids ride on each choice's first chunk
+        def tokens():  # no role chunk; the prompt ids ride on each choice's first chunk
             offsets = [0] * len(choices)
-            for sent, (j, c, pos, last) in enumerate(steps(choices)):
+            for j, c, pos, last in steps(choices):
                 lps, pids = None, prompts[pairs[j][0]]
                 if k is not None:
                     lps, offsets[j] = completion_logprobs(c, pos, pos + 1, k, offsets[j])
@@ -741,19 +752,11 @@ class FakeVLLM:
                         "total_tokens": len(pids) + pos + 1,
                         "completion_tokens": pos + 1,
                     }
-                if last and not inc_usage:
-                    f["system_fingerprint"] = self.fingerprint
-                f["kv_transfer_params"] = None
-                if fail_after is not None and sent >= fail_after:
-                    yield fail_frame(chat=False)
-                    break
-                yield sse(f)
-            else:
-                if inc_usage:
-                    yield self.usage_frame(head, P, sum(len(c.ids) for c in choices))
-            yield DONE
+                yield f, last
 
-        return await self.stream(request, frames(), body)
+        return await self.stream(
+            request, self.token_chunks(head, tokens(), P, choices, body, chat=False), body
+        )
 
     async def responses(self, request: web.Request, body: dict) -> web.StreamResponse:
         """Text output only; token ids only with enable_response_messages (vLLM's only way: input_messages /

@@ -1,5 +1,5 @@
-"""Helpers for starting local `redis-server`s: a private one (`private_redis`, for tests that change its
-settings or flags), and ports for cluster mode, shared by tests/test_redis_cluster.py and
+"""Helpers for starting local `redis-server`s: their command line, a private one (`private_redis`, for tests
+that change its settings or flags), and ports for cluster mode, shared by the tests and
 scripts/bench_store.py (no pytest here: the benchmark imports it too)."""
 
 from __future__ import annotations
@@ -14,25 +14,17 @@ from collections.abc import Iterator
 import redis
 
 
+def redis_server_command(port: int, *flags: str) -> list[str]:
+    """The command line of a `redis-server` on 127.0.0.1:`port` without persistence, `flags` added."""
+    no_persistence = ["--save", "", "--appendonly", "no"]
+    return ["redis-server", "--bind", "127.0.0.1", "--port", str(port), *no_persistence, *flags]
+
+
 @contextlib.contextmanager
 def private_redis(port: int, *flags: str) -> Iterator[redis.Redis]:
     """A `redis-server` of its own on `port` (no persistence, `flags` added), answering when entered,
     killed on exit; yields a client of it."""
-    server = subprocess.Popen(
-        [
-            "redis-server",
-            "--bind",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            *flags,
-        ],
-        stdout=subprocess.DEVNULL,
-    )
+    server = subprocess.Popen(redis_server_command(port, *flags), stdout=subprocess.DEVNULL)
     client = redis.Redis(port=port)
     try:
         deadline = time.monotonic() + 10

@@ -24,17 +24,24 @@ ROLLOUT_SECRET = "rks-" + "b2" * 16
 OP = {"Authorization": f"Bearer {OPERATOR}"}
 
 
-@pytest.fixture(scope="module")
-def agl_gateway(rlgate_serve: Proc, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
-    proc = start_gateway(
-        tmp_path_factory.mktemp("agl"),
-        rlgate_serve.url,
+def start_agl_gateway(tmp_path, upstream: Proc, **settings: str) -> Proc:
+    """A gateway as Agent Lightning's agents meet it: each rollout's own key required, agent rewards on,
+    `model="auto"` the upstream's fake-model; `settings` on top."""
+    return start_gateway(
+        tmp_path,
+        upstream.url,
         operator_token=OPERATOR,
         rollout_key_secret=ROLLOUT_SECRET,
         require_rollout_keys="true",
         model_aliases='{"auto": "fake-model"}',
         agent_rewards="true",
+        **settings,
     )
+
+
+@pytest.fixture(scope="module")
+def agl_gateway(rlgate_serve: Proc, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    proc = start_agl_gateway(tmp_path_factory.mktemp("agl"), rlgate_serve)
     yield proc
     proc.kill(signal.SIGTERM)
 
@@ -265,20 +272,8 @@ def test_attempts_reach_their_own_rollout_alone_and_are_bounded(fake_vllm: Proc,
     """Attempt N of rollout R is the episode `R~N` (`~` is in no rollout id, so a rollout named `R.1` is
     not R's attempt); it is created only while R exists and is open or failed, with R's task and mode, at
     most `max_attempts_per_rollout` times; its reward's source is never the agent's to say."""
-    from test_gateway_proxy import MODEL
-
     control = str(free_port())
-    gateway = start_gateway(
-        tmp_path,
-        fake_vllm.url,
-        operator_token=OPERATOR,
-        rollout_key_secret=ROLLOUT_SECRET,
-        require_rollout_keys="true",
-        agent_rewards="true",
-        max_attempts_per_rollout="2",
-        model_aliases=json.dumps({"auto": MODEL}),
-        control_port=control,
-    )
+    gateway = start_agl_gateway(tmp_path, fake_vllm, max_attempts_per_rollout="2", control_port=control)
     ops = Proc(gateway.process, f"http://127.0.0.1:{control}", gateway.log_path)  # the control port
     chat = {"model": "auto", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 

@@ -306,7 +306,7 @@ def test_one_rows_failure_does_not_fail_its_batch_mates(engine):
     assert results[1].token_ids == out[1].token_ids and results[2].token_ids == out[2].token_ids
 
 
-def test_one_logprobs_mode_default_everywhere():
+def test_one_logprobs_mode_default_everywhere(model):
     """vLLM's default (raw_logprobs) for the engine, its sampler, the model, the LoRA adapters and the server."""
     import inspect
 
@@ -323,17 +323,6 @@ def test_one_logprobs_mode_default_everywhere():
 
     defaults["rlgate serve --logprobs-mode"] = ServeCommand.model_fields["logprobs_mode"].default
     assert set(defaults.values()) == {"raw_logprobs"}, defaults
-    model = transformers.Qwen2ForCausalLM(
-        transformers.Qwen2Config(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            max_position_embeddings=64,
-        )
-    ).eval()
     assert Engine(model, pad_token_id=PAD, eos_token_ids=(EOS,)).logprobs_mode == "raw_logprobs"
 
 

@@ -77,6 +77,19 @@ def counting(fake_vllm: Proc) -> Iterator[CountingUpstream]:
     upstream.close()
 
 
+def start_keyed_gateway(tmp_path, counting: CountingUpstream, **settings: str) -> Proc:
+    """A gateway in front of `counting` with both credentials (the operator token, the agents' API key) and
+    rollout keys signed with ROLLOUT_SECRET; `settings` on top."""
+    return start_gateway(
+        tmp_path,
+        counting.url,
+        operator_token=OPERATOR,
+        api_keys=API_KEY,
+        rollout_key_secret=ROLLOUT_SECRET,
+        **settings,
+    )
+
+
 def bearer(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
 
@@ -116,14 +129,7 @@ def operator_requests(rid: str) -> list[tuple[str, str, dict | None]]:
 
 
 def test_operator_surface_needs_the_operator_token(counting: CountingUpstream, tmp_path, redis_client):
-    proc = start_gateway(
-        tmp_path,
-        counting.url,
-        operator_token=OPERATOR,
-        api_keys=API_KEY,
-        rollout_key_secret=ROLLOUT_SECRET,
-        webhook_secret=WEBHOOK_SECRET,
-    )
+    proc = start_keyed_gateway(tmp_path, counting, webhook_secret=WEBHOOK_SECRET)
     try:
         created = create(proc.url, "r-a", "task-a")
         key_a = created["api_key"]
@@ -173,9 +179,7 @@ def test_operator_surface_needs_the_operator_token(counting: CountingUpstream, t
 def test_agent_surface_refuses_the_operator_token_and_other_rollouts_keys(
     counting: CountingUpstream, tmp_path, redis_client
 ):
-    proc = start_gateway(
-        tmp_path, counting.url, operator_token=OPERATOR, api_keys=API_KEY, rollout_key_secret=ROLLOUT_SECRET
-    )
+    proc = start_keyed_gateway(tmp_path, counting)
     try:
         key_a = create(proc.url, "r-a")["api_key"]
         create(proc.url, "r-b", "task-b")
@@ -236,14 +240,7 @@ def test_agent_surface_refuses_the_operator_token_and_other_rollouts_keys(
 
 
 def test_required_rollout_keys(counting: CountingUpstream, tmp_path, redis_client):
-    proc = start_gateway(
-        tmp_path,
-        counting.url,
-        operator_token=OPERATOR,
-        api_keys=API_KEY,
-        rollout_key_secret=ROLLOUT_SECRET,
-        require_rollout_keys="true",
-    )
+    proc = start_keyed_gateway(tmp_path, counting, require_rollout_keys="true")
     try:
         key_a = create(proc.url, "r-a")["api_key"]
         create(proc.url, "r-b")

@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import Proc
+from conftest import Proc, output_text_logprobs
 from test_gateway_proxy import MESSAGES, MODEL, TOOLS, normalize, rollout
 
 # what the agent asks for itself: nothing, log-probs, token ids, both, or top_logprobs without logprobs (400)
@@ -362,13 +362,7 @@ def test_responses(responses_server: tuple[Proc, Proc], redis_client, stream, to
     assert call["agent_api"] == "openai.responses" and call["endpoint"] == "chat.completions"
     assert call["prompt_token_ids"] == final["input_messages"][0]["tokens"]
     assert call["completion_token_ids"] == final["output_messages"][0]["tokens"]
-    text_logprobs = [
-        e["logprob"]
-        for item in final["output"]
-        if item["type"] == "message"
-        for part in item["content"]
-        for e in part.get("logprobs") or ()
-    ]
+    text_logprobs = [e["logprob"] for e in output_text_logprobs(final)]
     # every generated token's log-prob, streamed or not, tool calls too: vLLM's own /v1/responses has them
     # only for a non-streamed answer with text (then they are the same), none for tool calls only, and in
     # streams none for tokens without text (tool-call markup, EOS)

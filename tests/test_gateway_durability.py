@@ -14,18 +14,25 @@ import httpx
 import openai
 import pytest
 from conftest import Proc, free_port, start_fake_vllm, start_gateway
+from redis_servers import redis_server_command
 from test_gateway_errors import assert_openai_error
 from test_gateway_proxy import MESSAGES, MODEL, rollout
 
 
-def test_dead_redis_is_503_never_an_unrecorded_success(fake_vllm: Proc, tmp_path):
-    proc = start_gateway(
+def start_gateway_without_redis(tmp_path, upstream: Proc, **settings: str) -> Proc:
+    """A gateway whose Redis URL names a port nothing listens on (not waited for: it is never healthy)."""
+    return start_gateway(
         tmp_path,
-        fake_vllm.url,
+        upstream.url,
         redis_url=f"redis://127.0.0.1:{free_port()}/0",
         wait_healthy=False,
         redis_timeout_s="0.5",
+        **settings,
     )
+
+
+def test_dead_redis_is_503_never_an_unrecorded_success(fake_vllm: Proc, tmp_path):
+    proc = start_gateway_without_redis(tmp_path, fake_vllm)
     try:
         assert httpx.get(f"{proc.url}/healthz").status_code == 503
         url = f"{proc.url}/rollouts/r1/v1/chat/completions"
@@ -44,14 +51,7 @@ def test_dead_redis_is_503_never_an_unrecorded_success(fake_vllm: Proc, tmp_path
 
 
 def test_pass_mode_serves_unrecorded_calls_and_says_so(fake_vllm: Proc, tmp_path):
-    proc = start_gateway(
-        tmp_path,
-        fake_vllm.url,
-        redis_url=f"redis://127.0.0.1:{free_port()}/0",
-        wait_healthy=False,
-        redis_timeout_s="0.5",
-        on_store_error="pass",
-    )
+    proc = start_gateway_without_redis(tmp_path, fake_vllm, on_store_error="pass")
     try:
         response = httpx.post(
             f"{proc.url}/rollouts/r1/v1/chat/completions",
@@ -66,10 +66,7 @@ def test_pass_mode_serves_unrecorded_calls_and_says_so(fake_vllm: Proc, tmp_path
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs the redis-server binary")
 def test_redis_dying_under_a_running_gateway(fake_vllm: Proc, tmp_path):
     port = free_port()
-    server = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-    )
+    server = subprocess.Popen(redis_server_command(port), stdout=subprocess.DEVNULL)
     time.sleep(0.3)
     proc = start_gateway(
         tmp_path, fake_vllm.url, redis_url=f"redis://127.0.0.1:{port}/0", redis_timeout_s="0.5"
@@ -83,10 +80,7 @@ def test_redis_dying_under_a_running_gateway(fake_vllm: Proc, tmp_path):
         assert_openai_error(httpx.post(url, json=body), 503)
         # Redis comes back (empty: no persistence here): the gateway reconnects, notices the loss (its epoch
         # marker is gone) and records again, but never reopens the rollout whose data was lost
-        server = subprocess.Popen(
-            ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL,
-        )
+        server = subprocess.Popen(redis_server_command(port), stdout=subprocess.DEVNULL)
         deadline = time.monotonic() + 20
         while _health(proc).get("status") != "degraded":
             assert time.monotonic() < deadline, _health(proc)

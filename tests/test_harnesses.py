@@ -69,6 +69,23 @@ def assert_trainable(call: dict) -> None:
     assert len(call["completion_logprobs"]) == len(call["completion_token_ids"])
 
 
+def recorded_turns(gateway: Proc, rollout: dict, result: subprocess.CompletedProcess, agent_api: str) -> list:
+    """The calls of a harness that exited 0: at least two (the first answer is a tool call, which it runs
+    and answers), each through `agent_api`, streamed and trainable."""
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    calls = recorded_calls(gateway, rollout["rollout_id"], OPERATOR)
+    assert len(calls) >= 2, calls
+    for call in calls:
+        assert call["agent_api"] == agent_api and call["stream"]
+        assert_trainable(call)
+    return calls
+
+
+def answers_tool_call(messages: list[dict], tool_call_id: str) -> bool:
+    """Whether `messages` hold the tool result for the call `tool_call_id`."""
+    return any(m.get("role") == "tool" and m.get("tool_call_id") == tool_call_id for m in messages)
+
+
 @pytest.mark.slow
 def test_claude_code_runs_unchanged_through_the_messages_api(stack: Proc, redis_client, tmp_path: Path):
     claude = harness("claude")
@@ -76,20 +93,12 @@ def test_claude_code_runs_unchanged_through_the_messages_api(stack: Proc, redis_
     env = {k: v for k, v in rollout["agent_env"].items() if k.startswith("ANTHROPIC_")}
     env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"] = "1"
     result = run([str(claude), "-p", "What is 2+2?", "--model", MODEL], env, tmp_path)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    calls = recorded_calls(stack, rollout["rollout_id"], OPERATOR)
     # Claude Code offers its tools: the first answer is a tool call, which it runs and answers
-    assert len(calls) >= 2, calls
-    for call in calls:
-        assert call["agent_api"] == "anthropic.messages" and call["stream"]
-        assert_trainable(call)
+    calls = recorded_turns(stack, rollout, result, "anthropic.messages")
     first, last = calls[0], calls[-1]
     assert first["response"]["message"]["tool_calls"] and len(first["request"]["tools"]) > 3
     tool_call_id = first["response"]["message"]["tool_calls"][0]["id"]
-    assert any(
-        m.get("role") == "tool" and m.get("tool_call_id") == tool_call_id
-        for m in calls[1]["request"]["messages"]
-    )
+    assert answers_tool_call(calls[1]["request"]["messages"], tool_call_id)
     # what it printed is the last answer's text
     assert last["response"]["message"]["content"] and last["response"]["message"]["content"] in result.stdout
 
@@ -107,24 +116,16 @@ def test_codex_cli_runs_unchanged_through_the_responses_api(stack: Proc, redis_c
     )
     env["CODEX_HOME"] = str(home)
     result = run([str(codex), "exec", "--skip-git-repo-check", "What is 2+2?"], env, tmp_path)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    calls = recorded_calls(stack, rollout["rollout_id"], OPERATOR)
     # Codex offers its tools: the first answer is a call of its shell tool, which it runs and answers with
     # a function_call_output; every call is a streamed Responses call served as a chat completion
-    assert len(calls) >= 2, calls
-    for call in calls:
-        assert call["agent_api"] == "openai.responses" and call["stream"]
-        assert_trainable(call)
+    calls = recorded_turns(stack, rollout, result, "openai.responses")
     first, last = calls[0], calls[-1]
     [tool_call] = first["response"]["message"]["tool_calls"]
     shown = [t["function"]["name"] for t in first["request"]["tools"]]
     assert tool_call["function"]["name"] in shown and len(shown) > 3
     # its namespaced tools as vLLM shows them; its web_search (a server tool) not shown
     assert any("__" in name for name in shown) and "web_search" not in shown
-    assert any(
-        m.get("role") == "tool" and m.get("tool_call_id") == tool_call["id"]
-        for m in calls[1]["request"]["messages"]
-    )
+    assert answers_tool_call(calls[1]["request"]["messages"], tool_call["id"])
     text = last["response"]["message"]["content"]
     assert text and text in result.stdout
 
@@ -169,7 +170,5 @@ def test_opencode_runs_unchanged_through_chat_completions(stack: Proc, redis_cli
     assert len(agent_turns) >= 2, [len(c["request"].get("tools") or []) for c in calls]
     first, last = agent_turns[0], agent_turns[-1]
     tool_call_id = first["response"]["message"]["tool_calls"][0]["id"]
-    assert any(
-        m.get("role") == "tool" and m.get("tool_call_id") == tool_call_id for m in last["request"]["messages"]
-    )
+    assert answers_tool_call(last["request"]["messages"], tool_call_id)
     assert last["response"]["message"]["content"] and last["response"]["message"]["content"] in result.stdout

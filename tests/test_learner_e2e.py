@@ -86,7 +86,9 @@ def episode(gateway: Proc, task: str, reward: float, calls: int = 2, agent: str 
     return rid
 
 
-def learner(model: Path, serve: Proc, out: Path, **settings: str) -> subprocess.Popen:
+def learner_env(model: Path, serve: Proc, out: Path, **settings: str) -> dict[str, str]:
+    """`rlgate learner`'s environment: one step of 2 tasks x 4 rollouts from `serve`'s episodes, written to
+    `out`, each of `settings` as RLGATE_LEARNER_<NAME> on top."""
     env = {
         **os.environ,
         "RLGATE_LEARNER_REDIS_URL": REDIS_URL,
@@ -94,7 +96,6 @@ def learner(model: Path, serve: Proc, out: Path, **settings: str) -> subprocess.
         "RLGATE_LEARNER_SERVED_MODEL_NAME": MODEL,
         "RLGATE_LEARNER_INFERENCE_URLS": json.dumps([serve.url]),
         "RLGATE_LEARNER_OUTPUT_DIR": str(out),
-        "RLGATE_LEARNER_INFERENCE_API_KEY": SERVE_KEY,
         "RLGATE_LEARNER_TASKS_PER_STEP": "2",
         "RLGATE_LEARNER_ROLLOUTS_PER_TASK": "4",
         "RLGATE_LEARNER_MAX_STEPS": "1",
@@ -102,9 +103,13 @@ def learner(model: Path, serve: Proc, out: Path, **settings: str) -> subprocess.
         "RLGATE_LEARNER_LOG_FORMAT": "json",
     }
     env.update({f"RLGATE_LEARNER_{k.upper()}": v for k, v in settings.items()})
+    return env
+
+
+def learner(model: Path, serve: Proc, out: Path, **settings: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "rlgate", "learner"],
-        env=env,
+        env=learner_env(model, serve, out, **{"inference_api_key": SERVE_KEY, **settings}),
         cwd=ROOT,
         stdout=(out.parent / f"{out.name}.log").open("ab"),
         stderr=subprocess.STDOUT,

@@ -51,6 +51,26 @@ def transitions(n: int = 6, bias=()) -> list[list[Transition]]:
     return episodes
 
 
+def openrlhf_loss(log_probs, old_log_probs, batch, rollout_log_probs=None) -> tuple:
+    """OpenRLHF's PolicyLoss as `is_correction="tis"` and the default settings configure it (clip 0.2 / 0.28,
+    token-level TIS weights clamped to [0.5, 5]), called directly on one micro-batch's tensors: its outputs
+    (loss, clip ratio, ...). `rollout_log_probs` defaults to the batch's."""
+    reference = PolicyLoss(
+        clip_eps_low=0.2,
+        clip_eps_high=0.28,
+        is_correction_level="token",
+        is_correction_mode="clip",
+        is_correction_threshold=[0.5, 5.0],
+    )
+    return reference(
+        log_probs,
+        old_log_probs,
+        batch.advantages,
+        action_mask=batch.action_mask,
+        rollout_log_probs=batch.rollout_logprobs if rollout_log_probs is None else rollout_log_probs,
+    )
+
+
 def test_processed_log_probs_are_log_softmax_of_biased_tempered_logits():
     torch.manual_seed(0)
     logits = torch.randn(2, 4, 7)
@@ -107,20 +127,7 @@ def test_policy_loss_is_openrlhfs_with_token_level_reduction(tiny: Path):
     policy = Policy(settings(tiny, is_correction="tis"))
     [batch] = micro_batches(build_samples(transitions(3)), 10_000, policy.pad_token_id)
     log_probs = policy.log_probs(batch)
-    reference = PolicyLoss(
-        clip_eps_low=0.2,
-        clip_eps_high=0.28,
-        is_correction_level="token",
-        is_correction_mode="clip",
-        is_correction_threshold=[0.5, 5.0],
-    )
-    want = reference(
-        log_probs,
-        log_probs,
-        batch.advantages,
-        action_mask=batch.action_mask,
-        rollout_log_probs=batch.rollout_logprobs,
-    )[0]
+    want = openrlhf_loss(log_probs, log_probs, batch)[0]
     # token-level loss over all action tokens: masked mean of -ratio * A * clip(is_weight) (ratio 1)
     is_weight = (log_probs - batch.rollout_logprobs).exp().clamp(0.5, 5.0)
     manual = (-(batch.advantages * is_weight) * batch.action_mask).sum() / batch.action_mask.sum()
@@ -191,16 +198,7 @@ def test_a_clipped_second_epoch_is_openrlhfs_loss_against_the_step_start(tiny: P
     old = policy.log_probs(batch)
     policy.update([batch], [old])
     now = policy.log_probs(batch)
-    reference = PolicyLoss(
-        clip_eps_low=0.2,
-        clip_eps_high=0.28,
-        is_correction_level="token",
-        is_correction_mode="clip",
-        is_correction_threshold=[0.5, 5.0],
-    )
-    want, clip_ratio = reference(
-        now, old, batch.advantages, action_mask=batch.action_mask, rollout_log_probs=batch.rollout_logprobs
-    )[:2]
+    want, clip_ratio = openrlhf_loss(now, old, batch)[:2]
     assert float(clip_ratio) > 0.1  # the case is clipped
     stats = policy.update([batch], [old])
     assert stats.policy_loss == pytest.approx(float(want), abs=1e-5)
@@ -268,19 +266,8 @@ def test_a_call_without_server_logprobs_trains_with_importance_weight_one(tiny: 
     log_probs = policy.log_probs(batch)
     unknown = torch.isnan(batch.rollout_logprobs)
     assert unknown.any() and not unknown[0].any()
-    reference = PolicyLoss(
-        clip_eps_low=0.2,
-        clip_eps_high=0.28,
-        is_correction_level="token",
-        is_correction_mode="clip",
-        is_correction_threshold=[0.5, 5.0],
-    )
-    want = reference(
-        log_probs,
-        log_probs,
-        batch.advantages,
-        action_mask=batch.action_mask,
-        rollout_log_probs=torch.where(unknown, log_probs, batch.rollout_logprobs),
+    want = openrlhf_loss(
+        log_probs, log_probs, batch, torch.where(unknown, log_probs, batch.rollout_logprobs)
     )[0]
     stats = policy.update([batch])
     assert math.isfinite(stats.loss) and abs(stats.policy_loss - float(want)) < 1e-5

@@ -20,6 +20,7 @@ import pytest
 import redis
 from conftest import REDIS_URL, ROOT, Proc, free_port, rlgate, start_gateway, start_rlgate_serve
 from test_learner_e2e import BIAS, MESSAGES, MODEL, steps  # the same agent as the one-rank tests
+from test_learner_e2e import learner_env as e2e_learner_env
 
 pytest.importorskip("openrlhf")
 pytest.importorskip("deepspeed")
@@ -58,28 +59,17 @@ def episodes(gateway: Proc, tasks: tuple[str, ...]) -> list[str]:
 
 
 def learner_env(model: Path, serve: Proc, out: Path, **settings: str) -> dict[str, str]:
-    env = {
-        **os.environ,
-        "RLGATE_LEARNER_REDIS_URL": REDIS_URL,
-        "RLGATE_LEARNER_MODEL": str(model),
-        "RLGATE_LEARNER_SERVED_MODEL_NAME": MODEL,
-        "RLGATE_LEARNER_INFERENCE_URLS": json.dumps([serve.url]),
-        "RLGATE_LEARNER_OUTPUT_DIR": str(out),
-        "RLGATE_LEARNER_TASKS_PER_STEP": "2",
-        "RLGATE_LEARNER_ROLLOUTS_PER_TASK": "4",
-        "RLGATE_LEARNER_MAX_STEPS": "1",
-        "RLGATE_LEARNER_LEARNING_RATE": "0.05",
-        "RLGATE_LEARNER_ENGINE": "deepspeed",
-        "RLGATE_LEARNER_ZERO_STAGE": "1",
+    """test_learner_e2e's learner environment (for a server without a key) on DeepSpeed ZeRO-1, one thread
+    per rank, `settings` on top."""
+    defaults = {
+        "engine": "deepspeed",
+        "zero_stage": "1",
         # several micro-batches per rank: the gradients of all of them must reach the optimizer
-        "RLGATE_LEARNER_MICRO_BATCH_TOKENS": "64",
-        "RLGATE_LEARNER_THREADS": "1",
-        "RLGATE_LEARNER_TENSORBOARD": "false",
-        "RLGATE_LEARNER_LOG_FORMAT": "json",
-        "OMP_NUM_THREADS": "1",
+        "micro_batch_tokens": "64",
+        "threads": "1",
+        "tensorboard": "false",
     }
-    env.update({f"RLGATE_LEARNER_{k.upper()}": v for k, v in settings.items()})
-    return env
+    return {**e2e_learner_env(model, serve, out, **{**defaults, **settings}), "OMP_NUM_THREADS": "1"}
 
 
 def learner(model: Path, serve: Proc, out: Path, ranks: int, **settings: str) -> subprocess.Popen:

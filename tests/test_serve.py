@@ -27,6 +27,9 @@ from rlgate.inference.tools import hermes_stream_deltas, parse_hermes
 
 MODEL = "tiny"
 EOS, TOOL_CALL = 258, 259
+# vLLM's key order: a chat or completions answer starts with these keys, its own come next, then these
+ANSWER_HEAD = ["id", "object", "created", "model", "choices", "service_tier", "system_fingerprint", "usage"]
+ANSWER_TAIL = ["kv_transfer_params", "ec_transfer_params", "metrics"]
 
 
 @pytest.fixture(scope="module")
@@ -100,33 +103,10 @@ def valid_utf8(ids: list[int]) -> bool:
 
 def test_chat_fields_are_vllms(server: Proc):
     body = chat(server, max_tokens=6, seed=1)
-    assert list(body) == [
-        "id",
-        "object",
-        "created",
-        "model",
-        "choices",
-        "service_tier",
-        "system_fingerprint",
-        "usage",
-        "prompt_logprobs",
-        "prompt_token_ids",
-        "prompt_text",
-        "kv_transfer_params",
-        "ec_transfer_params",
-        "metrics",
-    ]
+    assert list(body) == [*ANSWER_HEAD, "prompt_logprobs", "prompt_token_ids", "prompt_text", *ANSWER_TAIL]
     assert re.fullmatch(r"chatcmpl-[0-9a-f]{16}", body["id"])
     assert body["object"] == "chat.completion" and body["model"] == MODEL and isinstance(body["created"], int)
-    for key in (
-        "service_tier",
-        "prompt_logprobs",
-        "prompt_token_ids",
-        "prompt_text",
-        "kv_transfer_params",
-        "ec_transfer_params",
-        "metrics",
-    ):
+    for key in ("service_tier", "prompt_logprobs", "prompt_token_ids", "prompt_text", *ANSWER_TAIL):
         assert body[key] is None, key
     [choice] = body["choices"]
     assert list(choice) == [
@@ -315,19 +295,7 @@ def test_completions_non_streaming(server: Proc, hf):
         },
     )
     body = response.json()
-    assert list(body) == [
-        "id",
-        "object",
-        "created",
-        "model",
-        "choices",
-        "service_tier",
-        "system_fingerprint",
-        "usage",
-        "kv_transfer_params",
-        "ec_transfer_params",
-        "metrics",
-    ]
+    assert list(body) == [*ANSWER_HEAD, *ANSWER_TAIL]
     assert re.fullmatch(r"cmpl-[0-9a-f]{16}", body["id"]) and body["object"] == "text_completion"
     [choice] = body["choices"]
     assert list(choice) == [

@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from conftest import Proc, start_rlgate_serve  # noqa: E402
+from conftest import Proc, rlgate, start_rlgate_serve  # noqa: E402
 
 from rlgate.inference.engine import SamplingParams, processed_logits  # noqa: E402
 from rlgate.inference.tiny_model import build_tiny_model  # noqa: E402
@@ -194,27 +194,5 @@ def test_completions_report_the_mode_too(servers: dict[str, Proc]):
 
 
 def test_an_unknown_mode_is_refused(model_dir: Path, tmp_path: Path):
-    import subprocess
-    import sys
-
-    from conftest import ROOT
-
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rlgate",
-            "serve",
-            "--model",
-            str(model_dir),
-            "--port",
-            "0",
-            "--logprobs-mode",
-            "softmax",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=120,
-    )
+    result = rlgate("serve", "--model", str(model_dir), "--port", "0", "--logprobs-mode", "softmax")
     assert result.returncode != 0 and "logprobs" in (result.stderr + result.stdout)

@@ -68,6 +68,18 @@ RESPONSE_KEYS = [
     "output_messages",
 ]
 CALCULATOR = {"type": "function", **TOOLS[0]["function"], "strict": False}  # the chat tests' tool, flat
+# input items: a call of the calculator (call_1, expression "1") and its output ("1")
+CALCULATOR_CALL = [
+    {
+        "type": "function_call",
+        "call_id": "call_1",
+        "name": "calculator",
+        "arguments": '{"expression": "1"}',
+        "id": "fc_1",
+        "status": "completed",
+    },
+    {"type": "function_call_output", "call_id": "call_1", "output": "1"},
+]
 
 
 @pytest.fixture(scope="module")
@@ -252,15 +264,7 @@ def test_input_items_render_as_vllm_renders_them(server: Proc, hf):
     items = [
         {"role": "user", "content": "Weather?"},
         {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
-        {
-            "type": "function_call",
-            "call_id": "call_1",
-            "name": "calculator",
-            "arguments": '{"expression": "1"}',
-            "id": "fc_1",
-            "status": "completed",
-        },
-        {"type": "function_call_output", "call_id": "call_1", "output": "1"},
+        *CALCULATOR_CALL,
         {"role": "user", "content": [{"type": "input_text", "text": "And?"}]},
     ]
     body = create(

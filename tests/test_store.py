@@ -302,22 +302,14 @@ def password_redis(tmp_path):
     import time
 
     from conftest import free_port
+    from redis_servers import redis_server_command
 
-    server = shutil.which("redis-server")
-    if server is None:
+    if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed")
     port = free_port()
     process = subprocess.Popen(
-        [
-            server,
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
+        redis_server_command(
+            port,
             "--unixsocket",
             str(tmp_path / "redis.sock"),
             "--unixsocketperm",
@@ -330,7 +322,7 @@ def password_redis(tmp_path):
             ">gw-secret",
             "~*",
             "+@all",
-        ],
+        ),
         stdout=subprocess.DEVNULL,
         cwd=tmp_path,
     )

@@ -9,7 +9,7 @@ import signal
 from collections.abc import Iterator
 
 import pytest
-from conftest import Proc, start_gateway
+from conftest import Proc, output_text_logprobs, start_gateway
 from test_gateway_proxy import MESSAGES, MODEL, new_id, post, rollout, sse_chunks
 
 
@@ -65,13 +65,7 @@ def test_responses_keep_the_token_text_of_their_output(
         direct = post(
             f"{fake_vllm.url}/responses", {**body, "include": ["message.output_text.logprobs"]}
         ).json()
-        expected = [
-            e["token"]
-            for item in direct["output"]
-            if item["type"] == "message"
-            for part in item["content"]
-            for e in part.get("logprobs") or ()
-        ]
+        expected = [e["token"] for e in output_text_logprobs(direct)]
         post(f"{proc.url}/rollouts/{rid}/v1/responses", body)
         (call,) = rollout(proc, rid)["calls"]
         assert expected and call["completion_token_texts"] == expected

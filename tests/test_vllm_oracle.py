@@ -28,7 +28,7 @@ import httpx
 import pytest
 from conftest import ROOT, Proc
 from test_gateway_proxy import MESSAGES, TOOLS
-from test_serve_responses import CALCULATOR
+from test_serve_responses import CALCULATOR, CALCULATOR_CALL
 
 ORACLE_SCRIPT = ROOT / "tests" / "vllm_oracle.py"
 TOOL_CALL_TOKEN = 259  # `<tool_call>` in the tiny model's tokenizer
@@ -270,23 +270,27 @@ CHAT_CASES = [
 STREAM_OPTIONS = [None, {"include_usage": True}, {"include_usage": True, "continuous_usage_stats": True}]
 
 
+def answers_and_chunks(proc: Proc, path: str, bodies: list[dict]) -> tuple[list[dict], list[dict]]:
+    """Each body's answer, and the chunks of each streamed again (with STREAM_OPTIONS in turn)."""
+    answers, chunks = [], []
+    for i, body in enumerate(bodies):
+        response = post(proc, path, body)
+        assert response.status_code == 200, response.text
+        answers.append(response.json())
+        options = STREAM_OPTIONS[i % len(STREAM_OPTIONS)]
+        chunks += sse(
+            proc, path, {**body, "stream": True, **({"stream_options": options} if options else {})}
+        )
+    return answers, chunks
+
+
 @pytest.mark.parametrize("upstream_name", ["rlgate_serve", "fake_vllm"])
 def test_chat_answers_and_chunks_are_vllms(
     upstream_name: str, oracle: Oracle, request: pytest.FixtureRequest
 ):
     proc = request.getfixturevalue(upstream_name)
-    answers, chunks = [], []
-    for i, case in enumerate(CHAT_CASES):
-        body = {"model": "fake-model", "messages": MESSAGES, **case}
-        response = post(proc, "/chat/completions", body)
-        assert response.status_code == 200, response.text
-        answers.append(response.json())
-        options = STREAM_OPTIONS[i % len(STREAM_OPTIONS)]
-        chunks += sse(
-            proc,
-            "/chat/completions",
-            {**body, "stream": True, **({"stream_options": options} if options else {})},
-        )
+    bodies = [{"model": "fake-model", "messages": MESSAGES, **case} for case in CHAT_CASES]
+    answers, chunks = answers_and_chunks(proc, "/chat/completions", bodies)
     judge_bodies(oracle, "ChatCompletionResponse", answers)
     judge_bodies(oracle, "ChatCompletionStreamResponse", chunks)
     assert len(chunks) > 3 * len(CHAT_CASES)
@@ -307,21 +311,8 @@ def test_completion_answers_and_chunks_are_vllms(
     upstream_name: str, oracle: Oracle, request: pytest.FixtureRequest
 ):
     proc = request.getfixturevalue(upstream_name)
-    answers, chunks = [], []
-    for i, case in enumerate(COMPLETION_CASES):
-        body = {"model": "fake-model", **case}
-        response = post(proc, "/completions", body)
-        assert response.status_code == 200, response.text
-        answers.append(response.json())
-        options = STREAM_OPTIONS[i % len(STREAM_OPTIONS)]
-        chunks += [
-            c
-            for c in sse(
-                proc,
-                "/completions",
-                {**body, "stream": True, **({"stream_options": options} if options else {})},
-            )
-        ]
+    bodies = [{"model": "fake-model", **case} for case in COMPLETION_CASES]
+    answers, chunks = answers_and_chunks(proc, "/completions", bodies)
     judge_bodies(oracle, "CompletionResponse", answers)
     judge_bodies(oracle, "CompletionStreamResponse", chunks)
 
@@ -667,15 +658,7 @@ RESPONSES_CASES = [
     {
         "input": [
             {"role": "user", "content": "Weather?"},
-            {
-                "type": "function_call",
-                "call_id": "call_1",
-                "name": "calculator",
-                "arguments": '{"expression": "1"}',
-                "id": "fc_1",
-                "status": "completed",
-            },
-            {"type": "function_call_output", "call_id": "call_1", "output": "1"},
+            *CALCULATOR_CALL,
         ],
         "tools": RESPONSES_TOOLS,
         "max_output_tokens": 4,
@@ -775,10 +758,10 @@ def test_responses_bodies_and_events_are_vllms(
 
 def test_responses_function_call_events_are_vllms(oracle: Oracle):
     """vLLM's own streaming-event emitters (streaming_events.py) give the reference shapes for a streamed
-    function call; ours (inference.responses) are judged the same way as every other event."""
-    from rlgate.inference.responses import _function_call
+    function call; ours (rlgate.responses_items) are judged the same way as every other event."""
+    from rlgate.responses_items import function_call
 
-    item = _function_call("fc_1", "chatcmpl-tool-1", "calculator", "", "in_progress")
+    item = function_call("fc_1", "chatcmpl-tool-1", "calculator", "", "in_progress")
     events = [
         {"item": item, "output_index": 1, "sequence_number": 8, "type": "response.output_item.added"},
         {

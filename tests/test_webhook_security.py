@@ -170,11 +170,9 @@ def documented_example() -> str:
     return found.group(1)
 
 
-def test_the_documented_curl_and_openssl_example_signs_correctly(signed_gateway: Proc, redis_client):
-    rid = uuid.uuid4().hex
-    agent_call(signed_gateway, rid)
-    env = {**os.environ, "GATEWAY": signed_gateway.url, "ROLLOUT": rid, "RLGATE_WEBHOOK_SECRET": SECRET}
-    out = subprocess.run(
+def run_documented_example(env: dict[str, str]) -> subprocess.CompletedProcess:
+    """The documented example run by bash under `env`; it must exit 0."""
+    return subprocess.run(
         ["bash", "-euo", "pipefail", "-c", documented_example()],
         env=env,
         capture_output=True,
@@ -182,6 +180,13 @@ def test_the_documented_curl_and_openssl_example_signs_correctly(signed_gateway:
         timeout=30,
         check=True,
     )
+
+
+def test_the_documented_curl_and_openssl_example_signs_correctly(signed_gateway: Proc, redis_client):
+    rid = uuid.uuid4().hex
+    agent_call(signed_gateway, rid)
+    env = {**os.environ, "GATEWAY": signed_gateway.url, "ROLLOUT": rid, "RLGATE_WEBHOOK_SECRET": SECRET}
+    out = run_documented_example(env)
     assert '"outcome":"closed"' in out.stdout, out.stdout + out.stderr
     stored = rollout(signed_gateway, rid)
     assert stored["status"] == "closed" and stored["reward"] == 1.0
@@ -189,14 +194,7 @@ def test_the_documented_curl_and_openssl_example_signs_correctly(signed_gateway:
     env["RLGATE_WEBHOOK_SECRET"] = "another-secret"
     env["ROLLOUT"] = rid2 = uuid.uuid4().hex
     agent_call(signed_gateway, rid2)
-    out = subprocess.run(
-        ["bash", "-euo", "pipefail", "-c", documented_example()],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=True,
-    )
+    out = run_documented_example(env)
     assert '"code":"invalid_signature"' in out.stdout and rollout(signed_gateway, rid2)["status"] == "open"
 
 
