@@ -166,12 +166,12 @@ ROLLOUT_HEADER = tag(
 )
 
 
-def live(s: Snapshot) -> Html:
-    """The part of the overview that refreshes itself."""
+def _stats(s: Snapshot) -> Html:
+    """The numbers at the top: rates, backlog, the policy."""
     c = s.counts
     started = c.started_recently / c.window_s
     pushed = pushed_at(c, s.steps)
-    stats = tag(
+    return tag(
         "dl",
         _stat("episodes-started-per-s", "episodes started / s", f"{started:.2f}", f"last {c.window_s:g} s"),
         _stat("episodes-closed-per-s", "episodes closed / s", _rate(s.rates, "closed")),
@@ -188,14 +188,18 @@ def live(s: Snapshot) -> Html:
         _stat("indexed", "rollouts listed", c.indexed),
         class_="stats",
     )
-    train, val = by_version(s.steps, "by_version"), by_version(s.steps, "val_by_version")
+
+
+def _charts(steps: list[dict[str, Any]]) -> Html:
+    """Success rate and mean reward by serving policy version: training episodes, validation episodes."""
+    train, val = by_version(steps, "by_version"), by_version(steps, "val_by_version")
     reward_chart = line_chart(
         "Training episodes by the policy version that served them",
         [
             ("success rate", [(v, ok / n) for v, (n, ok, _) in train]),
             ("mean reward", [(v, total / n) for v, (n, _, total) in train]),
         ],
-        x_label=f"oldest policy version that served the episode (last {len(s.steps)} learner steps)",
+        x_label=f"oldest policy version that served the episode (last {len(steps)} learner steps)",
         chart_id="chart-success",
     )
     val_chart = line_chart(
@@ -207,18 +211,21 @@ def live(s: Snapshot) -> Html:
         x_label="oldest policy version that served the episode",
         chart_id="chart-validation",
     )
-    kinds = sorted(
-        (set(s.errors) | {k.removeprefix("error:") for k in s.rates if k.startswith("error:")}) - {""}
-    )
-    errors = tag(
+    return tag("div", reward_chart, val_chart, class_="charts")
+
+
+def _errors(errors: dict[str, float], rates: dict[str, float]) -> Html:
+    """This gateway's errors by kind: total and rate (a kind seen only in the rates counts too)."""
+    kinds = sorted((set(errors) | {k.removeprefix("error:") for k in rates if k.startswith("error:")}) - {""})
+    return tag(
         "table",
         tag("tr", tag("th", "error kind"), tag("th", "total"), tag("th", "per s")),
         [
             tag(
                 "tr",
                 tag("td", kind),
-                tag("td", num(int(s.errors.get(kind, 0))), class_="num"),
-                tag("td", _rate(s.rates, f"error:{kind}"), class_="num"),
+                tag("td", num(int(errors.get(kind, 0))), class_="num"),
+                tag("td", _rate(rates, f"error:{kind}"), class_="num"),
                 data_kind=kind,
             )
             for kind in kinds
@@ -226,57 +233,62 @@ def live(s: Snapshot) -> Html:
         or tag("tr", tag("td", "no errors", colspan=3)),
         id="errors",
     )
-    outcomes = tag(
+
+
+def _outcomes(calls: dict[str, float]) -> Html:
+    """This gateway's calls by outcome."""
+    return tag(
         "table",
         tag("tr", tag("th", "call outcome"), tag("th", "total")),
-        [tag("tr", tag("td", k), tag("td", num(int(v)), class_="num")) for k, v in sorted(s.calls.items())],
+        [tag("tr", tag("td", k), tag("td", num(int(v)), class_="num")) for k, v in sorted(calls.items())],
         id="outcomes",
     )
-    held = " (holding new rollouts)" if s.holding else ""
-    servers = (
+
+
+def _servers(servers: Sequence[dict[str, Any]]) -> Html | None:
+    """With several inference servers, each one's health and load as this gateway sees it; else nothing."""
+    if not servers:
+        return None
+    rows = [
         tag(
-            "section",
-            tag("h2", "Inference servers (this gateway's view)"),
+            "tr",
+            tag("td", str(server["server"])),
+            tag("td", "up" if server["healthy"] else "down"),
+            tag("td", num(server["in_flight"]), class_="num"),
+            tag("td", num(server["queue"]), class_="num"),
             tag(
-                "table",
-                tag(
-                    "tr",
-                    tag("th", "server"),
-                    tag("th", "health"),
-                    tag("th", "calls in flight"),
-                    tag("th", "queue"),
-                    tag("th", "loaded version"),
-                ),
-                [
-                    tag(
-                        "tr",
-                        tag("td", str(server["server"])),
-                        tag("td", "up" if server["healthy"] else "down"),
-                        tag("td", num(server["in_flight"]), class_="num"),
-                        tag("td", num(server["queue"]), class_="num"),
-                        tag(
-                            "td",
-                            "—" if server["loaded_version"] is None else num(server["loaded_version"]),
-                            class_="num",
-                        ),
-                        data_server=str(server["server"]),
-                    )
-                    for server in s.servers
-                ],
-                id="servers",
+                "td", "—" if server["loaded_version"] is None else num(server["loaded_version"]), class_="num"
             ),
+            data_server=str(server["server"]),
         )
-        if s.servers
-        else None
+        for server in servers
+    ]
+    header = tag(
+        "tr",
+        tag("th", "server"),
+        tag("th", "health"),
+        tag("th", "calls in flight"),
+        tag("th", "queue"),
+        tag("th", "loaded version"),
     )
+    return tag(
+        "section",
+        tag("h2", "Inference servers (this gateway's view)"),
+        tag("table", header, rows, id="servers"),
+    )
+
+
+def live(s: Snapshot) -> Html:
+    """The part of the overview that refreshes itself."""
+    held = " (holding new rollouts)" if s.holding else ""
     return join(
         [
-            stats,
-            tag("div", reward_chart, val_chart, class_="charts"),
+            _stats(s),
+            _charts(s.steps),
             tag(
                 "div",
-                tag("section", tag("h2", "Errors (this gateway)"), errors),
-                tag("section", tag("h2", "Calls (this gateway)"), outcomes),
+                tag("section", tag("h2", "Errors (this gateway)"), _errors(s.errors, s.rates)),
+                tag("section", tag("h2", "Calls (this gateway)"), _outcomes(s.calls)),
                 tag(
                     "section",
                     tag("h2", "Backpressure"),
@@ -284,7 +296,7 @@ def live(s: Snapshot) -> Html:
                 ),
                 class_="columns",
             ),
-            servers,
+            _servers(s.servers),
             tag("h2", "Recent rollouts"),
             tag("table", ROLLOUT_HEADER, rollout_rows(s.recent), id="recent", class_="rollouts"),
             tag("p", tag("a", "All rollouts", href="/ui/rollouts")),

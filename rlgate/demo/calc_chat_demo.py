@@ -44,8 +44,6 @@ def warm_policy(cfg: DemoConfig, redis_url: str) -> tuple[Path, dict[str, Any]]:
     from transformers.utils import logging as transformers_logging
 
     from rlgate.demo.base_model import cached_base_model
-    from rlgate.demo.run import cleanup, free_port, spawn, stop_named, wait_http
-    from rlgate.demo.warm_start import warm_start
 
     transformers_logging.disable_progress_bar()  # the demo prints its own progress lines
 
@@ -53,8 +51,37 @@ def warm_policy(cfg: DemoConfig, redis_url: str) -> tuple[Path, dict[str, Any]]:
     base = cached_base_model(seed=cfg.seed, log=lambda line: print(line, flush=True))
     base_s = time.monotonic() - started
     prefix = f"demo-warm-{int(time.time())}-{os.getpid()}"
-    rlgate = [sys.executable, "-m", "rlgate"]
-    common = {
+    sft = cfg.workdir / "warm_sft.jsonl"
+    episodes, rows, removed = _teacher_traces(cfg, redis_url, prefix, sft)
+    warm = cfg.workdir / "warm"
+    result = _fine_tune(cfg, base, sft, warm)
+    return warm, {
+        "base_model": str(base),
+        "base_model_seconds": round(base_s, 1),
+        "teacher_episodes": len(episodes),
+        "teacher_success_rate": sum(e["right"] for e in episodes) / max(len(episodes), 1),
+        "teacher_tool_use": sum(e["used_tool"] for e in episodes) / max(len(episodes), 1),
+        "sft_rows": rows,
+        "key_prefix": prefix,
+        "keys_removed": removed,
+        **{f"sft_{k}": v for k, v in result.items()},
+        "seconds": round(time.monotonic() - started, 1),
+    }
+
+
+def _rlgate(*args: str) -> list[str]:
+    """The `rlgate` command line, run by this interpreter."""
+    return [sys.executable, "-m", "rlgate", *args]
+
+
+def _teacher_traces(
+    cfg: DemoConfig, redis_url: str, prefix: str, sft: Path
+) -> tuple[list[dict[str, Any]], int, int]:
+    """Steps 2 and 3: the teacher's conversations recorded under `prefix`, rewarded, exported to `sft`.
+    Returns the agent's episode stats, the exported row count, and how many keys the cleanup removed."""
+    from rlgate.demo.run import cleanup, stop_named
+
+    env = {
         "RLGATE_REDIS_URL": redis_url,
         "RLGATE_KEY_PREFIX": prefix,
         "RLGATE_LOG_FORMAT": "json",
@@ -62,100 +89,120 @@ def warm_policy(cfg: DemoConfig, redis_url: str) -> tuple[Path, dict[str, Any]]:
     }
     removed = 0
     try:
-        teacher_port = free_port()
-        teacher = spawn(
-            cfg,
-            "teacher",
-            [
-                sys.executable,
-                "-m",
-                "rlgate.demo.teacher",
-                "--port",
-                str(teacher_port),
-                "--seed",
-                str(cfg.seed),
-                "--tool-rate",
-                str(TEACHER_TOOL_RATE),
-                "--broken-rate",
-                str(TEACHER_BROKEN_RATE),
-            ],
-        )
-        wait_http(f"http://127.0.0.1:{teacher_port}/health", teacher, "the teacher")
-        gateway_port = free_port()
-        gateway = spawn(
-            cfg,
-            "warm-gateway",
-            [*rlgate, "gateway"],
-            {
-                **common,
-                "RLGATE_UPSTREAM_URL": f"http://127.0.0.1:{teacher_port}/v1",
-                "RLGATE_PORT": str(gateway_port),
-            },
-        )
-        gateway_url = f"http://127.0.0.1:{gateway_port}"
-        wait_http(f"{gateway_url}/healthz", gateway, "the warm-start gateway")
-        spawn(cfg, "warm-worker", [*rlgate, "worker", "--fork", "false", "--log-level", "warning"], common)
-        stats = cfg.workdir / "warm_agent.jsonl"
-        stats.unlink(missing_ok=True)
-        print(f"warm start: {WARM_EPISODES} teacher episodes through the gateway {gateway_url}", flush=True)
-        agent = spawn(
-            cfg,
-            "warm-agent",
-            [
-                sys.executable,
-                "-m",
-                "rlgate.demo.chat_agent",
-                "--gateway",
-                gateway_url,
-                "--model",
-                "teacher",
-                "--episodes",
-                str(WARM_EPISODES),
-                "--concurrency",
-                "16",
-                "--prefix",
-                "warm",
-                "--seed",
-                str(cfg.seed + 1000),
-                "--stats",
-                str(stats),
-            ],
-        )
-        if agent.wait(timeout=600) != 0:
-            raise RuntimeError(f"the warm-start agent failed; see {cfg.workdir / 'logs' / 'warm-agent.log'}")
-        episodes = [json.loads(line) for line in stats.read_text().splitlines() if line.strip()]
-        if len(episodes) < WARM_EPISODES // 2:
-            raise RuntimeError(
-                f"only {len(episodes)} of {WARM_EPISODES} teacher episodes finished; see "
-                f"{cfg.workdir / 'logs'} (warm-agent.log, warm-gateway.log, teacher.log)"
-            )
+        gateway_url = _start_teacher_gateway(cfg, env)
+        episodes = _run_teacher_agent(cfg, gateway_url)
         _wait_closed(redis_url, prefix, len(episodes))
-        sft = cfg.workdir / "warm_sft.jsonl"
-        exported = subprocess.run(
-            [
-                *rlgate,
-                "export",
-                str(sft),
-                "--format",
-                "sft",
-                "--redis-url",
-                redis_url,
-                "--key-prefix",
-                prefix,
-            ],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if exported.returncode != 0:
-            raise RuntimeError(f"rlgate export failed: {exported.stderr.strip()[-500:]}")
+        exported = _export_sft(redis_url, prefix, sft)
     finally:  # also when something above failed: the warm-start processes stop, their keys go
         stop_named(cfg, ("warm-agent", "warm-worker", "warm-gateway", "teacher"))
         with contextlib.suppress(redis.RedisError):  # never in place of the error that got here
             removed = cleanup({"redis": redis_url, "prefix": prefix, "queue": f"{prefix}-rewards"})
-    print(f"warm start: exported {json.loads(exported.stdout)['rows']} chat rows to {sft}", flush=True)
-    warm = cfg.workdir / "warm"
-    result = warm_start(
+    rows = json.loads(exported)["rows"]
+    print(f"warm start: exported {rows} chat rows to {sft}", flush=True)
+    return episodes, rows, removed
+
+
+def _start_teacher_gateway(cfg: DemoConfig, env: dict[str, str]) -> str:
+    """Start the teacher, a gateway in front of it (recording with `env`) and a reward worker; returns the
+    gateway's URL once both answer."""
+    from rlgate.demo.run import free_port, spawn, wait_http
+
+    teacher_port = free_port()
+    teacher = spawn(
+        cfg,
+        "teacher",
+        [
+            sys.executable,
+            "-m",
+            "rlgate.demo.teacher",
+            "--port",
+            str(teacher_port),
+            "--seed",
+            str(cfg.seed),
+            "--tool-rate",
+            str(TEACHER_TOOL_RATE),
+            "--broken-rate",
+            str(TEACHER_BROKEN_RATE),
+        ],
+    )
+    wait_http(f"http://127.0.0.1:{teacher_port}/health", teacher, "the teacher")
+    gateway_port = free_port()
+    gateway = spawn(
+        cfg,
+        "warm-gateway",
+        _rlgate("gateway"),
+        {
+            **env,
+            "RLGATE_UPSTREAM_URL": f"http://127.0.0.1:{teacher_port}/v1",
+            "RLGATE_PORT": str(gateway_port),
+        },
+    )
+    gateway_url = f"http://127.0.0.1:{gateway_port}"
+    wait_http(f"{gateway_url}/healthz", gateway, "the warm-start gateway")
+    spawn(cfg, "warm-worker", _rlgate("worker", "--fork", "false", "--log-level", "warning"), env)
+    return gateway_url
+
+
+def _run_teacher_agent(cfg: DemoConfig, gateway_url: str) -> list[dict[str, Any]]:
+    """Run the chat agent for `WARM_EPISODES` conversations with the teacher through the gateway; returns
+    the per-episode stats it wrote (at least half of them must have finished)."""
+    from rlgate.demo.run import spawn
+
+    stats = cfg.workdir / "warm_agent.jsonl"
+    stats.unlink(missing_ok=True)
+    print(f"warm start: {WARM_EPISODES} teacher episodes through the gateway {gateway_url}", flush=True)
+    agent = spawn(
+        cfg,
+        "warm-agent",
+        [
+            sys.executable,
+            "-m",
+            "rlgate.demo.chat_agent",
+            "--gateway",
+            gateway_url,
+            "--model",
+            "teacher",
+            "--episodes",
+            str(WARM_EPISODES),
+            "--concurrency",
+            "16",
+            "--prefix",
+            "warm",
+            "--seed",
+            str(cfg.seed + 1000),
+            "--stats",
+            str(stats),
+        ],
+    )
+    if agent.wait(timeout=600) != 0:
+        raise RuntimeError(f"the warm-start agent failed; see {cfg.workdir / 'logs' / 'warm-agent.log'}")
+    episodes = [json.loads(line) for line in stats.read_text().splitlines() if line.strip()]
+    if len(episodes) < WARM_EPISODES // 2:
+        raise RuntimeError(
+            f"only {len(episodes)} of {WARM_EPISODES} teacher episodes finished; see "
+            f"{cfg.workdir / 'logs'} (warm-agent.log, warm-gateway.log, teacher.log)"
+        )
+    return episodes
+
+
+def _export_sft(redis_url: str, prefix: str, sft: Path) -> str:
+    """`rlgate export --format sft` of the rollouts under `prefix` into `sft`; returns its JSON summary."""
+    exported = subprocess.run(
+        _rlgate("export", str(sft), "--format", "sft", "--redis-url", redis_url, "--key-prefix", prefix),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if exported.returncode != 0:
+        raise RuntimeError(f"rlgate export failed: {exported.stderr.strip()[-500:]}")
+    return exported.stdout
+
+
+def _fine_tune(cfg: DemoConfig, base: Path, sft: Path, warm: Path) -> dict[str, Any]:
+    """Step 4: fine-tune `base` on the chat rows in `sft` into `warm`; returns what `warm_start` reports."""
+    from rlgate.demo.warm_start import warm_start
+
+    return warm_start(
         base,
         sft,
         warm,
@@ -165,18 +212,6 @@ def warm_policy(cfg: DemoConfig, redis_url: str) -> tuple[Path, dict[str, Any]]:
         seed=cfg.seed,
         log=lambda line: print(line, flush=True),
     )
-    return warm, {
-        "base_model": str(base),
-        "base_model_seconds": round(base_s, 1),
-        "teacher_episodes": len(episodes),
-        "teacher_success_rate": sum(e["right"] for e in episodes) / max(len(episodes), 1),
-        "teacher_tool_use": sum(e["used_tool"] for e in episodes) / max(len(episodes), 1),
-        "sft_rows": json.loads(exported.stdout)["rows"],
-        "key_prefix": prefix,
-        "keys_removed": removed,
-        **{f"sft_{k}": v for k, v in result.items()},
-        "seconds": round(time.monotonic() - started, 1),
-    }
 
 
 def _wait_closed(redis_url: str, prefix: str, episodes: int, timeout_s: float = 120.0) -> None:
