@@ -8,19 +8,15 @@ from pydantic import Field, SecretStr
 from pydantic_settings import SettingsConfigDict
 
 from rlgate.episodes.settings import (
-    REDIS_URL,
     SHARED_ENV,
-    KeyPrefix,
     QueueRedisUrl,
-    RedisTimeoutSeconds,
-    RedisUrl,
     RetentionSeconds,
-    SharedSettings,
+    StoreSettings,
 )
 from rlgate.episodes.store import RETENTION_S
 
 
-class GatewaySettings(SharedSettings):
+class GatewaySettings(StoreSettings):
     """Run the recording gateway: an OpenAI-compatible proxy that records every completion in Redis."""
 
     # the upstream is the inference server: its key is the one the learner and `rlgate serve` share
@@ -62,9 +58,6 @@ class GatewaySettings(SharedSettings):
         description="How long an idle upstream connection is kept; below the server's own keep-alive "
         "(uvicorn's default, and vLLM's, is 5 s) so that the server rarely closes one under a request.",
     )
-    redis_url: RedisUrl = REDIS_URL
-    key_prefix: KeyPrefix = "rlgate"
-    redis_timeout_s: RedisTimeoutSeconds = 5.0
     host: str = Field("127.0.0.1", description="Interface to listen on.")
     port: int = Field(8100, description="Port to listen on (the agent port).")
     control_port: int | None = Field(

@@ -10,13 +10,10 @@ from pydantic import BeforeValidator, Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from rlgate.episodes.settings import (
-    REDIS_URL,
     SHARED_ENV,
-    KeyPrefix,
     RedisTimeoutSeconds,
-    RedisUrl,
     RetentionSeconds,
-    SharedSettings,
+    StoreSettings,
 )
 from rlgate.episodes.store import RETENTION_S
 
@@ -24,13 +21,11 @@ from rlgate.episodes.store import RETENTION_S
 ModelRef = Annotated[str, BeforeValidator(lambda value: str(value) if isinstance(value, Path) else value)]
 
 
-class LearnerSettings(SharedSettings):
+class LearnerSettings(StoreSettings):
     model_config = SettingsConfigDict(env_prefix="RLGATE_LEARNER_", extra="ignore")
     shared_env: ClassVar[dict[str, str]] = {k: v for k, v in SHARED_ENV.items() if k != "redis_timeout_s"}
 
     # Where episodes come from and where weights go
-    redis_url: RedisUrl = REDIS_URL
-    key_prefix: KeyPrefix = "rlgate"
     # longer than the gateway's 5 s: the learner's reads are whole groups of episodes. Its own variable only
     # (RLGATE_LEARNER_REDIS_TIMEOUT_S): a short RLGATE_REDIS_TIMEOUT_S meant for the gateway does not reach it
     redis_timeout_s: RedisTimeoutSeconds = 10.0

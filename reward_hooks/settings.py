@@ -8,20 +8,16 @@ from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from rlgate.episodes.settings import (
-    REDIS_URL,
-    KeyPrefix,
     QueueRedisUrl,
-    RedisTimeoutSeconds,
-    RedisUrl,
     RetentionSeconds,
-    SharedSettings,
+    StoreSettings,
 )
 from rlgate.episodes.store import RETENTION_S
 
 MIN_SECRET_CHARS = 16  # as the gateway's operator token
 
 
-class RewardSettings(SharedSettings):
+class RewardSettings(StoreSettings):
     """Run the reward worker: an rq worker that computes rewards and closes episodes."""
 
     # hide_input_in_errors: a refused setting's error must not echo the settings, the webhook secret included
@@ -29,9 +25,6 @@ class RewardSettings(SharedSettings):
         env_prefix="RLGATE_", cli_kebab_case=True, extra="ignore", hide_input_in_errors=True
     )
 
-    redis_url: RedisUrl = REDIS_URL
-    key_prefix: KeyPrefix = "rlgate"
-    redis_timeout_s: RedisTimeoutSeconds = 5.0
     webhook_secret: SecretStr | None = Field(
         None,
         description="When set, every webhook request (reward, call reward, finish, fail) must be signed: "

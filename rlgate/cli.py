@@ -58,7 +58,10 @@ from rlgate._cli_parse import (
 from rlgate._errors import EXIT_USAGE, UsageError, explain
 from rlgate._logging import configure_logging
 from rlgate.episodes import StoreUnavailable
-from rlgate.episodes.settings import REDIS_URL, KeyPrefix, RedisTimeoutSeconds, RedisUrl, SharedSettings
+from rlgate.episodes.settings import (
+    SharedSettings,
+    StoreSettings,
+)
 
 
 def _redact(url: str) -> str:
@@ -147,16 +150,13 @@ def _like(cls: type[BaseSettings], name: str) -> Any:
     return deepcopy(cls.model_fields[name])
 
 
-class WorkerCommand(SharedSettings):
+class WorkerCommand(StoreSettings):
     """Run the reward worker: an rq worker that runs reward jobs (POST /rollouts/{id}/finish), each of which
     computes the episode's reward with the named reward function and closes the episode. Only the settings
     a reward job reads; the gateway's (secrets, retries, expiry) are set on the gateway."""
 
     model_config = SettingsConfigDict(env_prefix="RLGATE_", extra="ignore", hide_input_in_errors=True)
 
-    redis_url: str = _like(RewardSettings, "redis_url")
-    key_prefix: str = _like(RewardSettings, "key_prefix")
-    redis_timeout_s: float = _like(RewardSettings, "redis_timeout_s")
     reward_queue: str = _like(RewardSettings, "reward_queue")
     queue_redis_url: str | None = _like(RewardSettings, "queue_redis_url")
     reward_fn_modules: list[str] = _like(RewardSettings, "reward_fn_modules")
@@ -276,7 +276,7 @@ def _unreachable(url: str, exc: OSError) -> UsageError:
     )
 
 
-class ExportCommand(SharedSettings):
+class ExportCommand(StoreSettings):
     """Export episodes as training data: one row per LLM call (JSONL or Parquet, loadable with HF datasets),
     or chat-format rows for supervised fine-tuning (--format sft)."""
 
@@ -284,9 +284,6 @@ class ExportCommand(SharedSettings):
 
     out: CliPositionalArg[Path] = Field(description="File to write.")
     format: Literal["jsonl", "parquet", "sft"] = Field("jsonl", description="jsonl, parquet or sft (JSONL).")
-    redis_url: RedisUrl = REDIS_URL
-    key_prefix: KeyPrefix = "rlgate"
-    redis_timeout_s: RedisTimeoutSeconds = 5.0
     status: list[str] = Field(
         ["closed", "consumed"], description="Episode statuses to export (JSON list, or the flag repeated)."
     )

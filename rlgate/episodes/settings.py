@@ -150,3 +150,12 @@ class SharedSettings(BaseSettings):
             dotenv_settings,
             file_secret_settings,
         )
+
+
+class StoreSettings(SharedSettings):
+    """Where the store is: the fields of every service and command that opens it (the gateway, the reward
+    worker, the learner, `rlgate export`), declared here once."""
+
+    redis_url: RedisUrl = REDIS_URL
+    key_prefix: KeyPrefix = "rlgate"
+    redis_timeout_s: RedisTimeoutSeconds = 5.0
