@@ -41,11 +41,21 @@ _NOT_RETRIED = (
 MAX_TIMEOUT_S = 60.0  # the most a request may ask a reward function to wait (timeout_s)
 
 
+_worker_settings: RewardSettings | None = None  # `use`: `rlgate worker`'s own, flags included
+
+
+def use(settings: RewardSettings) -> None:
+    """Run this process's reward jobs, and those of the work horses it forks, with `settings` (how
+    `rlgate worker` hands them its flags); without it, each job reads RLGATE_* (a plain `rq worker`)."""
+    global _worker_settings
+    _worker_settings = settings
+
+
 def compute_reward(rollout_id: str, key_prefix: str) -> float | None:
-    """The rq job. Its settings (Redis, allowed modules, data directory, judge) are the worker's own,
-    from RLGATE_* variables: a request cannot point the worker elsewhere."""
+    """The rq job. Its settings (Redis, allowed modules, data directory, judge) are the worker's own
+    (`use`, else RLGATE_* variables): a request cannot point the worker elsewhere."""
     job = get_current_job()
-    settings = RewardSettings()
+    settings = _worker_settings or RewardSettings()
     try:
         return asyncio.run(_compute(rollout_id, key_prefix, settings))
     except _FINAL as exc:

@@ -186,18 +186,12 @@ class WorkerCommand(StoreSettings):
     def cli_cmd(self) -> None:
         import redis
 
+        from reward_hooks import jobs
         from reward_hooks.queue import connect, queue_url
 
         configure_logging(self.log_level, self.log_format)
         settings = RewardSettings.model_validate(self.model_dump(include=set(RewardSettings.model_fields)))
-        # A reward job reads its settings from RLGATE_* (`reward_hooks.jobs`), in this process or a forked
-        # work horse: this worker's flags reach it through them.
-        for name in self.model_fields_set & set(RewardSettings.model_fields):
-            value = getattr(self, name)
-            if value is not None:
-                os.environ[f"RLGATE_{name.upper()}"] = (
-                    json.dumps(value) if isinstance(value, list) else str(value)
-                )
+        jobs.use(settings)  # this worker's jobs, here or in the work horses it forks, run with its flags
         try:
             connection = connect(settings)
         except ValueError as exc:

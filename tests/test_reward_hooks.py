@@ -396,6 +396,27 @@ def test_rlgate_worker_command(gateway: Proc, redis_client: redis.Redis):
     assert stored["status"] == "closed" and stored["reward"] == 0.0
 
 
+def test_the_worker_runs_its_jobs_with_its_own_flags(gateway: Proc, redis_client: redis.Redis):
+    """A flag of `rlgate worker` reaches the reward job (run in a forked work horse): with
+    --max-abs-reward 0.5 a reward of 1.0 fails the episode instead of closing it."""
+    rid = uuid.uuid4().hex
+    agent_call(gateway, rid)
+    answer = rollout(gateway, rid)["calls"][0]["response"]["message"]["content"]
+    assert answer
+    finish = {"reward_fn": "f1", "ground_truth": answer}  # its own answer: f1 is 1.0
+    assert httpx.post(f"{gateway.url}/rollouts/{rid}/finish", json=finish).status_code == 202
+    subprocess.run(
+        [sys.executable, "-m", "rlgate", "worker", "--burst", "true", "--max-abs-reward", "0.5"],
+        env={**os.environ, "RLGATE_REDIS_URL": REDIS_URL},
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    stored = rollout(gateway, rid)
+    assert stored["status"] == "failed" and "0.5" in stored["error"], stored
+
+
 def test_automatic_intermediate_rewards_for_failed_tool_calls(fake_vllm: Proc, tmp_path, redis_client):
     proc = start_gateway(tmp_path, fake_vllm.url, air="true", air_reward="-0.2")
     try:
