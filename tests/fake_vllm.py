@@ -48,6 +48,7 @@ import json
 import re
 import time
 import uuid
+from dataclasses import dataclass
 from http import HTTPStatus
 
 import orjson
@@ -379,6 +380,60 @@ def steps(choices: list[Choice]):
                 yield i, c, pos, pos == len(c.ids) - 1
 
 
+def response_usage(input_tokens: int, output_tokens: int) -> dict:
+    """A Responses answer's usage, vLLM's per-turn details empty."""
+    return {
+        "input_tokens": input_tokens,
+        "input_tokens_details": {
+            "cached_tokens": 0,
+            "cache_write_tokens": 0,
+            "input_tokens_per_turn": [],
+            "cached_tokens_per_turn": [],
+        },
+        "output_tokens": output_tokens,
+        "output_tokens_details": {
+            "reasoning_tokens": 0,
+            "tool_output_tokens": 0,
+            "output_tokens_per_turn": [],
+            "tool_output_tokens_per_turn": [],
+        },
+        "total_tokens": input_tokens + output_tokens,
+    }
+
+
+@dataclass
+class ChatCall:
+    """A checked chat request: what its answer or its stream is built from."""
+
+    prompt_ids: list[int]
+    choices: list[Choice]
+    tool_ids: list[str]  # one hermes tool-call id per choice
+    tool: dict | None  # the tool the model calls, if any
+    named: bool  # tool_choice names a function
+    required: bool  # tool_choice "required"
+    rti: bool  # return_token_ids
+    lp: bool  # logprobs
+    k: int  # top_logprobs
+
+
+@dataclass
+class ResponsesCall:
+    """A Responses request's prompt, its one choice, its ids and the log-probs it asked for."""
+
+    body: dict
+    msgs: list
+    prompt_ids: list[int]
+    max_tokens: int
+    choice: Choice
+    status: str  # "completed" or "incomplete" (cut by max_output_tokens)
+    want_lp: bool
+    k: int | None  # top_logprobs when log-probs were asked for
+    lps: list | None  # every generated token's Responses log-prob entry
+    msg_id: str
+    resp_id: str
+    now: int
+
+
 class FakeVLLM:
     def __init__(self, model: str, delay_ms: float = 0, chunk_delay_ms: float = 0, validate: bool = False):
         self.model, self.delay, self.chunk_delay = model, delay_ms / 1000, chunk_delay_ms / 1000
@@ -564,6 +619,17 @@ class FakeVLLM:
         }
 
     async def chat(self, request: web.Request, body: dict) -> web.StreamResponse:
+        call = self.chat_call(body)
+        head = self.head(
+            request, "chatcmpl", "chat.completion.chunk" if body.get("stream") else "chat.completion"
+        )
+        if not body.get("stream"):
+            return await self.reply(self.chat_answer(head, call), body)
+        _, cont, _ = stream_options(body)
+        return await self.stream(request, self.chat_frames(head, call, body, cont), body)
+
+    def chat_call(self, body: dict) -> ChatCall:
+        """A chat request checked as vLLM checks it, its tool picked and its choices generated."""
         if not isinstance(body.get("messages"), list):
             raise validation_error(
                 f"{{'type': 'missing', 'loc': 'body.messages', 'msg': 'Field required', "
@@ -585,110 +651,120 @@ class FakeVLLM:
         param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         max_tokens, stops, seed, n = self.limits(body, prompt_ids, param)
         choices = [Choice(prompt_ids, seed, i, max_tokens, stops, tool) for i in range(n)]
-        tool_ids = [f"chatcmpl-tool-{rid()}" for _ in choices]
-        rti, lp, k, P = (
-            bool(body.get("return_token_ids")),
-            bool(body.get("logprobs")),
-            body.get("top_logprobs") or 0,
-            len(prompt_ids),
+        return ChatCall(
+            prompt_ids=prompt_ids,
+            choices=choices,
+            tool_ids=[f"chatcmpl-tool-{rid()}" for _ in choices],
+            tool=tool,
+            named=named,
+            required=choice == "required",
+            rti=bool(body.get("return_token_ids")),
+            lp=bool(body.get("logprobs")),
+            k=body.get("top_logprobs") or 0,
         )
-        head = self.head(
-            request, "chatcmpl", "chat.completion.chunk" if body.get("stream") else "chat.completion"
-        )
-        if not body.get("stream"):  # ChatCompletionResponse.model_dump(): every field present
-            out = []
-            for i, c in enumerate(choices):
-                content, calls = parse_tool_call(c, tool_ids[i]) if tool else (c.text, [])
-                msg = {
-                    "role": "assistant",
-                    "content": (content or "") if named or choice == "required" else content,
-                    "refusal": None,
-                    "annotations": None,
-                    "audio": None,
-                    "function_call": None,
+
+    def chat_answer(self, head: dict, call: ChatCall) -> dict:
+        """A non-streamed chat answer: ChatCompletionResponse.model_dump(), every field present."""
+        out = []
+        for i, c in enumerate(call.choices):
+            content, calls = parse_tool_call(c, call.tool_ids[i]) if call.tool else (c.text, [])
+            msg = {
+                "role": "assistant",
+                "content": (content or "") if call.named or call.required else content,
+                "refusal": None,
+                "annotations": None,
+                "audio": None,
+                "function_call": None,
+            }
+            if calls:  # ChatMessage drops an empty tool_calls list
+                msg["tool_calls"] = calls
+            msg["reasoning"] = None
+            out.append(
+                {
+                    "index": i,
+                    "message": msg,
+                    "logprobs": chat_logprobs(c, 0, len(c.ids), call.k) if call.lp else None,
+                    "finish_reason": "tool_calls"
+                    if calls and c.finish == "stop" and not call.named
+                    else c.finish,
+                    "stop_reason": c.stop_reason,
+                    "token_ids": c.ids if call.rti else None,
+                    "routed_experts": None,
+                    "weight_versions": None,
                 }
-                if calls:  # ChatMessage drops an empty tool_calls list
-                    msg["tool_calls"] = calls
-                msg["reasoning"] = None
-                out.append(
+            )
+        ids = call.prompt_ids if call.rti else None
+        return self.answer(
+            head,
+            out,
+            len(call.prompt_ids),
+            call.choices,
+            prompt_logprobs=None,
+            prompt_token_ids=ids,
+            prompt_text=None,
+        )
+
+    def chat_frames(self, head: dict, call: ChatCall, body: dict, cont: bool):
+        """A chat stream's frames; chunks are dumped with exclude_unset: only fields vLLM set appear."""
+        P = len(call.prompt_ids)
+        for i in range(len(call.choices)):  # first chunk per choice: the role (and the prompt ids)
+            f = {
+                **head,
+                "choices": [
                     {
                         "index": i,
-                        "message": msg,
-                        "logprobs": chat_logprobs(c, 0, len(c.ids), k) if lp else None,
-                        "finish_reason": "tool_calls"
-                        if calls and c.finish == "stop" and not named
-                        else c.finish,
-                        "stop_reason": c.stop_reason,
-                        "token_ids": c.ids if rti else None,
-                        "routed_experts": None,
-                        "weight_versions": None,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
                     }
+                ],
+            }
+            if cont:
+                f["usage"] = {
+                    "prompt_tokens": P,
+                    "total_tokens": P,
+                    "completion_tokens": 0,
+                    "completion_tokens_details": None,
+                }
+            yield sse({**f, "prompt_token_ids": call.prompt_ids if call.rti else None, "prompt_text": None})
+        tokens = self.chat_tokens(head, call, cont)
+        yield from self.token_chunks(head, tokens, P, call.choices, body, chat=True)
+
+    def chat_tokens(self, head: dict, call: ChatCall, cont: bool):
+        """Each step's chat chunk, and whether it is its choice's last."""
+        P, lp, rti = len(call.prompt_ids), call.lp, call.rti
+        deltas = [hermes_deltas(c, call.tool_ids[i]) for i, c in enumerate(call.choices)]
+        tools_sent = [False] * len(call.choices)
+        for i, c, pos, last in steps(call.choices):
+            d = deltas[i][pos]
+            if d is None:  # parser had nothing; vLLM still sends a chunk carrying metadata
+                if not last and not lp and not rti:
+                    continue
+                d = {}
+            tools_sent[i] = tools_sent[i] or bool(d.get("tool_calls"))
+            ch = {
+                "index": i,
+                "delta": d,
+                "logprobs": chat_logprobs(c, pos, pos + 1, call.k) if lp else None,
+                "finish_reason": None,
+            }
+            if last:
+                ch["finish_reason"] = (
+                    "tool_calls" if tools_sent[i] and c.finish == "stop" and not call.named else c.finish
                 )
-            ids = prompt_ids if rti else None
-            answer = self.answer(
-                head, out, P, choices, prompt_logprobs=None, prompt_token_ids=ids, prompt_text=None
-            )
-            return await self.reply(answer, body)
-        _, cont, _ = stream_options(body)
-
-        def tokens():  # each step's chunk, and whether it is its choice's last
-            deltas = [hermes_deltas(c, tool_ids[i]) for i, c in enumerate(choices)]
-            tools_sent = [False] * n
-            for i, c, pos, last in steps(choices):
-                d = deltas[i][pos]
-                if d is None:  # parser had nothing; vLLM still sends a chunk carrying metadata
-                    if not last and not lp and not rti:
-                        continue
-                    d = {}
-                tools_sent[i] = tools_sent[i] or bool(d.get("tool_calls"))
-                ch = {
-                    "index": i,
-                    "delta": d,
-                    "logprobs": chat_logprobs(c, pos, pos + 1, k) if lp else None,
-                    "finish_reason": None,
+                ch["stop_reason"] = c.stop_reason
+            ch["token_ids"] = [c.ids[pos]] if rti else None
+            if last:
+                ch["weight_versions"] = None
+            f = {**head, "choices": [ch]}
+            if cont:
+                f["usage"] = {
+                    "prompt_tokens": P,
+                    "total_tokens": P + pos + 1,
+                    "completion_tokens": pos + 1,
+                    "completion_tokens_details": None,
                 }
-                if last:
-                    ch["finish_reason"] = (
-                        "tool_calls" if tools_sent[i] and c.finish == "stop" and not named else c.finish
-                    )
-                    ch["stop_reason"] = c.stop_reason
-                ch["token_ids"] = [c.ids[pos]] if rti else None
-                if last:
-                    ch["weight_versions"] = None
-                f = {**head, "choices": [ch]}
-                if cont:
-                    f["usage"] = {
-                        "prompt_tokens": P,
-                        "total_tokens": P + pos + 1,
-                        "completion_tokens": pos + 1,
-                        "completion_tokens_details": None,
-                    }
-                yield f, last
-
-        def frames():  # chunks are dumped with exclude_unset: only fields vLLM set appear
-            for i in range(n):  # first chunk per choice: the role (and the prompt ids)
-                f = {
-                    **head,
-                    "choices": [
-                        {
-                            "index": i,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    ],
-                }
-                if cont:
-                    f["usage"] = {
-                        "prompt_tokens": P,
-                        "total_tokens": P,
-                        "completion_tokens": 0,
-                        "completion_tokens_details": None,
-                    }
-                yield sse({**f, "prompt_token_ids": prompt_ids if rti else None, "prompt_text": None})
-            yield from self.token_chunks(head, tokens(), P, choices, body, chat=True)
-
-        return await self.stream(request, frames(), body)
+            yield f, last
 
     async def completions(self, request: web.Request, body: dict) -> web.StreamResponse:
         prompt = body.get("prompt")
@@ -761,6 +837,43 @@ class FakeVLLM:
     async def responses(self, request: web.Request, body: dict) -> web.StreamResponse:
         """Text output only; token ids only with enable_response_messages (vLLM's only way: input_messages /
         output_messages), log-probs only with include ["message.output_text.logprobs"] (+ top_logprobs)."""
+        call = self.responses_call(body)
+        c = call.choice
+        # non-streamed: every generated token's log-prob (EOS included) on the text part
+        part = {"annotations": [], "text": c.text, "type": "output_text", "logprobs": call.lps}
+        item = {
+            "id": call.msg_id,
+            "content": [part] if c.text else [],
+            "role": "assistant",
+            "status": call.status,
+            "type": "message",
+            "phase": None,
+        }
+        use = response_usage(len(call.prompt_ids), len(c.ids))
+        final = self.response_object(call, call.status, [item], use)
+        if body.get("enable_response_messages"):
+            final["input_messages"] = [
+                {
+                    "message": render_chat(call.msgs, None),
+                    "tokens": call.prompt_ids,
+                    "type": "raw_message_tokens",
+                }
+            ]
+            final["output_messages"] = [{"message": c.text, "tokens": c.ids, "type": "raw_message_tokens"}]
+        if not body.get("stream"):
+            return await self.reply(final, body)
+        return await self.stream(
+            request,
+            [
+                b"event: %s\ndata: %s\n\n"
+                % (t.encode(), orjson.dumps({**d, "sequence_number": i, "type": t}))
+                for i, (t, d) in enumerate(self.response_events(call, part, item, final))
+            ],
+            body,
+        )
+
+    def responses_call(self, body: dict) -> ResponsesCall:
+        """A Responses request's prompt, its one generated choice, and the log-probs it asked for."""
         inp = body.get("input")
         msgs = (
             [{"role": "user", "content": inp}]
@@ -777,93 +890,73 @@ class FakeVLLM:
         # log-probs only through `include` (vLLM's is_include_output_logprobs); top_logprobs alone gives none
         want_lp = isinstance(include, list) and "message.output_text.logprobs" in include
         k = (body.get("top_logprobs") or 0) if want_lp else None
-        lps = [response_logprob(c, pos, k) for pos in range(len(c.ids))] if want_lp else None
-        # non-streamed: every generated token's log-prob (EOS included) on the text part
-        part = {"annotations": [], "text": c.text, "type": "output_text", "logprobs": lps}
-        item = {
-            "id": msg_id,
-            "content": [part] if c.text else [],
-            "role": "assistant",
-            "status": status,
-            "type": "message",
-            "phase": None,
-        }
+        return ResponsesCall(
+            body=body,
+            msgs=msgs,
+            prompt_ids=prompt_ids,
+            max_tokens=max_tokens,
+            choice=c,
+            status=status,
+            want_lp=want_lp,
+            k=k,
+            lps=[response_logprob(c, pos, k) for pos in range(len(c.ids))] if want_lp else None,
+            msg_id=msg_id,
+            resp_id=f"resp_{rid()}",
+            now=int(time.time()),
+        )
+
+    def response_object(self, call: ResponsesCall, status: str, output: list, use: dict | None) -> dict:
+        """A Responses `response` object in vLLM's key order, the request's settings echoed."""
+        body = call.body
 
         def g(key: str, default):  # the request's value, or vLLM's default when absent/null
             return default if body.get(key) is None else body[key]
 
-        resp_id, now = f"resp_{rid()}", int(time.time())
+        return {
+            "id": call.resp_id,
+            "created_at": call.now,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": g("instructions", None),
+            "metadata": g("metadata", None),
+            "model": self.model,
+            "object": "response",
+            "output": output,
+            "parallel_tool_calls": g("parallel_tool_calls", True),
+            "temperature": float(g("temperature", 1.0)),
+            "tool_choice": g("tool_choice", "auto" if body.get("tools") else "none"),
+            "tools": g("tools", []),
+            "top_p": float(g("top_p", 1.0)),
+            "background": g("background", False),
+            "max_output_tokens": call.max_tokens,
+            "max_tool_calls": g("max_tool_calls", None),
+            "previous_response_id": g("previous_response_id", None),
+            "prompt": None,
+            "prompt_cache_options": None,
+            "prompt_cache_key": g("prompt_cache_key", None),
+            "prompt_cache_retention": None,
+            "reasoning": g("reasoning", None),
+            "safety_identifier": None,
+            "service_tier": g("service_tier", "auto"),
+            "status": status,
+            "text": g("text", None),
+            "top_logprobs": call.k,
+            "truncation": g("truncation", "disabled"),
+            "usage": use,
+            "user": g("user", None),
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "kv_transfer_params": None,
+            "ec_transfer_params": None,
+            "input_messages": None,
+            "output_messages": None,
+        }
 
-        def response(status: str, output: list, use: dict | None) -> dict:
-            return {
-                "id": resp_id,
-                "created_at": now,
-                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-                "instructions": g("instructions", None),
-                "metadata": g("metadata", None),
-                "model": self.model,
-                "object": "response",
-                "output": output,
-                "parallel_tool_calls": g("parallel_tool_calls", True),
-                "temperature": float(g("temperature", 1.0)),
-                "tool_choice": g("tool_choice", "auto" if body.get("tools") else "none"),
-                "tools": g("tools", []),
-                "top_p": float(g("top_p", 1.0)),
-                "background": g("background", False),
-                "max_output_tokens": max_tokens,
-                "max_tool_calls": g("max_tool_calls", None),
-                "previous_response_id": g("previous_response_id", None),
-                "prompt": None,
-                "prompt_cache_options": None,
-                "prompt_cache_key": g("prompt_cache_key", None),
-                "prompt_cache_retention": None,
-                "reasoning": g("reasoning", None),
-                "safety_identifier": None,
-                "service_tier": g("service_tier", "auto"),
-                "status": status,
-                "text": g("text", None),
-                "top_logprobs": k,
-                "truncation": g("truncation", "disabled"),
-                "usage": use,
-                "user": g("user", None),
-                "presence_penalty": 0.0,
-                "frequency_penalty": 0.0,
-                "kv_transfer_params": None,
-                "ec_transfer_params": None,
-                "input_messages": None,
-                "output_messages": None,
-            }
-
-        final = response(
-            status,
-            [item],
-            {
-                "input_tokens": len(prompt_ids),
-                "input_tokens_details": {
-                    "cached_tokens": 0,
-                    "cache_write_tokens": 0,
-                    "input_tokens_per_turn": [],
-                    "cached_tokens_per_turn": [],
-                },
-                "output_tokens": len(c.ids),
-                "output_tokens_details": {
-                    "reasoning_tokens": 0,
-                    "tool_output_tokens": 0,
-                    "output_tokens_per_turn": [],
-                    "tool_output_tokens_per_turn": [],
-                },
-                "total_tokens": len(prompt_ids) + len(c.ids),
-            },
-        )
-        if body.get("enable_response_messages"):
-            final["input_messages"] = [
-                {"message": render_chat(msgs, None), "tokens": prompt_ids, "type": "raw_message_tokens"}
-            ]
-            final["output_messages"] = [{"message": c.text, "tokens": c.ids, "type": "raw_message_tokens"}]
-        if not body.get("stream"):
-            return await self.reply(final, body)
-        start = response("in_progress", [], None)
+    def response_events(self, call: ResponsesCall, part: dict, item: dict, final: dict) -> list:
+        """A streamed Responses answer's (event type, data) pairs; sets `final`'s output to what was
+        streamed."""
+        start = self.response_object(call, "in_progress", [], None)
         ev = [("response.created", {"response": start}), ("response.in_progress", {"response": start})]
+        c, msg_id, want_lp, lps = call.choice, call.msg_id, call.want_lp, call.lps
         if c.text:
             ids = {"item_id": msg_id, "output_index": 0}
             # streamed: a delta carries the log-probs of the token that produced it (no bytes); tokens that
@@ -910,16 +1003,8 @@ class FakeVLLM:
                 ("response.content_part.done", {"content_index": 0, **ids, "part": part}),
                 ("response.output_item.done", {"item": item, "output_index": 0}),
             ]
-        ev.append((f"response.{status}", {"response": final}))
-        return await self.stream(
-            request,
-            [
-                b"event: %s\ndata: %s\n\n"
-                % (t.encode(), orjson.dumps({**d, "sequence_number": i, "type": t}))
-                for i, (t, d) in enumerate(ev)
-            ],
-            body,
-        )
+        ev.append((f"response.{call.status}", {"response": final}))
+        return ev
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """vLLM's `POST /tokenize` (on the server's root): a chat (`messages`, `tools`) or a `prompt`."""

@@ -29,7 +29,7 @@ from conftest import REDIS_URL, ROOT, Proc, free_port, start_fake_vllm, start_ga
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.ui.html import num
-from rlgate.episodes import ClosedEpisodes, EpisodeStore, Policy
+from rlgate.episodes import ClosedEpisodes, EpisodeStore, IndexedCall, Policy
 
 webdriver = pytest.importorskip("selenium.webdriver")
 from selenium.common.exceptions import StaleElementReferenceException  # noqa: E402
@@ -283,6 +283,50 @@ def test_overview_numbers_and_a_click_to_a_rollout_and_back(loop: Loop, browser:
     login(browser, loop)
     cookie = browser.get_cookie("rlgate_ui")
     assert cookie["httpOnly"] and cookie["sameSite"] == "Strict" and OPERATOR not in cookie["value"]
+    statuses = _check_overview_numbers(browser, loop)
+    _check_overview_charts(browser, loop)
+
+    # the page refreshes itself: a rollout started now appears without a reload
+    new = f"late-{uuid.uuid4().hex[:6]}"
+    with httpx.Client(timeout=30) as client:
+        _chat(client, loop.gateway.url, new, [{"role": "user", "content": "hi"}], "solver")
+    _wait(lambda: new in text(browser, "#recent"), "the overview to show the new rollout")
+    assert text(browser, "#open") == str(statuses.count("open") + 1)
+    assert browser.execute_script("return document.querySelector('#live').dataset.refreshed") is not None
+
+    _check_overview_errors(browser, loop)
+
+    # click from the overview to a rollout, and compare its page with the store's record
+    rid = loop.rollouts[4]
+    click(browser, f'#recent a[href="/ui/rollouts/{rid}"]')
+    _wait(lambda: browser.current_url == f"{loop.control}/ui/rollouts/{rid}", "the rollout page")
+    view = loop.store(lambda s: s.get_rollout_view(rid))
+    assert text(browser, "#rollout-id") == rid
+    assert text(browser, "#r-status") == view.status.value == "closed"
+    assert text(browser, "#r-reward") == num(view.reward) == "0.5"
+    assert text(browser, "#r-calls") == str(len(view.calls)) == "2"
+    sections = browser.find_elements(By.CSS_SELECTOR, "section.call")
+    assert [s.get_attribute("data-index") for s in sections] == ["0", "1"]
+    for call in view.calls:
+        _check_call_section(browser, call)
+    assert [c.policy_version for c in view.calls] == [0, 2]
+    assert [c.reward for c in view.calls] == [0.25, None]
+    # the tool call and its result are shown
+    assert "add" in text(browser, "#call-1 .request") and '"a": 4' in text(browser, "#call-1 .request")
+    assert text(browser, "#call-1 .msg.role-tool pre") == "8"
+
+    # and back: the browser's back button, then the navigation link
+    browser.back()
+    _wait(lambda: browser.current_url == f"{loop.control}/ui", "the overview again")
+    assert text(browser, "#policy-version") == "2"
+    click(browser, "#nav-rollouts")
+    _wait(lambda: "/ui/rollouts" in browser.current_url, "the rollouts page")
+    click(browser, "#nav-overview")
+    _wait(lambda: browser.current_url == f"{loop.control}/ui", "the overview from the navigation")
+
+
+def _check_overview_numbers(browser: Any, loop: Loop) -> list[str]:
+    """The overview's counts against the store's records; returns the rollouts' statuses."""
 
     async def truth(store: EpisodeStore) -> dict[str, Any]:
         rows = [await store.get_rollout(rid) for rid in loop.rollouts]
@@ -304,7 +348,11 @@ def test_overview_numbers_and_a_click_to_a_rollout_and_back(loop: Loop, browser:
     pushed = next(s for s in loop.steps if s["policy_version"] == 2)["time"]
     assert time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(pushed)) in text(browser, "#policy-version + small")
     assert re.fullmatch(r"\d+\.\d\d", text(browser, "#episodes-started-per-s"))
-    # the charts: one point per policy version that served episodes, summed over the learner steps
+    return statuses
+
+
+def _check_overview_charts(browser: Any, loop: Loop) -> None:
+    """The charts: one point per policy version that served episodes, summed over the learner steps."""
     for chart, key in (("chart-success", "by_version"), ("chart-validation", "val_by_version")):
         sums: dict[int, list[float]] = {}
         for step in loop.steps:
@@ -319,15 +367,10 @@ def test_overview_numbers_and_a_click_to_a_rollout_and_back(loop: Loop, browser:
         assert [p.get_attribute("textContent") for p in points] == expected
         assert len(expected) == 2 * (7 if key == "by_version" else 3)
 
-    # the page refreshes itself: a rollout started now appears without a reload
-    new = f"late-{uuid.uuid4().hex[:6]}"
-    with httpx.Client(timeout=30) as client:
-        _chat(client, loop.gateway.url, new, [{"role": "user", "content": "hi"}], "solver")
-    _wait(lambda: new in text(browser, "#recent"), "the overview to show the new rollout")
-    assert text(browser, "#open") == str(statuses.count("open") + 1)
-    assert browser.execute_script("return document.querySelector('#live').dataset.refreshed") is not None
 
-    # this gateway's errors by kind, as its own Prometheus counter says (read by prometheus_client's parser)
+def _check_overview_errors(browser: Any, loop: Loop) -> None:
+    """This gateway's errors by kind, as its own Prometheus counter says (read by prometheus_client's
+    parser), after one more error."""
     with httpx.Client(timeout=30) as client:
         answer = client.post(
             f"{loop.gateway.url}/rollouts/err-{uuid.uuid4().hex[:6]}/v1/chat/completions",
@@ -353,49 +396,26 @@ def test_overview_numbers_and_a_click_to_a_rollout_and_back(loop: Loop, browser:
         "the overview's error table to equal the gateway's counter",
     )
 
-    # click from the overview to a rollout, and compare its page with the store's record
-    rid = loop.rollouts[4]
-    click(browser, f'#recent a[href="/ui/rollouts/{rid}"]')
-    _wait(lambda: browser.current_url == f"{loop.control}/ui/rollouts/{rid}", "the rollout page")
-    view = loop.store(lambda s: s.get_rollout_view(rid))
-    assert text(browser, "#rollout-id") == rid
-    assert text(browser, "#r-status") == view.status.value == "closed"
-    assert text(browser, "#r-reward") == num(view.reward) == "0.5"
-    assert text(browser, "#r-calls") == str(len(view.calls)) == "2"
-    sections = browser.find_elements(By.CSS_SELECTOR, "section.call")
-    assert [s.get_attribute("data-index") for s in sections] == ["0", "1"]
-    for call in view.calls:
 
-        def fact(name: str, index: int = call.index) -> str:
-            return text(browser, f'#call-{index} dd[data-fact="{name}"]')
+def _check_call_section(browser: Any, call: IndexedCall) -> None:
+    """One call's section on a rollout page against the store's record of the call."""
 
-        assert fact("policy version") == str(call.policy_version)
-        assert fact("latency ms") == num(call.latency_ms)
-        assert fact("agent") == call.agent_name == "solver"
-        assert fact("reward") == num(call.reward)
-        # the completion as the server's token text (RLGATE_RECORD_TOKEN_TEXT), each token's id kept
-        tokens = browser.find_elements(By.CSS_SELECTOR, f"#call-{call.index} .tokens.text .t")
-        assert [int(t.get_attribute("data-id")) for t in tokens] == call.completion_token_ids
-        assert call.completion_token_texts and len(call.completion_token_texts) == len(tokens)
-        assert [t.get_attribute("textContent") for t in tokens] == [
-            tok.replace("\n", "↵\n") if tok else "∅" for tok in call.completion_token_texts
-        ]
-        expected = [f"lp{min(9, int(math.exp(lp) * 10))}" for lp in call.completion_logprobs]
-        assert [t.get_attribute("class").split()[1] for t in tokens] == expected
-    assert [c.policy_version for c in view.calls] == [0, 2]
-    assert [c.reward for c in view.calls] == [0.25, None]
-    # the tool call and its result are shown
-    assert "add" in text(browser, "#call-1 .request") and '"a": 4' in text(browser, "#call-1 .request")
-    assert text(browser, "#call-1 .msg.role-tool pre") == "8"
+    def fact(name: str) -> str:
+        return text(browser, f'#call-{call.index} dd[data-fact="{name}"]')
 
-    # and back: the browser's back button, then the navigation link
-    browser.back()
-    _wait(lambda: browser.current_url == f"{loop.control}/ui", "the overview again")
-    assert text(browser, "#policy-version") == "2"
-    click(browser, "#nav-rollouts")
-    _wait(lambda: "/ui/rollouts" in browser.current_url, "the rollouts page")
-    click(browser, "#nav-overview")
-    _wait(lambda: browser.current_url == f"{loop.control}/ui", "the overview from the navigation")
+    assert fact("policy version") == str(call.policy_version)
+    assert fact("latency ms") == num(call.latency_ms)
+    assert fact("agent") == call.agent_name == "solver"
+    assert fact("reward") == num(call.reward)
+    # the completion as the server's token text (RLGATE_RECORD_TOKEN_TEXT), each token's id kept
+    tokens = browser.find_elements(By.CSS_SELECTOR, f"#call-{call.index} .tokens.text .t")
+    assert [int(t.get_attribute("data-id")) for t in tokens] == call.completion_token_ids
+    assert call.completion_token_texts and len(call.completion_token_texts) == len(tokens)
+    assert [t.get_attribute("textContent") for t in tokens] == [
+        tok.replace("\n", "↵\n") if tok else "∅" for tok in call.completion_token_texts
+    ]
+    expected = [f"lp{min(9, int(math.exp(lp) * 10))}" for lp in call.completion_logprobs]
+    assert [t.get_attribute("class").split()[1] for t in tokens] == expected
 
 
 def test_the_rollouts_listing_filters_as_the_store_says(loop: Loop, browser: Any):

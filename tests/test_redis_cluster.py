@@ -386,41 +386,14 @@ def test_a_killed_master_loses_no_answered_call(cluster: Cluster, fake_vllm: Pro
     answered: dict[str, list[str]] = {rid: [] for rid in ids}
     failed: list[int] = []
     stop = threading.Event()
-
-    def agent(rid: str) -> None:
-        with httpx.Client(timeout=30) as http:
-            n = 0
-            while not stop.is_set():
-                text = f"{rid} call {n}"
-                n += 1
-                response = http.post(
-                    f"{gateway.url}/rollouts/{rid}/v1/chat/completions",
-                    json={
-                        "model": MODEL,
-                        "messages": [*MESSAGES[:1], {"role": "user", "content": text}],
-                        "max_tokens": 2,
-                    },
-                )
-                if response.status_code == 200:
-                    answered[rid].append(text)
-                else:
-                    assert response.status_code == 503, response.text
-                    failed.append(response.status_code)
-                    time.sleep(0.05)
-
     try:
         with concurrent.futures.ThreadPoolExecutor(len(ids)) as pool:
-            agents = [pool.submit(agent, rid) for rid in ids]
+            agents = [pool.submit(_agent, gateway.url, rid, answered[rid], failed, stop) for rid in ids]
             # conditions, not timings: a loaded machine only makes them take longer
             _wait_for(
                 lambda: all(len(v) >= 3 for v in answered.values()), "every agent answered before the kill"
             )
-            cluster.procs[victim].kill()  # SIGKILL: no goodbye to its replica or the gateway
-            killed_at = time.monotonic()
-            while time.monotonic() - killed_at < 30 and _master_or_none(cluster, slot) in (victim, None):
-                time.sleep(0.1)
-            took_over = time.monotonic() - killed_at
-            assert cluster.master_of(slot) != victim, "no replica took over"
+            took_over = _kill_and_wait_for_takeover(cluster, victim, slot)
             at_takeover = {rid: len(v) for rid, v in answered.items()}
             # the new master has no replica: wait_replicas=1 refuses its writes (503) until one is back;
             # the other masters' rollouts go on
@@ -445,17 +418,7 @@ def test_a_killed_master_loses_no_answered_call(cluster: Cluster, fake_vllm: Pro
                 future.result()
         assert degraded == {rid: 0 for rid in on_victim}, degraded
         assert failed, "the failover refused no call: was a master killed?"
-        client = cluster.client()
-        try:
-            for rid, texts in answered.items():
-                stored = [
-                    CallRecord.model_validate_json(raw).request["messages"][-1]["content"]
-                    for raw in client.lrange(Keys(prefix).calls(rid), 0, -1)
-                ]
-                missing = set(texts) - set(stored)
-                assert not missing, f"{rid}: answered but lost {sorted(missing)[:3]}"
-        finally:
-            client.close()
+        _check_every_answered_call_stored(cluster, prefix, answered)
         print(
             f"answered {sum(map(len, answered.values()))}, refused {len(failed)} (503), takeover {took_over:.1f} s"
         )
@@ -465,6 +428,56 @@ def test_a_killed_master_loses_no_answered_call(cluster: Cluster, fake_vllm: Pro
         if cluster.procs[victim].poll() is not None:
             cluster.start(victim)
         cluster.wait_healthy()
+
+
+def _agent(gateway_url: str, rid: str, answered: list[str], failed: list[int], stop: threading.Event) -> None:
+    """Calls the gateway in rollout `rid` until `stop`: the texts of calls answered 200 go to `answered`,
+    refusals (503, nothing else) to `failed`."""
+    with httpx.Client(timeout=30) as http:
+        n = 0
+        while not stop.is_set():
+            text = f"{rid} call {n}"
+            n += 1
+            response = http.post(
+                f"{gateway_url}/rollouts/{rid}/v1/chat/completions",
+                json={
+                    "model": MODEL,
+                    "messages": [*MESSAGES[:1], {"role": "user", "content": text}],
+                    "max_tokens": 2,
+                },
+            )
+            if response.status_code == 200:
+                answered.append(text)
+            else:
+                assert response.status_code == 503, response.text
+                failed.append(response.status_code)
+                time.sleep(0.05)
+
+
+def _kill_and_wait_for_takeover(cluster: Cluster, victim: int, slot: int) -> float:
+    """SIGKILL the master `victim` (no goodbye to its replica or the gateway); the seconds until another
+    node serves `slot`."""
+    cluster.procs[victim].kill()
+    killed_at = time.monotonic()
+    while time.monotonic() - killed_at < 30 and _master_or_none(cluster, slot) in (victim, None):
+        time.sleep(0.1)
+    took_over = time.monotonic() - killed_at
+    assert cluster.master_of(slot) != victim, "no replica took over"
+    return took_over
+
+
+def _check_every_answered_call_stored(cluster: Cluster, prefix: str, answered: dict[str, list[str]]) -> None:
+    client = cluster.client()
+    try:
+        for rid, texts in answered.items():
+            stored = [
+                CallRecord.model_validate_json(raw).request["messages"][-1]["content"]
+                for raw in client.lrange(Keys(prefix).calls(rid), 0, -1)
+            ]
+            missing = set(texts) - set(stored)
+            assert not missing, f"{rid}: answered but lost {sorted(missing)[:3]}"
+    finally:
+        client.close()
 
 
 def _wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 60) -> None:
