@@ -471,7 +471,7 @@ class ServeCommand(SharedSettings):
 
     def cli_cmd(self) -> None:
         from rlgate.inference.access import VllmEnvironment, WeightsRoot
-        from rlgate.inference.server import serve
+        from rlgate.inference.server import build_app, serve
 
         configure_logging(self.log_level, self.log_format)
         try:
@@ -482,10 +482,8 @@ class ServeCommand(SharedSettings):
         lora = self.allow_runtime_lora_updating
         dev = self.dev_mode
         try:
-            serve(
+            app = build_app(
                 self.model,
-                self.host,
-                self.port,
                 served_model_name=self.served_model_name,
                 batch_window_s=self.batch_window_ms / 1000,
                 logprobs_mode=self.logprobs_mode,
@@ -494,6 +492,7 @@ class ServeCommand(SharedSettings):
                 api_keys=[self.api_key or vllm_env.API_KEY or ""],
                 weights_root=root,
             )
+            serve(app, self.host, self.port)
         except KeyboardInterrupt:
             pass
 

@@ -17,8 +17,9 @@ vLLM's default (`raw_logprobs`); a learner needs `processed_logprobs`. How it st
 (checked by vLLM's own code in tests/test_vllm_oracle.py) is listed in docs/vllm-wire-format.md, "Known
 differences".
 
-Entry points: `build_app(model_dir, ...)` (a FastAPI app) and `serve(model_dir, host, port, ...)`, which
-`rlgate serve --model DIR --port N` runs; it prints `READY <port>` once listening.
+Entry points: `build_app(model_dir, ...)` (a FastAPI app, every option of `rlgate serve`) and
+`serve(app, host, port)`, which `rlgate serve --model DIR --port N` runs with it; it prints `READY <port>`
+once listening.
 """
 
 from __future__ import annotations
@@ -398,30 +399,7 @@ async def _serve(app: FastAPI, host: str, port: int, announce: bool) -> None:
     await task
 
 
-def serve(
-    model_dir: Path | str,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    *,
-    served_model_name: str | None = None,
-    batch_window_s: float = 0.003,
-    logprobs_mode: LogprobsMode = "raw_logprobs",
-    announce: bool = True,
-    allow_runtime_lora_updating: bool = False,
-    dev_mode: bool = False,
-    api_keys: list[str] | None = None,
-    weights_root: Path | str | None = None,
-) -> None:
-    """Load the model and serve it until interrupted; prints `READY <port>` once listening (port 0 picks one).
-    The gates are `build_app`'s."""
-    app = build_app(
-        model_dir,
-        served_model_name=served_model_name,
-        batch_window_s=batch_window_s,
-        logprobs_mode=logprobs_mode,
-        allow_runtime_lora_updating=allow_runtime_lora_updating,
-        dev_mode=dev_mode,
-        api_keys=api_keys,
-        weights_root=weights_root,
-    )
+def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, announce: bool = True) -> None:
+    """Serve `app` (`build_app`'s) until interrupted; prints `READY <port>` once listening (port 0 picks
+    one)."""
     asyncio.run(_serve(app, host, port, announce))
