@@ -455,9 +455,13 @@ def gateway_env(
     return env
 
 
-def start_gateways(run: Run, upstream_url: str, worker_counts: list[int], baseline: Path | None) -> None:
+def start_gateways(
+    run: Run, upstream_url: str, worker_counts: list[int], baseline: Path | None, agents: int
+) -> None:
     """One gateway per worker count (and the baseline checkout's), each recording under its own key prefix,
-    on the proxies' CPU; each is a target once its /healthz answers."""
+    on the proxies' CPU; each is a target once its /healthz answers. With rollout keys, the agents'
+    rollouts (bench-0 .. bench-<agents - 1>) are created on each first, as POST /rollouts would hand an
+    agent its key: a rollout key is valid only for a rollout that exists."""
     gateways = [(f"rlgate-{n}w" if n else "rlgate", n, ROOT) for n in worker_counts]
     if baseline is not None:
         gateways.append(("rlgate-baseline", 0, baseline.resolve()))
@@ -479,8 +483,23 @@ def start_gateways(run: Run, upstream_url: str, worker_counts: list[int], baseli
         )
         run.procs.append(gateway)
         wait_http(f"http://127.0.0.1:{gw_port}/healthz")
+        if run.secret is not None:
+            create_rollouts(f"http://127.0.0.1:{gw_port}", env["RLGATE_OPERATOR_TOKEN"], agents)
         run.targets[name] = (f"http://127.0.0.1:{gw_port}/v1", gateway.pid)
         run.dashboard = (f"http://127.0.0.1:{gw_port}", env.get("RLGATE_OPERATOR_TOKEN"))
+
+
+def create_rollouts(base: str, token: str, n: int) -> None:
+    import urllib.request
+
+    for i in range(n):
+        request = urllib.request.Request(
+            f"{base}/rollouts",
+            data=json.dumps({"rollout_id": f"bench-{i}"}).encode(),
+            headers={"authorization": f"Bearer {token}", "content-type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            assert answer.status == 201, answer.status
 
 
 def start_litellm(run: Run, binary: str, upstream_url: str) -> None:
@@ -710,11 +729,11 @@ def main() -> None:
         start_redis(run)
         run.secret = os.urandom(16).hex().encode() if args.rollout_keys else None
         run.targets["direct"] = (upstream_url, None)
-        start_gateways(run, upstream_url, worker_counts, args.baseline)
+        cells = parse_cells(args.cells, sizes)
+        start_gateways(run, upstream_url, worker_counts, args.baseline, max(c for _, c, _ in cells))
         if args.litellm != "none":
             start_litellm(run, args.litellm, upstream_url)
 
-        cells = parse_cells(args.cells, sizes)
         warm_up(run, cells)
         polled = run_rounds(run, args, cells)
         print_report(run, args, cells, len(sizes) > 1, polled)
