@@ -11,6 +11,7 @@ minutes). rq's cleaning lock (899 s) is released when a clean fails and when a w
 from __future__ import annotations
 
 import contextlib
+import inspect
 import signal
 import time
 from typing import Any
@@ -40,6 +41,25 @@ def work(connection: redis.Redis, queue: str, *, fork: bool, burst: bool, abando
             super()._install_signal_handlers()
             if stop_signals:  # asked for while the loop was starting a worker again
                 self._stop_requested = True
+
+        def unsubscribe(self) -> None:
+            """rq unsubscribes, then stops its listener thread, and redis-py (8.x) waits in `stop()` for the
+            thread's read to end, up to rq's 60 s: when the thread took the unsubscribe's own reply before
+            the stop, a burst worker took a minute to exit (seen under load). Stopped first, the thread
+            finds itself stopped when that reply wakes it."""
+            thread = self.pubsub_thread
+            if thread is None:
+                return
+            self.log.info("Worker %s: unsubscribing from channel %s", self.name, self.pubsub_channel_name)
+            if "timeout" in inspect.signature(thread.stop).parameters:
+                thread.stop(timeout=0)  # clear its flag without waiting (redis-py >= 8)
+            else:
+                thread.stop()  # older redis-py only clears the flag
+            with contextlib.suppress(redis.RedisError):
+                self.pubsub.unsubscribe()  # the reply wakes the thread's read
+            thread.join(timeout=1)
+            with contextlib.suppress(redis.RedisError):
+                self.pubsub.close()
 
         def clean_registries(self) -> None:
             try:
