@@ -51,10 +51,7 @@ def work(connection: redis.Redis, queue: str, *, fork: bool, burst: bool, abando
             if thread is None:
                 return
             self.log.info("Worker %s: unsubscribing from channel %s", self.name, self.pubsub_channel_name)
-            if "timeout" in inspect.signature(thread.stop).parameters:
-                thread.stop(timeout=0)  # clear its flag without waiting (redis-py >= 8)
-            else:
-                thread.stop()  # older redis-py only clears the flag
+            _stop_without_waiting(thread)
             with contextlib.suppress(redis.RedisError):
                 self.pubsub.unsubscribe()  # the reply wakes the thread's read
             thread.join(timeout=1)
@@ -107,7 +104,7 @@ def work(connection: redis.Redis, queue: str, *, fork: bool, burst: bool, abando
             own_handlers()
             if worker is not None and worker.pubsub_thread is not None and worker.pubsub_thread.is_alive():
                 with contextlib.suppress(Exception):  # rq's teardown failed before unsubscribing
-                    worker.pubsub_thread.stop()
+                    _stop_without_waiting(worker.pubsub_thread)
                     worker.pubsub_thread.join(timeout=1)
         if stop_signals:
             return
@@ -123,3 +120,12 @@ def work(connection: redis.Redis, queue: str, *, fork: bool, burst: bool, abando
         while time.monotonic() < deadline and not stop_signals:
             time.sleep(0.1)
         wait = min(wait * 2, 10.0)
+
+
+def _stop_without_waiting(thread: Any) -> None:
+    """Clear a redis-py pub/sub thread's running flag: redis-py 8's `stop()` would also wait for its read
+    (up to rq's 60 s); older ones only clear the flag."""
+    if "timeout" in inspect.signature(thread.stop).parameters:
+        thread.stop(timeout=0)
+    else:
+        thread.stop()
