@@ -55,8 +55,11 @@ def work(connection: redis.Redis, queue: str, *, fork: bool, burst: bool, abando
             with contextlib.suppress(redis.RedisError):
                 self.pubsub.unsubscribe()  # the reply wakes the thread's read
             thread.join(timeout=1)
-            with contextlib.suppress(redis.RedisError):
-                self.pubsub.close()
+            # a thread still reading (a slow reply) closes the pubsub itself when its read ends: closing it
+            # under that read would hand its connection back to the pool while the thread reconnects it
+            if not thread.is_alive():
+                with contextlib.suppress(redis.RedisError):
+                    self.pubsub.close()
 
         def clean_registries(self) -> None:
             try:
