@@ -154,11 +154,12 @@ class Webhooks:
     settings: RewardSettings
     queue: RewardQueue | None = None
     check: Auth | None = None
+    auth: Auth = field(init=False)  # check, or WebhookAuth(settings)
     lifecycle: EpisodeLifecycle = field(init=False)
     agl_queue: AglQueue = field(init=False)
 
     def __post_init__(self) -> None:
-        self.check = self.check or WebhookAuth(self.settings)
+        self.auth = self.check or WebhookAuth(self.settings)
         self.lifecycle = EpisodeLifecycle(self.store)
         self.agl_queue = AglQueue(self.store)
 
@@ -198,8 +199,7 @@ def install(app: FastAPI, hooks: Webhooks) -> APIRouter:
 async def checked_body(request: Request) -> bytes:
     """Every route's first step: the raw body, authenticated, its webhook-id (if signed) never seen."""
     hooks = webhooks(request)
-    assert hooks.check is not None
-    body = await hooks.check(request)
+    body = await hooks.auth(request)
     msg_id = getattr(request.state, "webhook_id", None)
     if msg_id is not None:
         store = hooks.store
