@@ -31,9 +31,10 @@ from importlib import resources
 from typing import Any
 
 from fastapi import FastAPI
-from fastapi.openapi.utils import get_openapi
 
-__all__ = ["install", "document"]
+from rlgate import _openapi
+
+__all__ = ["install"]
 
 ID_PATTERN = r"^[A-Za-z0-9._:\-]{1,128}$"  # episodes.keys._ID_RE
 ATTEMPT_PATTERN = r"^[A-Za-z0-9_\-]{1,32}$"  # episodes.keys._ATTEMPT_RE ("0": the rollout itself)
@@ -216,69 +217,62 @@ def _vllm() -> dict[str, Any]:
 
 
 def install(api: FastAPI) -> None:
-    """Serve `document(api)` at the app's openapi_url (built on the first request, then kept)."""
-    api.openapi = lambda: document(api)  # type: ignore[method-assign]  # FastAPI's way to replace it
+    """Serve the document at the app's openapi_url (built on the first request, then kept)."""
+    _openapi.install(
+        api,
+        "The rlgate recording gateway: the agent surface (OpenAI-compatible completion routes, recorded) and "
+        "the operator surface (rollouts, rewards, health).",
+        _complete,
+    )
 
 
-def document(api: FastAPI) -> dict[str, Any]:
-    if api.openapi_schema is None:
-        doc = get_openapi(
-            title=api.title,
-            version=api.version,
-            routes=api.routes,
-            description="The rlgate recording gateway: the agent surface (OpenAI-compatible "
-            "completion routes, recorded) and the operator surface (rollouts, rewards, health).",
-        )
-        schemas = doc.setdefault("components", {}).setdefault("schemas", {})
-        vllm = _vllm()
-        clash = set(schemas) & set(vllm["schemas"])
-        assert not clash, f"vLLM's schema names clash with the gateway's: {clash}"
-        schemas.update(vllm["schemas"])
-        schemas.update(MESSAGES_SCHEMAS)
-        schemas["Error"] = ERROR_SCHEMA
-        for path, methods in doc["paths"].items():  # FastAPI's 422 body is replaced by the error shape too
-            for method, operation in methods.items():
-                _errors(operation, (*_OPERATOR, *_STATUSES.get((method, path), ())))
-        for prefix, params in _PREFIXES.items():
-            for suffix, endpoint in _ENDPOINTS.items():
-                doc["paths"][prefix + suffix] = {"post": _completion(prefix, params, endpoint, vllm)}
-            doc["paths"][prefix + "/models"] = {"get": _models(prefix, params)}
-            doc["paths"][prefix + "/messages"] = {"post": _messages(prefix, params, count=False)}
-            doc["paths"][prefix + "/messages/count_tokens"] = {"post": _messages(prefix, params, count=True)}
-        health = doc["paths"].get("/healthz", {}).get("get")
-        if health is not None:  # its 503 is the health report too, not an error
-            report = {
-                "type": "object",
-                "required": ["status"],
-                "properties": {"status": {"enum": ["ok", "degraded", "unhealthy"]}},
-            }
-            for status in ("200", "503"):
-                health["responses"][status] = {
-                    "description": "Health: Redis and upstream checks (the agent "
-                    'port, without the operator token: {"status": "ok"} alone).',
-                    "content": {"application/json": {"schema": report}},
-                }
-        _links(doc)
-        doc["components"]["securitySchemes"] = {
-            "bearer": {
-                "type": "http",
-                "scheme": "bearer",
-                "description": "An agent credential on the agent "
-                "surface (API key or rollout key), the operator token on the operator surface; "
-                "needed only where configured (docs/security.md).",
-            }
+def _complete(doc: dict[str, Any]) -> None:
+    """FastAPI's document of the operator routes, completed with the agent surface, errors and links."""
+    schemas = doc["components"]["schemas"]
+    vllm = _vllm()
+    clash = set(schemas) & set(vllm["schemas"])
+    assert not clash, f"vLLM's schema names clash with the gateway's: {clash}"
+    schemas.update(vllm["schemas"])
+    schemas.update(MESSAGES_SCHEMAS)
+    schemas["Error"] = ERROR_SCHEMA
+    for path, methods in doc["paths"].items():  # FastAPI's 422 body is replaced by the error shape too
+        for method, operation in methods.items():
+            _errors(operation, (*_OPERATOR, *_STATUSES.get((method, path), ())))
+    for prefix, params in _PREFIXES.items():
+        for suffix, endpoint in _ENDPOINTS.items():
+            doc["paths"][prefix + suffix] = {"post": _completion(prefix, params, endpoint, vllm)}
+        doc["paths"][prefix + "/models"] = {"get": _models(prefix, params)}
+        doc["paths"][prefix + "/messages"] = {"post": _messages(prefix, params, count=False)}
+        doc["paths"][prefix + "/messages/count_tokens"] = {"post": _messages(prefix, params, count=True)}
+    health = doc["paths"].get("/healthz", {}).get("get")
+    if health is not None:  # its 503 is the health report too, not an error
+        report = {
+            "type": "object",
+            "required": ["status"],
+            "properties": {"status": {"enum": ["ok", "degraded", "unhealthy"]}},
         }
-        api.openapi_schema = doc
-    return api.openapi_schema
+        for status in ("200", "503"):
+            health["responses"][status] = {
+                "description": "Health: Redis and upstream checks (the agent "
+                'port, without the operator token: {"status": "ok"} alone).',
+                "content": {"application/json": {"schema": report}},
+            }
+    _links(doc)
+    doc["components"]["securitySchemes"] = {
+        "bearer": {
+            "type": "http",
+            "scheme": "bearer",
+            "description": "An agent credential on the agent "
+            "surface (API key or rollout key), the operator token on the operator surface; "
+            "needed only where configured (docs/security.md).",
+        }
+    }
 
 
 def _errors(operation: dict[str, Any], statuses: tuple[int, ...]) -> None:
     responses = operation.setdefault("responses", {})
     for status in sorted(set(statuses)):
-        responses[str(status)] = {
-            "description": _REASONS[status],
-            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
-        }
+        responses[str(status)] = _openapi.error_answer(_REASONS[status], "Error")
 
 
 def _parameters(params: list[dict[str, Any]]) -> list[dict[str, Any]]:

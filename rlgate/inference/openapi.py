@@ -13,10 +13,10 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import FastAPI
-from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from rlgate import _openapi
 from rlgate.inference.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -27,7 +27,7 @@ from rlgate.inference.protocol import (
 )
 from rlgate.inference.responses_protocol import ResponsesRequest
 
-__all__ = ["install", "document"]
+__all__ = ["install"]
 
 BODIES: dict[str, type[BaseModel]] = {
     "/v1/chat/completions": ChatCompletionRequest,
@@ -90,68 +90,55 @@ _REASONS = {
 
 
 def install(app: FastAPI) -> None:
-    """Serve `document(app)` at the app's openapi_url (built on first request, then kept)."""
-    app.openapi = lambda: document(app)  # type: ignore[method-assign]  # FastAPI's way to replace it
+    """Serve the document at the app's openapi_url (built on first request, then kept)."""
+    _openapi.install(app, "rlgate serve: a CPU server in vLLM 0.33's OpenAI wire format.", _complete)
 
 
-def document(app: FastAPI) -> dict[str, Any]:
-    if app.openapi_schema is None:
-        doc = get_openapi(
-            title=app.title,
-            version=app.version,
-            routes=app.routes,
-            description="rlgate serve: a CPU server in vLLM 0.33's OpenAI wire format.",
-        )
-        schemas = doc.setdefault("components", {}).setdefault("schemas", {})
-        served = [model for path, model in BODIES.items() if path in doc["paths"]]
-        _, defs = models_json_schema(
-            [(model, "validation") for model in served], ref_template="#/components/schemas/{model}"
-        )
-        schemas.update(defs.get("$defs", {}))
-        schemas["ErrorResponse"] = ERROR_SCHEMA
-        for path, methods in doc["paths"].items():
-            for method, operation in methods.items():
-                if path in BODIES:
-                    operation["requestBody"] = {
-                        "required": True,
-                        "content": {
-                            "application/json": {
-                                "schema": {"$ref": f"#/components/schemas/{BODIES[path].__name__}"}
-                            }
-                        },
-                    }
-                elif path in OPTIONAL_BODIES:
-                    operation["requestBody"] = {
-                        "required": False,
-                        "content": {"application/json": {"schema": OPTIONAL_BODIES[path]}},
-                    }
-                statuses = [400, 404, 409, 422, 503] if method == "post" or path.startswith("/v1/") else [422]
-                if path.startswith("/v1/"):
-                    statuses.append(401)
-                responses = operation.setdefault("responses", {})
-                for status in statuses:
-                    responses[str(status)] = {
-                        "description": _REASONS[status],
-                        "content": {
-                            "application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}
-                        },
-                    }
-                if path == "/health":  # vLLM's: 200 with an empty body
-                    responses["200"] = {"description": "The server is up (empty body)."}
-                elif path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
-                    responses["200"] = {
-                        "description": "Done (vLLM's plain-text message).",
-                        "content": {"text/plain": {"schema": {"type": "string"}}},
-                    }
-                elif path in ("/v1/chat/completions", "/v1/completions", "/v1/responses"):
-                    content = responses["200"].setdefault("content", {})
-                    content["application/json"] = {"schema": {"type": "object", "required": ["id", "object"]}}
-                    content["text/event-stream"] = {
-                        "itemSchema": {
-                            "type": "object",
-                            "required": ["data"],
-                            "properties": {"data": {"type": "string"}},
+def _complete(doc: dict[str, Any]) -> None:
+    """FastAPI's document of the app's routes, completed with the bodies `_parse` validates and the errors."""
+    schemas = doc["components"]["schemas"]
+    served = [model for path, model in BODIES.items() if path in doc["paths"]]
+    _, defs = models_json_schema(
+        [(model, "validation") for model in served], ref_template="#/components/schemas/{model}"
+    )
+    schemas.update(defs.get("$defs", {}))
+    schemas["ErrorResponse"] = ERROR_SCHEMA
+    for path, methods in doc["paths"].items():
+        for method, operation in methods.items():
+            if path in BODIES:
+                operation["requestBody"] = {
+                    "required": True,
+                    "content": {
+                        "application/json": {
+                            "schema": {"$ref": f"#/components/schemas/{BODIES[path].__name__}"}
                         }
+                    },
+                }
+            elif path in OPTIONAL_BODIES:
+                operation["requestBody"] = {
+                    "required": False,
+                    "content": {"application/json": {"schema": OPTIONAL_BODIES[path]}},
+                }
+            statuses = [400, 404, 409, 422, 503] if method == "post" or path.startswith("/v1/") else [422]
+            if path.startswith("/v1/"):
+                statuses.append(401)
+            responses = operation.setdefault("responses", {})
+            for status in statuses:
+                responses[str(status)] = _openapi.error_answer(_REASONS[status], "ErrorResponse")
+            if path == "/health":  # vLLM's: 200 with an empty body
+                responses["200"] = {"description": "The server is up (empty body)."}
+            elif path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+                responses["200"] = {
+                    "description": "Done (vLLM's plain-text message).",
+                    "content": {"text/plain": {"schema": {"type": "string"}}},
+                }
+            elif path in ("/v1/chat/completions", "/v1/completions", "/v1/responses"):
+                content = responses["200"].setdefault("content", {})
+                content["application/json"] = {"schema": {"type": "object", "required": ["id", "object"]}}
+                content["text/event-stream"] = {
+                    "itemSchema": {
+                        "type": "object",
+                        "required": ["data"],
+                        "properties": {"data": {"type": "string"}},
                     }
-        app.openapi_schema = doc
-    return app.openapi_schema
+                }
