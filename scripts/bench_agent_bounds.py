@@ -31,14 +31,13 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import redis
 
-from rlgate._net import free_port
+from rlgate._net import LoopbackServer, free_port, read_request
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "bench-model"
@@ -53,60 +52,35 @@ LIFTED = {
 }
 
 
-class Upstream:
+class Upstream(LoopbackServer):
     """A chat-completions server in vLLM's answer shape: n choices of max_tokens tokens each, with
     log-probs and token ids, generated as it is sent; `endless` keeps sending until `stop_after` bytes."""
 
     def __init__(self, endless: bool = False, stop_after: int = 0) -> None:
         self.endless, self.stop_after = endless, stop_after
         self.sent = 0
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}/v1"
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__()
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        with conn:
-            try:
-                while self._one(conn):
-                    pass
-            except OSError:
-                pass
+    def serve(self, conn: socket.socket) -> None:
+        while self._one(conn):
+            pass
 
     def _one(self, conn: socket.socket) -> bool:
-        head = b""
-        while b"\r\n\r\n" not in head:
-            data = conn.recv(65536)
-            if not data:
-                return False
-            head += data
-        head, rest = head.split(b"\r\n\r\n", 1)
-        length = 0
-        for line in head.split(b"\r\n")[1:]:
-            name, _, value = line.partition(b":")
-            if name.strip().lower() == b"content-length":
-                length = int(value)
-        while len(rest) < length:
-            rest += conn.recv(1 << 20)
+        request = read_request(conn)
+        if request is None:
+            return False
+        head, body = request
         if head.startswith(b"GET"):
-            body = json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]}).encode()
+            models = json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]}).encode()
             conn.sendall(
                 b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
-                % (len(body), body)
+                % (len(models), models)
             )
             return True
-        request = json.loads(rest[:length])
         conn.sendall(
             b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"
         )
-        for piece in self._answer(request):
+        for piece in self._answer(json.loads(body)):
             conn.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
             self.sent += len(piece)
             if self.stop_after and self.sent >= self.stop_after:
@@ -143,9 +117,6 @@ class Upstream:
                 n * tokens + 4,
             )
         )
-
-    def close(self) -> None:
-        self.listener.close()
 
 
 def peak_rss_mib(pid: int) -> float:

@@ -15,6 +15,8 @@ from conftest import Proc
 from test_gateway_errors import assert_openai_error
 from test_gateway_proxy import MESSAGES, MODEL
 
+from rlgate._net import LoopbackServer, read_request
+
 
 def nested(depth: int) -> str:
     return "[" * depth + "]" * depth
@@ -266,7 +268,7 @@ def test_a_call_whose_answer_could_outgrow_the_bounds_is_400_before_the_upstream
         counting.close()
 
 
-class EndlessUpstream:
+class EndlessUpstream(LoopbackServer):
     """An upstream that never stops answering (what vLLM does for `ignore_eos` with a huge max_tokens, or a
     broken server): a chat completion body of unbounded length, chunked or with a Content-Length it never
     reaches, or an SSE stream with no end. Counts the bytes it wrote before the gateway hung up."""
@@ -275,80 +277,53 @@ class EndlessUpstream:
         self.mode = mode
         self.sent = 0
         self.closed = threading.Event()
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}/v1"
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__()
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+    def hung_up(self) -> None:
+        self.closed.set()
 
-    def _serve(self, conn: socket.socket) -> None:
-        with conn:
-            head = b""
-            while b"\r\n\r\n" not in head:
-                data = conn.recv(65536)
-                if not data:
-                    return
-                head += data
-            if head.startswith(b"GET"):
-                body = b'{"object":"list","data":[{"id":"%s","object":"model"}]}' % MODEL.encode()
-                conn.sendall(
-                    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-                    b"connection: close\r\n\r\n%s" % (len(body), body)
-                )
-                return
-            length = (
-                int(head.lower().split(b"content-length:", 1)[1].split(b"\r\n", 1)[0])
-                if b"content-length:" in head.lower()
-                else 0
+    def serve(self, conn: socket.socket) -> None:
+        request = read_request(conn)
+        if request is None:
+            return
+        if request[0].startswith(b"GET"):
+            body = b'{"object":"list","data":[{"id":"%s","object":"model"}]}' % MODEL.encode()
+            conn.sendall(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                b"connection: close\r\n\r\n%s" % (len(body), body)
             )
-            rest = head.split(b"\r\n\r\n", 1)[1]
-            while len(rest) < length:
-                rest += conn.recv(65536)
-            piece = b'{"token":"x","logprob":-0.5,"bytes":[120],"top_logprobs":[]},' * 1000
-            try:
-                if self.mode == "sse":
-                    conn.sendall(
-                        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                        b"transfer-encoding: chunked\r\n\r\n"
-                    )
-                    event = (
-                        b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m",'
-                        b'"choices":[{"index":0,"delta":{"content":"x"},"finish_reason":null}]}\n\n'
-                    )
-                    frame = b"%x\r\n%s\r\n" % (len(event) * 200, event * 200)
-                    while True:
-                        conn.sendall(frame)
-                        self.sent += len(frame)
-                elif self.mode == "announced":  # a Content-Length of 1 GiB, then bytes slowly
-                    conn.sendall(
-                        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
-                        b"content-length: 1073741824\r\n\r\n"
-                    )
-                    while True:
-                        conn.sendall(piece)
-                        self.sent += len(piece)
-                        time.sleep(0.05)
-                else:  # chunked, without end (an error answer: "error" mode)
-                    status = b"500 Internal Server Error" if self.mode == "error" else b"200 OK"
-                    conn.sendall(
-                        b"HTTP/1.1 %s\r\ncontent-type: application/json\r\n" % status
-                        + b"transfer-encoding: chunked\r\n\r\n"
-                    )
-                    frame = b"%x\r\n%s\r\n" % (len(piece), piece)
-                    while True:
-                        conn.sendall(frame)
-                        self.sent += len(frame)
-            except OSError:
-                self.closed.set()
-
-    def close(self) -> None:
-        self.listener.close()
+            return
+        piece = b'{"token":"x","logprob":-0.5,"bytes":[120],"top_logprobs":[]},' * 1000
+        if self.mode == "sse":
+            conn.sendall(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+            )
+            event = (
+                b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m",'
+                b'"choices":[{"index":0,"delta":{"content":"x"},"finish_reason":null}]}\n\n'
+            )
+            frame = b"%x\r\n%s\r\n" % (len(event) * 200, event * 200)
+            while True:
+                conn.sendall(frame)
+                self.sent += len(frame)
+        elif self.mode == "announced":  # a Content-Length of 1 GiB, then bytes slowly
+            conn.sendall(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 1073741824\r\n\r\n"
+            )
+            while True:
+                conn.sendall(piece)
+                self.sent += len(piece)
+                time.sleep(0.05)
+        else:  # chunked, without end (an error answer: "error" mode)
+            status = b"500 Internal Server Error" if self.mode == "error" else b"200 OK"
+            conn.sendall(
+                b"HTTP/1.1 %s\r\ncontent-type: application/json\r\n" % status
+                + b"transfer-encoding: chunked\r\n\r\n"
+            )
+            frame = b"%x\r\n%s\r\n" % (len(piece), piece)
+            while True:
+                conn.sendall(frame)
+                self.sent += len(frame)
 
 
 def test_an_answer_is_read_only_up_to_its_limit_then_cut_off(tmp_path, redis_client: redis.Redis):
