@@ -11,19 +11,9 @@ import json
 import os
 
 from anthropic import Anthropic
-from calculator import QUESTION, calculator, model_name, post_reward
+from calculator import DESCRIPTION, PARAMETERS, QUESTION, calculator, model_name, post_reward
 
-TOOLS = [
-    {
-        "name": "calculator",
-        "description": "Evaluate an arithmetic expression.",
-        "input_schema": {
-            "type": "object",
-            "properties": {"expression": {"type": "string"}},
-            "required": ["expression"],
-        },
-    }
-]
+TOOLS = [{"name": "calculator", "description": DESCRIPTION, "input_schema": PARAMETERS}]
 
 
 def main() -> None:

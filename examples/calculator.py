@@ -1,4 +1,4 @@
-"""What the four example agents share: the calculator tool, the question, and the reward post.
+"""What the example agents share: the calculator tool and its JSON schema, the question, and the reward post.
 
 Every example is configured by the environment only:
     OPENAI_BASE_URL   the gateway, per rollout: http://HOST:8100/tasks/{task}/rollouts/{rollout}/v1
@@ -18,6 +18,12 @@ import httpx
 
 QUESTION = "What is 17 + 25? Use the calculator."
 EXPECTED = 42
+DESCRIPTION = "Evaluate an arithmetic expression."
+PARAMETERS = {  # the tool's arguments as JSON Schema: OpenAI's `parameters`, Anthropic's `input_schema`
+    "type": "object",
+    "properties": {"expression": {"type": "string"}},
+    "required": ["expression"],
+}
 
 _OPS = {
     ast.Add: operator.add,

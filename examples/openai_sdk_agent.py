@@ -4,21 +4,13 @@ from __future__ import annotations
 
 import json
 
-from calculator import QUESTION, calculator, model_name, post_reward
+from calculator import DESCRIPTION, PARAMETERS, QUESTION, calculator, model_name, post_reward
 from openai import OpenAI
 
 TOOLS = [
     {
         "type": "function",
-        "function": {
-            "name": "calculator",
-            "description": "Evaluate an arithmetic expression.",
-            "parameters": {
-                "type": "object",
-                "properties": {"expression": {"type": "string"}},
-                "required": ["expression"],
-            },
-        },
+        "function": {"name": "calculator", "description": DESCRIPTION, "parameters": PARAMETERS},
     }
 ]
 

@@ -212,26 +212,18 @@ def transitions(
     usage = payload.get("usage")
     response_id = payload.get("id")
     prompt_token_ids = payload.get("prompt_token_ids")
+    chat = endpoint == "chat.completions"  # else completions: a text, and the prompt's ids in each choice
     out: list[Transition] = []
     for choice in payload.get("choices") or ():
-        if endpoint == "chat.completions":
-            response = CallResponse(
-                id=response_id,
-                message=choice.get("message"),
-                finish_reason=choice.get("finish_reason"),
-                stop_reason=choice.get("stop_reason"),
-                usage=usage,
-            )
-            prompt_ids = prompt_token_ids
-        else:
-            response = CallResponse(
-                id=response_id,
-                text=choice.get("text"),
-                finish_reason=choice.get("finish_reason"),
-                stop_reason=choice.get("stop_reason"),
-                usage=usage,
-            )
-            prompt_ids = choice.get("prompt_token_ids")
+        response = CallResponse(
+            id=response_id,
+            message=choice.get("message") if chat else None,
+            text=None if chat else choice.get("text"),
+            finish_reason=choice.get("finish_reason"),
+            stop_reason=choice.get("stop_reason"),
+            usage=usage,
+        )
+        prompt_ids = prompt_token_ids if chat else choice.get("prompt_token_ids")
         out.append(
             Transition(
                 choice_index=choice.get("index", len(out)),

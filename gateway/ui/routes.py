@@ -15,6 +15,7 @@ Reads are bounded: the listing reads at most `LIST_MAX` index entries a page, a 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlencode, urlsplit
@@ -236,139 +237,131 @@ async def static(name: str, request: Request) -> Response:
     return Response(dashboard(request).static[name], 200, headers, media_type=_STATIC[name])
 
 
-async def _guarded(render: Any) -> Response:
+Render = Callable[[Request, bool], Awaitable[Response]]
+
+
+def _page(path: str, live: bool = False) -> Callable[[Render], Render]:
+    """Register `render(request, fragment)` as the page at `path`, behind the login gate (a `live` page's
+    `?fragment=1`, its refreshing part, gets 401 rather than the login form); a bad parameter (BadParam)
+    answers a 400 page, Redis down a 503 page."""
+
+    def register(render: Render) -> Render:
+        async def serve(request: Request) -> Response:
+            fragment = live and request.query_params.get("fragment") == "1"
+            if (answer := await _gate(request, fragment)) is not None:
+                return answer
+            try:
+                return await render(request, fragment)
+            except BadParam as exc:
+                return _message_page(400, "Bad request", str(exc))
+            except episodes.StoreUnavailable as exc:
+                return _message_page(503, "Redis unavailable", str(exc))
+
+        router.add_api_route(path, serve, methods=["GET"], name=render.__name__)
+        return render
+
+    return register
+
+
+@_page("", live=True)
+async def overview_page(request: Request, fragment: bool) -> Response:
+    d = dashboard(request)
+    metrics = d.gateway.metrics
+    counts, steps, recent = await asyncio.gather(
+        d.overview.counts(), d.overview.learner_steps(STEPS_DEFAULT), d.store.list_rollouts(limit=RECENT)
+    )
+    # with several workers this reads every worker's metric files: off the event loop
+    calls, errors = await asyncio.to_thread(
+        lambda: (
+            overview.counter_values(metrics.registry, metrics.calls, "outcome"),
+            overview.counter_values(metrics.registry, metrics.errors, "kind"),
+        )
+    )
+    rates = d.rates.add(
+        {
+            "calls": sum(calls.values()),
+            "closed": counts.closed_total,
+            **{f"error:{k}": v for k, v in errors.items()},
+        }
+    )
+    watch = d.gateway.proxy.watch
+    servers = d.gateway.servers
+    snap = overview.Snapshot(
+        counts,
+        steps,
+        calls,
+        errors,
+        rates,
+        recent.rollouts,
+        watch.backlog,
+        watch.holding,
+        servers.report() if servers.several else (),
+    )
+    if fragment:
+        return _html((await asyncio.to_thread(overview.live, snap)).encode())
+    body = await asyncio.to_thread(overview.render, snap, REFRESH_S)
+    return _html(page("overview", body, "overview"))
+
+
+@_page("/rollouts")
+async def rollouts_page(request: Request, fragment: bool) -> Response:
+    d = dashboard(request)
+    status = _param(request, "status")
+    mode = _param(request, "mode")
+    if status is not None and status not in {s.value for s in RolloutStatus}:
+        raise BadParam(f"status must be one of {', '.join(s.value for s in RolloutStatus)}")
+    if mode not in (None, "train", "val"):
+        raise BadParam("mode must be train or val")
+    f = rollouts.Filters(
+        task=_param(request, "task"),
+        status=RolloutStatus(status) if status else None,
+        mode=mode,
+        agent=_param(request, "agent"),
+        version=_number(request, "version", int, 0),
+        min_reward=_number(request, "min_reward", float),
+        max_reward=_number(request, "max_reward", float),
+        since=_number(request, "since", float, 0),
+        until=_number(request, "until", float, 0),
+        limit=_number(request, "limit", int, 1, LIST_MAX) or 50,
+    )
+    cursor = _param(request, "cursor")
     try:
-        return await render()
-    except BadParam as exc:
-        return _message_page(400, "Bad request", str(exc))
-    except episodes.StoreUnavailable as exc:
-        return _message_page(503, "Redis unavailable", str(exc))
-
-
-@router.get("")
-async def overview_page(request: Request) -> Response:
-    fragment = request.query_params.get("fragment") == "1"
-    if (answer := await _gate(request, fragment)) is not None:
-        return answer
-
-    async def render() -> Response:
-        d = dashboard(request)
-        metrics = d.gateway.metrics
-        counts, steps, recent = await asyncio.gather(
-            d.overview.counts(), d.overview.learner_steps(STEPS_DEFAULT), d.store.list_rollouts(limit=RECENT)
+        listing = await d.store.list_rollouts(
+            task_id=f.task, status=f.status, since=f.since, until=f.until, limit=f.limit, cursor=cursor
         )
-        # with several workers this reads every worker's metric files: off the event loop
-        calls, errors = await asyncio.to_thread(
-            lambda: (
-                overview.counter_values(metrics.registry, metrics.calls, "outcome"),
-                overview.counter_values(metrics.registry, metrics.errors, "kind"),
-            )
-        )
-        rates = d.rates.add(
-            {
-                "calls": sum(calls.values()),
-                "closed": counts.closed_total,
-                **{f"error:{k}": v for k, v in errors.items()},
-            }
-        )
-        watch = d.gateway.proxy.watch
-        servers = d.gateway.servers
-        snap = overview.Snapshot(
-            counts,
-            steps,
-            calls,
-            errors,
-            rates,
-            recent.rollouts,
-            watch.backlog,
-            watch.holding,
-            servers.report() if servers.several else (),
-        )
-        if fragment:
-            return _html((await asyncio.to_thread(overview.live, snap)).encode())
-        body = await asyncio.to_thread(overview.render, snap, REFRESH_S)
-        return _html(page("overview", body, "overview"))
-
-    return await _guarded(render)
+    except ValueError as exc:
+        raise BadParam(str(exc)) from exc
+    body = await asyncio.to_thread(
+        rollouts.listing, f, listing.rollouts, listing.next_cursor, len(listing.rollouts)
+    )
+    return _html(page("rollouts", body, "rollouts"))
 
 
-@router.get("/rollouts")
-async def rollouts_page(request: Request) -> Response:
-    if (answer := await _gate(request)) is not None:
-        return answer
-
-    async def render() -> Response:
-        d = dashboard(request)
-        status = _param(request, "status")
-        mode = _param(request, "mode")
-        if status is not None and status not in {s.value for s in RolloutStatus}:
-            raise BadParam(f"status must be one of {', '.join(s.value for s in RolloutStatus)}")
-        if mode not in (None, "train", "val"):
-            raise BadParam("mode must be train or val")
-        f = rollouts.Filters(
-            task=_param(request, "task"),
-            status=RolloutStatus(status) if status else None,
-            mode=mode,
-            agent=_param(request, "agent"),
-            version=_number(request, "version", int, 0),
-            min_reward=_number(request, "min_reward", float),
-            max_reward=_number(request, "max_reward", float),
-            since=_number(request, "since", float, 0),
-            until=_number(request, "until", float, 0),
-            limit=_number(request, "limit", int, 1, LIST_MAX) or 50,
-        )
-        cursor = _param(request, "cursor")
-        try:
-            listing = await d.store.list_rollouts(
-                task_id=f.task, status=f.status, since=f.since, until=f.until, limit=f.limit, cursor=cursor
-            )
-        except ValueError as exc:
-            raise BadParam(str(exc)) from exc
-        body = await asyncio.to_thread(
-            rollouts.listing, f, listing.rollouts, listing.next_cursor, len(listing.rollouts)
-        )
-        return _html(page("rollouts", body, "rollouts"))
-
-    return await _guarded(render)
+@_page("/rollouts/{rollout_id}")
+async def rollout_page(request: Request, fragment: bool) -> Response:
+    rollout_id = request.path_params["rollout_id"]
+    d = dashboard(request)
+    try:
+        episodes.validate_episode_id(rollout_id)
+    except episodes.InvalidId as exc:
+        raise BadParam(str(exc)) from exc
+    offset = _number(request, "offset", int, 0, 2**62) or 0
+    limit = _number(request, "limit", int, 1, CALLS_MAX) or CALLS_DEFAULT
+    view, total = await asyncio.gather(
+        d.store.get_rollout_view(rollout_id, offset, limit), d.overview.call_count(rollout_id)
+    )
+    if view is None:
+        return _message_page(404, "No such rollout", f"no rollout {rollout_id!r}")
+    body = await asyncio.to_thread(rollouts.rollout, view, offset, limit, total)
+    return _html(page(f"rollout {rollout_id}", body, "rollouts"))
 
 
-@router.get("/rollouts/{rollout_id}")
-async def rollout_page(rollout_id: str, request: Request) -> Response:
-    if (answer := await _gate(request)) is not None:
-        return answer
-
-    async def render() -> Response:
-        d = dashboard(request)
-        try:
-            episodes.validate_episode_id(rollout_id)
-        except episodes.InvalidId as exc:
-            raise BadParam(str(exc)) from exc
-        offset = _number(request, "offset", int, 0, 2**62) or 0
-        limit = _number(request, "limit", int, 1, CALLS_MAX) or CALLS_DEFAULT
-        view, total = await asyncio.gather(
-            d.store.get_rollout_view(rollout_id, offset, limit), d.overview.call_count(rollout_id)
-        )
-        if view is None:
-            return _message_page(404, "No such rollout", f"no rollout {rollout_id!r}")
-        body = await asyncio.to_thread(rollouts.rollout, view, offset, limit, total)
-        return _html(page(f"rollout {rollout_id}", body, "rollouts"))
-
-    return await _guarded(render)
-
-
-@router.get("/training")
-async def training_page(request: Request) -> Response:
-    fragment = request.query_params.get("fragment") == "1"
-    if (answer := await _gate(request, fragment)) is not None:
-        return answer
-
-    async def render() -> Response:
-        d = dashboard(request)
-        count = _number(request, "steps", int, 1, 2000) or STEPS_DEFAULT
-        steps = await d.overview.learner_steps(count)
-        if fragment:
-            return _html((await asyncio.to_thread(training.live, steps)).encode())
-        body = await asyncio.to_thread(training.render, steps, REFRESH_S * 3, count)
-        return _html(page("training", body, "training"))
-
-    return await _guarded(render)
+@_page("/training", live=True)
+async def training_page(request: Request, fragment: bool) -> Response:
+    d = dashboard(request)
+    count = _number(request, "steps", int, 1, 2000) or STEPS_DEFAULT
+    steps = await d.overview.learner_steps(count)
+    if fragment:
+        return _html((await asyncio.to_thread(training.live, steps)).encode())
+    body = await asyncio.to_thread(training.render, steps, REFRESH_S * 3, count)
+    return _html(page("training", body, "training"))
