@@ -241,25 +241,22 @@ class RewardCommand(SharedSettings):
                 secret=secret.get_secret_value() if secret is not None else None,
             )
         except RewardRejected as exc:
-            raise UsageError(
-                f"the gateway refused the reward: HTTP {exc.status}: {_error_message(exc.body)}"
-                f"{_auth_hint(exc.status, 'RLGATE_WEBHOOK_SECRET or RLGATE_OPERATOR_TOKEN')}"
-            ) from exc
+            credentials = "RLGATE_WEBHOOK_SECRET or RLGATE_OPERATOR_TOKEN"
+            raise _refused("the gateway refused the reward:", exc.status, exc.body, credentials) from exc
         except OSError as exc:
             raise _unreachable(self.gateway_url, exc) from exc
         print(json.dumps(answer))
 
 
-def _error_message(body: str) -> str:
-    """The message of an OpenAI-shaped error body, else the body's first line."""
+def _refused(what: str, status: int, body: str, credentials: str, note: str = "") -> UsageError:
+    """The gateway's error answer as one line: `what`, the status, the message of its OpenAI-shaped error
+    body (else the body's first line) and `note`; for 401 and 403, which `credentials` to set."""
     try:
-        return str(json.loads(body)["error"]["message"])
+        message = str(json.loads(body)["error"]["message"])
     except (ValueError, KeyError, TypeError):
-        return body.strip().splitlines()[0] if body.strip() else "(no body)"
-
-
-def _auth_hint(status: int, what: str) -> str:
-    return f" (set {what})" if status in (401, 403) else ""
+        message = body.strip().splitlines()[0] if body.strip() else "(no body)"
+    hint = f" (set {credentials})" if status in (401, 403) else ""
+    return UsageError(f"{what} HTTP {status}: {message}{note}{hint}")
 
 
 def _unreachable(url: str, exc: OSError) -> UsageError:
@@ -732,13 +729,11 @@ class _GatewayClient(SharedSettings):
             with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=30) as response:
                 return json.loads(response.read())
         except urllib.error.HTTPError as exc:
-            message = _error_message(exc.read().decode("utf-8", "replace"))
-            if exc.code == 405:
-                message += ": this gateway has no GET /rollouts (an older rlgate; upgrade it)"
-            raise UsageError(
-                f"the gateway answered HTTP {exc.code}: {message}"
-                f"{_auth_hint(exc.code, 'RLGATE_OPERATOR_TOKEN')}"
-            ) from exc
+            old = (
+                ": this gateway has no GET /rollouts (an older rlgate; upgrade it)" if exc.code == 405 else ""
+            )
+            body = exc.read().decode("utf-8", "replace")
+            raise _refused("the gateway answered", exc.code, body, "RLGATE_OPERATOR_TOKEN", old) from exc
         except OSError as exc:
             raise _unreachable(self.gateway_url, exc) from exc
 
