@@ -263,11 +263,20 @@ def _start_gateway(
     raise AssertionError(f"gateway did not become healthy:\n{proc.log()}")
 
 
-@pytest.fixture(scope="session")
-def gateway(fake_vllm: Proc, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
-    proc = start_gateway(tmp_path_factory.mktemp("gateway"), fake_vllm.url)
-    yield proc
-    proc.kill(signal.SIGTERM)
+def gateway_fixture(name: str, upstream: str = "fake_vllm", scope: str = "module", **settings: str) -> Any:
+    """A fixture: `rlgate gateway` with `settings` (`start_gateway`'s) in front of the `upstream` fixture's
+    server, started once per `scope`, stopped with SIGTERM. Assign it to the fixture's name in a module."""
+
+    @pytest.fixture(scope=scope)  # type: ignore[call-overload]  # scope: one of pytest's names
+    def fixture(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+        proc = start_gateway(tmp_path_factory.mktemp(name), request.getfixturevalue(upstream).url, **settings)
+        yield proc
+        proc.kill(signal.SIGTERM)
+
+    return fixture
+
+
+gateway = gateway_fixture("gateway", scope="session")
 
 
 def start_rlgate_serve(
@@ -339,12 +348,7 @@ def rlgate_serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
     proc.kill(signal.SIGTERM)
 
 
-@pytest.fixture(scope="session")
-def serve_gateway(rlgate_serve: Proc, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
-    """A gateway in front of `rlgate serve` (real model) instead of the fake upstream."""
-    proc = start_gateway(tmp_path_factory.mktemp("serve_gateway"), rlgate_serve.url)
-    yield proc
-    proc.kill(signal.SIGTERM)
+serve_gateway = gateway_fixture("serve_gateway", "rlgate_serve", scope="session")  # a real model upstream
 
 
 def vllm_python() -> Path:
@@ -389,12 +393,7 @@ def vllm(vllm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     server.stop()
 
 
-@pytest.fixture(scope="session")
-def vllm_gateway(vllm: Proc, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
-    """A gateway in front of real vLLM."""
-    proc = start_gateway(tmp_path_factory.mktemp("vllm_gateway"), vllm.url)
-    yield proc
-    proc.kill(signal.SIGTERM)
+vllm_gateway = gateway_fixture("vllm_gateway", "vllm", scope="session")  # in front of real vLLM
 
 
 @pytest.fixture(params=["fake_vllm", "rlgate_serve"])

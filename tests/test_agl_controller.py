@@ -11,12 +11,11 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from conftest import ROOT, Proc, start_gateway
+from conftest import ROOT, Proc, gateway_fixture
 
 CONTROLLER_KEY = "agl-controller-key-for-tests"
 OPERATOR = {"Authorization": "Bearer agl-controller-test-operator"}
@@ -31,18 +30,13 @@ def agl_python() -> Path:
     return python
 
 
-@pytest.fixture(scope="module")
-def agl_gateway(fake_vllm: Proc, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
-    proc = start_gateway(
-        tmp_path_factory.mktemp("agl_controller"),
-        fake_vllm.url,
-        agl_controller_key=CONTROLLER_KEY,
-        operator_token=OPERATOR["Authorization"].removeprefix("Bearer "),
-        agent_rewards="true",
-        model_aliases=json.dumps({"auto": "fake-model"}),
-    )
-    yield proc
-    proc.kill(signal.SIGTERM)
+agl_gateway = gateway_fixture(
+    "agl_controller",
+    agl_controller_key=CONTROLLER_KEY,
+    operator_token=OPERATOR["Authorization"].removeprefix("Bearer "),
+    agent_rewards="true",
+    model_aliases=json.dumps({"auto": "fake-model"}),
+)
 
 
 def queue(gateway: Proc, *rollouts: dict) -> list[dict]:

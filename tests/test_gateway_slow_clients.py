@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from conftest import Proc, free_port, start_gateway
+from conftest import Proc, free_port, gateway_fixture, start_gateway
 from test_gateway_proxy import MESSAGES, MODEL
 
 HEADER_TIMEOUT_S = 1.0
@@ -317,18 +317,10 @@ def test_oversized_headers_are_refused(deadlines_gateway: tuple[Proc, str]):
     assert chat(httpx.Client(), gateway.url).status_code == 200
 
 
-@pytest.fixture(scope="module")
-def capped_gateway(fake_vllm: Proc, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
-    """At most 8 connections, long deadlines: only the cap closes anything."""
-    proc = start_gateway(
-        tmp_path_factory.mktemp("capped_gateway"),
-        fake_vllm.url,
-        max_connections="8",
-        header_timeout_s="120",
-        body_timeout_s="120",
-    )
-    yield proc
-    proc.kill(signal.SIGTERM)
+# at most 8 connections, long deadlines: only the cap closes anything
+capped_gateway = gateway_fixture(
+    "capped_gateway", max_connections="8", header_timeout_s="120", body_timeout_s="120"
+)
 
 
 def open_files_of(proc: Proc) -> int:

@@ -6,14 +6,12 @@ own `/v1/messages` answers for the same greedy request."""
 from __future__ import annotations
 
 import json
-import signal
 import uuid
-from collections.abc import Iterator
 
 import anthropic
 import httpx
 import pytest
-from conftest import Proc, recorded_calls, start_gateway, upstream_chat
+from conftest import Proc, gateway_fixture, recorded_calls, upstream_chat
 
 MODEL = "fake-model"
 TOOLS = [
@@ -238,17 +236,12 @@ def test_bad_requests_are_400_in_anthropics_shape(gateway: Proc, redis_client, b
     assert recorded_calls(gateway, rid) == []
 
 
-@pytest.fixture(scope="module")
-def keyed_gateway(fake_vllm: Proc, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
-    proc = start_gateway(
-        tmp_path_factory.mktemp("messages_keys"),
-        fake_vllm.url,
-        rollout_key_secret=SECRET,
-        require_rollout_keys="true",
-        operator_token=OPERATOR["Authorization"].removeprefix("Bearer "),
-    )
-    yield proc
-    proc.kill(signal.SIGTERM)
+keyed_gateway = gateway_fixture(
+    "messages_keys",
+    rollout_key_secret=SECRET,
+    require_rollout_keys="true",
+    operator_token=OPERATOR["Authorization"].removeprefix("Bearer "),
+)
 
 
 def test_the_rollouts_environment_opens_the_messages_api_with_x_api_key(keyed_gateway: Proc, redis_client):
