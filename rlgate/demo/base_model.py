@@ -35,7 +35,6 @@ import math
 import os
 import random
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
@@ -115,10 +114,9 @@ def build_base_model(
     path: Path, *, seed: int = 0, steps: int = PRETRAIN_STEPS, log: Any = print
 ) -> dict[str, Any]:
     """Write the base model (weights and tokenizer) to `path` (created, must be empty)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    from rlgate.demo.warm_start import supervised_step
+    from rlgate.demo.warm_start import supervised_training
     from rlgate.inference.tiny_model import build_tiny_model
 
     rng = random.Random(seed)
@@ -132,29 +130,33 @@ def build_base_model(
         merges=MERGES,
     )
     tokenizer = AutoTokenizer.from_pretrained(path)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=PRETRAIN_LR)
-    started = time.monotonic()
-    loss_value = float("nan")
-    for step in range(steps):
-        batch = []
+
+    def batch() -> list[tuple[list[int], list[bool]]]:
+        rows = []
         for _ in range(PRETRAIN_BATCH):
             text, head = copy_text(rng)
             encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
             # trained: every token that ends inside the copy (one that straddles its start included)
-            batch.append((encoded["input_ids"], [end > head for _, end in encoded["offset_mapping"]]))
-        lr = PRETRAIN_LR * min(1.0, (step + 1) / 30) * 0.5 * (1 + math.cos(math.pi * step / steps))
-        loss_value = supervised_step(model, optimizer, batch, tokenizer.pad_token_id, lr)
-        if (step + 1) % 100 == 0 or step + 1 == steps:
-            log(
-                f"base model: pretraining step {step + 1}/{steps}  loss {loss_value:.3f}  "
-                f"{time.monotonic() - started:.0f} s"
-            )
-    model.eval()
+            rows.append((encoded["input_ids"], [end > head for _, end in encoded["offset_mapping"]]))
+        return rows
+
+    def report(step: int, loss: float, seconds: float) -> None:
+        log(f"base model: pretraining step {step}/{steps}  loss {loss:.3f}  {seconds:.0f} s")
+
+    model, loss_value, seconds = supervised_training(
+        path,
+        tokenizer.pad_token_id,
+        seed=seed,
+        steps=steps,
+        batch=batch,
+        lr=lambda step: (
+            PRETRAIN_LR * min(1.0, (step + 1) / 30) * 0.5 * (1 + math.cos(math.pi * step / steps))
+        ),
+        log_every=100,
+        log=report,
+    )
     model.save_pretrained(path)
-    return {"steps": steps, "loss": round(loss_value, 4), "seconds": round(time.monotonic() - started, 1)}
+    return {"steps": steps, "loss": round(loss_value, 4), "seconds": round(seconds, 1)}
 
 
 def cached_base_model(seed: int = 0, steps: int = PRETRAIN_STEPS, log: Any = print) -> Path:

@@ -17,6 +17,7 @@ import json
 import random
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -70,30 +71,28 @@ def warm_start(
     """Fine-tune every weight of the model in `base` on the conversations of `sft_jsonl`; write the
     result (weights and tokenizer) to `out`. AdamW, linear warm-up over 20 steps then linear decay to 0,
     gradient norm clipped at 1, mean loss over the trained tokens of a batch."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     rows = [json.loads(line) for line in sft_jsonl.read_text().splitlines() if line.strip()]
     tokenizer = AutoTokenizer.from_pretrained(base)
     data = [encode(tokenizer, messages, tools) for messages, tools in conversations(rows)]
     if not data:
         raise ValueError(f"{sft_jsonl} holds no chat conversations")
-    torch.manual_seed(seed)
     rng = random.Random(seed)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate)
-    started = time.monotonic()
-    loss_value = float("nan")
-    for step in range(steps):
-        batch = [data[rng.randrange(len(data))] for _ in range(batch_size)]
-        lr = learning_rate * min(1.0, (step + 1) / 20) * (1 - step / steps)
-        loss_value = supervised_step(model, optimizer, batch, tokenizer.pad_token_id, lr)
-        if (step + 1) % 50 == 0 or step + 1 == steps:
-            log(
-                f"warm start: step {step + 1}/{steps}  loss {loss_value:.4f}  {time.monotonic() - started:.0f} s"
-            )
-    model.eval()
+
+    def report(step: int, loss: float, seconds: float) -> None:
+        log(f"warm start: step {step}/{steps}  loss {loss:.4f}  {seconds:.0f} s")
+
+    model, loss_value, seconds = supervised_training(
+        base,
+        tokenizer.pad_token_id,
+        seed=seed,
+        steps=steps,
+        batch=lambda: [data[rng.randrange(len(data))] for _ in range(batch_size)],
+        lr=lambda step: learning_rate * min(1.0, (step + 1) / 20) * (1 - step / steps),
+        log_every=50,
+        log=report,
+    )
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     for file in base.iterdir():  # the tokenizer and generation config as they were
@@ -104,16 +103,47 @@ def warm_start(
         "rows": len(rows),
         "steps": steps,
         "loss": round(loss_value, 4),
-        "seconds": round(time.monotonic() - started, 1),
+        "seconds": round(seconds, 1),
     }
+
+
+def supervised_training(
+    path: Path,
+    pad_id: int,
+    *,
+    seed: int,
+    steps: int,
+    batch: Callable[[], list[tuple[list[int], list[bool]]]],
+    lr: Callable[[int], float],
+    log_every: int,
+    log: Callable[[int, float, float], None],
+) -> tuple[Any, float, float]:
+    """The model in `path` (float32, torch seeded with `seed`) trained for `steps` `supervised_step`s, each
+    on `batch()` at `lr(step)`; `log(step, loss, seconds)` every `log_every` steps and after the last.
+    Returns the model (in eval mode), the last loss and the seconds the steps took. Shared by the warm start
+    and the base model's pretraining (`rlgate.demo.base_model`)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters())  # its learning rate is set at each step
+    started = time.monotonic()
+    loss = float("nan")
+    for step in range(steps):
+        loss = supervised_step(model, optimizer, batch(), pad_id, lr(step))
+        if (step + 1) % log_every == 0 or step + 1 == steps:
+            log(step + 1, loss, time.monotonic() - started)
+    model.eval()
+    return model, loss, time.monotonic() - started
 
 
 def supervised_step(
     model: Any, optimizer: Any, batch: list[tuple[list[int], list[bool]]], pad_id: int, lr: float
 ) -> float:
     """One AdamW step of next-token loss on the masked tokens of `batch` (token ids, trained-or-not per
-    token), right-padded; gradient norm clipped at 1. Returns the loss. Shared by the warm start and the
-    base model's pretraining (`rlgate.demo.base_model`)."""
+    token), right-padded; gradient norm clipped at 1. Returns the loss."""
     import torch
 
     width = max(len(ids) for ids, _ in batch)
