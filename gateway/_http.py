@@ -36,7 +36,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 from urllib.parse import urlsplit
-from urllib.request import getproxies_environment, proxy_bypass_environment
+from urllib.request import getproxies_environment, proxy_bypass_environment  # type: ignore[attr-defined]  # not in typeshed
 
 import httptools
 
@@ -229,6 +229,7 @@ class _Connection(asyncio.Protocol):
             return response
         if deadline is not None:
             self.timer = self.loop.call_at(deadline, self._timed_out)
+        assert self.transport is not None  # usable()
         self.transport.write(data)
         return response
 

@@ -25,9 +25,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from functools import partial
-from typing import Any
+from typing import Any, Literal, cast
 from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 import structlog
@@ -42,7 +42,7 @@ from gateway.proxy import Proxy
 from gateway.routes import build_api
 from gateway.servers import Servers
 from gateway.settings import GatewaySettings
-from rlgate.episodes import EpisodeStore
+from rlgate.episodes import Endpoint, EpisodeStore, Mode
 from rlgate.episodes.api_error import error_body
 
 log = structlog.get_logger("rlgate.gateway")
@@ -57,7 +57,7 @@ _ENDPOINTS = {
 }
 
 
-Attempt = tuple[str, str]  # Agent Lightning's (attempt id, mode) of a call
+Attempt = tuple[str, Mode]  # Agent Lightning's (attempt id, mode) of a call
 
 
 def match(path: str) -> tuple[str, str | None, str | None, Attempt | None] | None:
@@ -87,7 +87,7 @@ def match(path: str) -> tuple[str, str | None, str | None, Attempt | None] | Non
             or parts[9] != "v1"
         ):
             return None
-        rollout_id, attempt, rest = parts[3], (parts[5], parts[7]), "/" + parts[10]
+        rollout_id, attempt, rest = parts[3], (parts[5], cast(Mode, parts[7])), "/" + parts[10]
     else:
         return None
     endpoint = _ENDPOINTS.get(rest)
@@ -134,7 +134,9 @@ async def _read_bounded(scope: dict[str, Any], receive: Any, limit: int) -> Any:
         if not delivered:
             delivered = True
             return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()  # after the body: wait for the disconnect, as servers deliver it
+        return cast(
+            dict[str, Any], await receive()
+        )  # after the body: wait for the disconnect, as servers deliver it
 
     return replay
 
@@ -172,7 +174,10 @@ class Gateway:
         self.control = ControlListener(self) if settings.control_port is not None else None
         self._signed: list[BaseRoute] = []
         self._agent_routes: list[BaseRoute] = []
-        self._background: list[Callable[[], Awaitable[None]]] = [self.proxy.watch.run, self.servers.run]
+        self._background: list[Callable[[], Coroutine[Any, Any, None]]] = [
+            self.proxy.watch.run,
+            self.servers.run,
+        ]
         self._tasks: list[asyncio.Task[None]] = []
         # the dashboard (/ui): checks the operator token itself, as a Bearer header or its session cookie
         self.add_routes(ui.install(self), signed=True)
@@ -199,7 +204,7 @@ class Gateway:
         they take it instead of their signature)."""
         return self.credentials.is_operator((authorization or "").encode("latin-1", "replace"))
 
-    def add_background(self, job: Callable[[EpisodeStore], Awaitable[None]]) -> None:
+    def add_background(self, job: Callable[[EpisodeStore], Coroutine[Any, Any, None]]) -> None:
         """Run `job(store)` for the app's lifetime (how `rlgate gateway` runs the sweeper)."""
         self._background.append(partial(job, self.store))
 
@@ -327,7 +332,8 @@ class Gateway:
             else:
                 if scope["method"] != "POST":
                     raise _method_not_allowed(scope, "POST")
-                await self.proxy.call(scope, receive, tracked_send, endpoint, rollout_id, task_id, attempt)
+                recorded = cast(Endpoint | Literal["messages"], endpoint)  # what is left of _ENDPOINTS
+                await self.proxy.call(scope, receive, tracked_send, recorded, rollout_id, task_id, attempt)
         except errors.ApiError as exc:
             if exc.status >= 500:
                 log.warning("call_failed", path=scope["path"], status=exc.status, error=exc.message)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 from functools import cache
 from importlib import resources
-from typing import Any
+from typing import Any, cast
 
 from fastapi import FastAPI
 
@@ -213,7 +213,9 @@ _HEADERS = [
 
 @cache
 def _vllm() -> dict[str, Any]:
-    return json.loads(resources.files("gateway").joinpath("vllm_requests.json").read_text())
+    return cast(
+        dict[str, Any], json.loads(resources.files("gateway").joinpath("vllm_requests.json").read_text())
+    )
 
 
 def install(api: FastAPI) -> None:
@@ -411,7 +413,7 @@ def _links(doc: dict[str, Any]) -> None:
     paths = doc["paths"]
 
     def op_id(path: str, method: str = "post") -> str | None:
-        return paths.get(path, {}).get(method, {}).get("operationId")
+        return cast(str | None, paths.get(path, {}).get(method, {}).get("operationId"))
 
     targets = {
         "chat": op_id("/rollouts/{rollout_id}/v1/chat/completions"),
@@ -436,7 +438,7 @@ def _links(doc: dict[str, Any]) -> None:
         for name in names:
             if targets[name] is None:
                 continue
-            parameters = {"rollout_id": expression}
+            parameters: dict[str, str | int] = {"rollout_id": expression}
             if name == "agl_chat":
                 parameters.update(attempt_id="0", mode="train")  # a val rollout: 409 mode_mismatch
             elif name == "event":

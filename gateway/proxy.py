@@ -201,7 +201,7 @@ class Proxy:
         endpoint: Endpoint | Literal["messages"],
         rollout_id: str | None,
         task_id: str | None,
-        attempt: tuple[str, str] | None = None,
+        attempt: tuple[str, episodes.Mode] | None = None,
     ) -> None:
         """A recorded call, in four steps: who calls (`_identify`: credentials, ids), whether it may
         (`_admit_call`: lost rollouts, the backlog hold, the body read and bounded, a push's drain), what
@@ -235,7 +235,7 @@ class Proxy:
         scope: dict[str, Any],
         rollout_id: str | None,
         task_id: str | None,
-        attempt: tuple[str, str] | None,
+        attempt: tuple[str, episodes.Mode] | None,
     ) -> Caller:
         """The call's rollout, task, agent name and credential, from its path and headers: checked before
         anything is read, recorded or sent upstream (401/403, 400 for an id no rollout can have)."""

@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
-from typing import Any, NoReturn
+from typing import Any, Literal, NoReturn
 
 import structlog
 import uvicorn
@@ -296,7 +296,12 @@ def _signal_all(workers: dict[int, int], sig: int) -> None:
 
 
 def _config(
-    app: Any, settings: GatewaySettings, listener: Listener, host: str, port: int, lifespan: str
+    app: Any,
+    settings: GatewaySettings,
+    listener: Listener,
+    host: str,
+    port: int,
+    lifespan: Literal["on", "off"],
 ) -> uvicorn.Config:
     return uvicorn.Config(
         app,

@@ -32,6 +32,7 @@ import collections
 import re
 import time
 from dataclasses import dataclass
+from typing import cast
 
 import structlog
 
@@ -171,7 +172,7 @@ class Servers:
                 value = await self.store.redis.get(self.keys.server(root))
         except episodes.StoreUnavailable:
             return None  # chosen again below; the record's commit reports Redis' trouble itself
-        return value.decode() if value is not None else None
+        return cast(bytes, value).decode() if value is not None else None
 
     async def _store(self, root: str, name: str, replace: bool) -> str:
         """Keep the choice with the rollout and return the server the rollout goes to: a first choice
@@ -181,7 +182,7 @@ class Servers:
                 if replace:
                     await self.store.redis.set(self.keys.server(root), name, ex=self.ttl_s)
                 elif not await self.store.redis.set(self.keys.server(root), name, ex=self.ttl_s, nx=True):
-                    other = await self.store.redis.get(self.keys.server(root))
+                    other = cast(bytes | None, await self.store.redis.get(self.keys.server(root)))
                     if other is not None and other.decode() in self.by_name:
                         return other.decode()
         except episodes.StoreUnavailable:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 from reward_hooks import signing
@@ -56,6 +56,6 @@ def _post(url: str, payload: dict[str, Any], secret: str | None, timeout_s: floa
     request = urllib.request.Request(url, data=body, headers=headers, method="POST")
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            return json.loads(response.read())
+            return cast(dict[str, Any], json.loads(response.read()))
     except urllib.error.HTTPError as exc:
         raise RewardRejected(exc.code, exc.read().decode("utf-8", "replace")) from exc

@@ -29,7 +29,7 @@ def work(connection: redis.Redis, queue: str, *, fork: bool, burst: bool, abando
     """Run reward jobs from `queue` until stopped (or, with `burst`, until it is empty)."""
     stop_signals: list[int] = []
 
-    class RewardWorker(Worker if fork else SimpleWorker):  # type: ignore[misc,valid-type]  # base chosen at run time
+    class RewardWorker(Worker if fork else SimpleWorker):  # type: ignore[misc]  # base chosen at run time
         """rq's worker, kept working through Redis outages by the loop below, stopping on a signal
         whenever it comes, and never holding rq's cleaning lock past a failed clean."""
 

@@ -11,7 +11,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from prometheus_client import CollectorRegistry, Counter
 
@@ -27,7 +27,7 @@ def counter_values(
     """A labelled Prometheus counter's totals (summed over other labels), by the value of `label`; one
     entry, "total", without a label. Read from the registry /metrics serves, so that with several
     worker processes (multiprocess mode) the totals are every worker's, not the answering one's."""
-    name = counter.describe()[0].name
+    name = list(counter.describe())[0].name
     totals: dict[str, float] = {}
     for metric in registry.collect():
         if metric.name != name:
@@ -92,7 +92,7 @@ def pushed_at(counts: StoreCounts, steps: list[dict[str, Any]]) -> float | None:
     version = counts.policy.version
     for step in reversed(steps):
         if step.get("policy_version") == version:
-            return step.get("time")
+            return cast(float | None, step.get("time"))
     return None
 
 

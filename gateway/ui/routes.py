@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from importlib import resources
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import parse_qs, urlencode, urlsplit
 
 from fastapi import APIRouter, Request
@@ -88,7 +88,7 @@ def install(gateway: Gateway) -> APIRouter:
 
 
 def dashboard(request: Request) -> Dashboard:
-    return request.app.state.dashboard
+    return cast(Dashboard, request.app.state.dashboard)
 
 
 class BadParam(ValueError):

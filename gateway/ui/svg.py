@@ -17,7 +17,7 @@ PALETTE = ("#2563eb", "#dc2626", "#059669", "#d97706", "#7c3aed", "#0891b2")
 MAX_POINTS = 400
 _DOTS_BELOW = 60  # series shorter than this get a dot (and tooltip) per point
 
-Series = tuple[str, Sequence[tuple[float, float]]]
+Series = tuple[str, Sequence[tuple[float | None, float | None]]]  # a missing value is left out
 
 
 def _thin(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -27,7 +27,7 @@ def _thin(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return [points[int(i * step)] for i in range(MAX_POINTS - 1)] + [points[-1]]
 
 
-def _finite(points: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+def _finite(points: Sequence[tuple[float | None, float | None]]) -> list[tuple[float, float]]:
     out = []
     for x, y in points:
         if x is None or y is None:

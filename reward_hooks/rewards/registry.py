@@ -21,7 +21,7 @@ import importlib
 from collections.abc import Callable, Mapping, Sequence
 from importlib.metadata import entry_points
 from types import MappingProxyType
-from typing import Any
+from typing import Any, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -104,7 +104,7 @@ def get_reward_fn(name: str) -> RewardFn:
         )
     if not callable(fn):
         raise UnknownRewardFn(f"reward function {name!r} resolves to {fn!r}, which is not callable")
-    return fn
+    return cast(RewardFn, fn)
 
 
 def _import_dotted(path: str) -> Any:

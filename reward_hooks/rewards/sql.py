@@ -239,7 +239,9 @@ class _Watchdog:
         self._timer.cancel()
 
 
-def _run(connection: sqlite3.Connection, query: str, limits: _Limits, trap: _Trap) -> tuple[list[tuple], int]:
+def _run(
+    connection: sqlite3.Connection, query: str, limits: _Limits, trap: _Trap
+) -> tuple[list[tuple[Any, ...]], int]:
     """All rows of `query` and its number of columns, or `_QueryFailed` when SQLite refuses it (a syntax
     error, a denied write, more than one statement, a value over the length limit, too many columns, the
     heap limit), it is no query at all, it passes `timeout_s` seconds (a watchdog thread interrupts it, and
@@ -269,12 +271,12 @@ def _run(connection: sqlite3.Connection, query: str, limits: _Limits, trap: _Tra
 
 def _fetch(
     connection: sqlite3.Connection, query: str, limits: _Limits, trap: _Trap
-) -> tuple[list[tuple], int]:
+) -> tuple[list[tuple[Any, ...]], int]:
     """`_run` without its deadline and its translation of errors."""
     cursor = connection.execute(query)
     if cursor.description is None:  # no statement at all (empty, only comments): no rows to compare
         raise _QueryFailed("not a query that returns rows")
-    rows: list[tuple] = []
+    rows: list[tuple[Any, ...]] = []
     size = 0
     for row in cursor:
         size += _row_bytes(row)
@@ -287,7 +289,7 @@ def _fetch(
     return rows, len(cursor.description)
 
 
-def _row_bytes(row: tuple) -> int:
+def _row_bytes(row: tuple[Any, ...]) -> int:
     """What a row costs to hold, roughly: 64, plus each string's or blob's length, plus 8 per other value."""
     return 64 + sum(len(v) if isinstance(v, str | bytes) else 8 for v in row)
 
