@@ -3,6 +3,7 @@ server for hand-written upstreams."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 
@@ -32,17 +33,11 @@ class LoopbackServer:
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
-        with conn:
-            try:
-                self.serve(conn)
-            except OSError:  # the client hung up
-                self.hung_up()
+        with conn, contextlib.suppress(OSError):  # the client hung up
+            self.serve(conn)
 
     def serve(self, conn: socket.socket) -> None:
         raise NotImplementedError
-
-    def hung_up(self) -> None:
-        """Called when a connection's client hung up mid-answer."""
 
     def close(self) -> None:
         self.listener.close()
@@ -50,7 +45,7 @@ class LoopbackServer:
 
 def read_request(conn: socket.socket) -> tuple[bytes, bytes] | None:
     """One HTTP/1.1 request from `conn`: its head (request line and headers) and its body of Content-Length
-    bytes; None when the client closed the connection first."""
+    bytes; None when the client closed the connection before all of it came."""
     head = b""
     while b"\r\n\r\n" not in head:
         data = conn.recv(65536)
@@ -64,5 +59,8 @@ def read_request(conn: socket.socket) -> tuple[bytes, bytes] | None:
         if name.strip().lower() == b"content-length":
             length = int(value)
     while len(body) < length:
-        body += conn.recv(1 << 20)
+        data = conn.recv(1 << 20)
+        if not data:
+            return None
+        body += data
     return head, body[:length]

@@ -279,9 +279,6 @@ class EndlessUpstream(LoopbackServer):
         self.closed = threading.Event()
         super().__init__()
 
-    def hung_up(self) -> None:
-        self.closed.set()
-
     def serve(self, conn: socket.socket) -> None:
         request = read_request(conn)
         if request is None:
@@ -294,36 +291,39 @@ class EndlessUpstream(LoopbackServer):
             )
             return
         piece = b'{"token":"x","logprob":-0.5,"bytes":[120],"top_logprobs":[]},' * 1000
-        if self.mode == "sse":
-            conn.sendall(
-                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
-            )
-            event = (
-                b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m",'
-                b'"choices":[{"index":0,"delta":{"content":"x"},"finish_reason":null}]}\n\n'
-            )
-            frame = b"%x\r\n%s\r\n" % (len(event) * 200, event * 200)
-            while True:
-                conn.sendall(frame)
-                self.sent += len(frame)
-        elif self.mode == "announced":  # a Content-Length of 1 GiB, then bytes slowly
-            conn.sendall(
-                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 1073741824\r\n\r\n"
-            )
-            while True:
-                conn.sendall(piece)
-                self.sent += len(piece)
-                time.sleep(0.05)
-        else:  # chunked, without end (an error answer: "error" mode)
-            status = b"500 Internal Server Error" if self.mode == "error" else b"200 OK"
-            conn.sendall(
-                b"HTTP/1.1 %s\r\ncontent-type: application/json\r\n" % status
-                + b"transfer-encoding: chunked\r\n\r\n"
-            )
-            frame = b"%x\r\n%s\r\n" % (len(piece), piece)
-            while True:
-                conn.sendall(frame)
-                self.sent += len(frame)
+        try:
+            if self.mode == "sse":
+                conn.sendall(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                )
+                event = (
+                    b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m",'
+                    b'"choices":[{"index":0,"delta":{"content":"x"},"finish_reason":null}]}\n\n'
+                )
+                frame = b"%x\r\n%s\r\n" % (len(event) * 200, event * 200)
+                while True:
+                    conn.sendall(frame)
+                    self.sent += len(frame)
+            elif self.mode == "announced":  # a Content-Length of 1 GiB, then bytes slowly
+                conn.sendall(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 1073741824\r\n\r\n"
+                )
+                while True:
+                    conn.sendall(piece)
+                    self.sent += len(piece)
+                    time.sleep(0.05)
+            else:  # chunked, without end (an error answer: "error" mode)
+                status = b"500 Internal Server Error" if self.mode == "error" else b"200 OK"
+                conn.sendall(
+                    b"HTTP/1.1 %s\r\ncontent-type: application/json\r\n" % status
+                    + b"transfer-encoding: chunked\r\n\r\n"
+                )
+                frame = b"%x\r\n%s\r\n" % (len(piece), piece)
+                while True:
+                    conn.sendall(frame)
+                    self.sent += len(frame)
+        except OSError:  # the gateway hung up
+            self.closed.set()
 
 
 def test_an_answer_is_read_only_up_to_its_limit_then_cut_off(tmp_path, redis_client: redis.Redis):
