@@ -24,7 +24,7 @@ import os
 import socket
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -117,7 +117,7 @@ class DeepSpeedEngine:
     def step(self) -> float:
         """Clip (DeepSpeed's `gradient_clipping`), step, zero the gradients; the norm before clipping."""
         self.strategy.optimizer_step(self.optimizer, self.actor, self.scheduler)
-        return self.strategy.get_grad_norm(self.actor)
+        return cast(float, self.strategy.get_grad_norm(self.actor))
 
     def save(self, directory: Path) -> None:
         self.engine.save_checkpoint(str(directory), tag="policy")

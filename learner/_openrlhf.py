@@ -23,6 +23,7 @@ import sys
 import types
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -34,7 +35,7 @@ def _index_first_axis(tensor: torch.Tensor, indices: torch.Tensor) -> torch.Tens
 
 def _unpad_input(
     hidden_states: torch.Tensor, attention_mask: torch.Tensor, unused_mask: torch.Tensor | None = None
-):
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor]:
     """[batch, seqlen, ...] -> ([nnz, ...], indices, cu_seqlens, max_seqlen, seqused): the tokens whose
     mask is set (or `unused_mask`), row-major, with the cumulative sequence lengths of each row."""
     mask = attention_mask.bool() if unused_mask is None else (attention_mask.bool() | unused_mask.bool())
@@ -53,7 +54,7 @@ def _pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, s
     return out.reshape(batch, seqlen, *hidden_states.shape[1:])
 
 
-def _all_gather(tensor: torch.Tensor, group=None) -> torch.Tensor:
+def _all_gather(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
     """Concatenate `tensor` of every rank of `group` along the first axis."""
     import torch.distributed as dist
 
@@ -63,7 +64,7 @@ def _all_gather(tensor: torch.Tensor, group=None) -> torch.Tensor:
     return torch.cat(parts, dim=0)
 
 
-def _module(name: str, **attrs) -> types.ModuleType:
+def _module(name: str, **attrs: Any) -> types.ModuleType:
     module = types.ModuleType(name)
     module.__dict__.update(attrs)
     return module

@@ -32,7 +32,7 @@ class VllmNcclSender:
         self._round: dict[str, torch.Tensor] = {}
         owner = self
 
-        class _Source(WeightSource):
+        class _Source(WeightSource):  # type: ignore[misc]  # vLLM: not installed where mypy runs (Any)
             """The policy's current weights (base names, adapter merged), read fresh each round."""
 
             @property

@@ -34,7 +34,7 @@ import time
 from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import structlog
 import torch
@@ -306,7 +306,7 @@ class Learner:
         for v in (v for g in views for v in g):  # (recorded before the hash kept it: read from the calls)
             first = v.first_version
             train.add(
-                v.reward,
+                cast(float, v.reward),  # a claimed episode is closed, its reward finite
                 first if first is not None else min((c.policy_version for c in v.calls), default=None),
             )
         metrics = {
@@ -325,7 +325,7 @@ class Learner:
             "val_success_rate": val.successes / val.episodes if val.episodes else math.nan,
             "val_by_version": val.versions(),
             "group_reward_std": statistics.fmean(
-                statistics.stdev([v.reward for v in g]) if len(g) > 1 else 0.0 for g in views
+                statistics.stdev([cast(float, v.reward) for v in g]) if len(g) > 1 else 0.0 for g in views
             ),
             "samples": stats.samples,
             # trajectory shape: calls trained apart because their prompt did not extend the sample before
@@ -420,7 +420,7 @@ class Learner:
 
     async def _read_episodes(
         self, groups: list[Group]
-    ) -> tuple[list[list[RolloutView]], list[ClosedEpisode], Counter]:
+    ) -> tuple[list[list[RolloutView]], list[ClosedEpisode], Counter[str]]:
         """The groups' rollouts with their calls, each claimed by this learner before it trains on it, so
         that an episode trains at most once per step and once ever:
 
@@ -437,7 +437,7 @@ class Learner:
         """
         views: list[list[RolloutView]] = []
         entries: list[ClosedEpisode] = []
-        counts: Counter = Counter()
+        counts: Counter[str] = Counter()
         taken: set[str] = set()
         for group in groups:
             kept = []

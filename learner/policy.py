@@ -163,7 +163,7 @@ class Policy:
                 lora_dropout=0.0,
                 bias="none",
             )
-            model = get_peft_model(base, config)
+            model: torch.nn.Module = get_peft_model(base, config)
         else:
             model = base
             if settings.kl_coef > 0:  # a frozen copy of the initial weights for the KL term

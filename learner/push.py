@@ -162,7 +162,7 @@ class LoraPusher:
 
 
 async def _post(
-    session: aiohttp.ClientSession, url: str, body: dict | None, missing_ok: bool = False
+    session: aiohttp.ClientSession, url: str, body: dict[str, Any] | None, missing_ok: bool = False
 ) -> None:
     try:
         async with session.post(url, json=body) as response:

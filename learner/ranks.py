@@ -32,7 +32,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import structlog
 import torch
@@ -147,13 +147,13 @@ class Ranks:
             return orders[0]
         out: list[Any] = [None]
         self._collective("sending an order", dist.scatter_object_list, out, orders, src=0, group=self.control)
-        return out[0]
+        return cast(Order, out[0])
 
     def receive(self) -> Order:
         """The other ranks: the next order of rank 0."""
         out: list[Any] = [None]
         self._collective("waiting for rank 0", dist.scatter_object_list, out, None, src=0, group=self.control)
-        return out[0]
+        return cast(Order, out[0])
 
     def agree(self, ok: bool = True) -> None:
         """Every rank says whether its part of the step succeeded; raises `RankFailed` unless all did."""
