@@ -140,20 +140,15 @@ def build_base_model(
             rows.append((encoded["input_ids"], [end > head for _, end in encoded["offset_mapping"]]))
         return rows
 
+    def lr(step: int) -> float:  # warm-up over 30 steps, then a cosine to 0
+        return PRETRAIN_LR * min(1.0, (step + 1) / 30) * 0.5 * (1 + math.cos(math.pi * step / steps))
+
     def report(step: int, loss: float, seconds: float) -> None:
-        log(f"base model: pretraining step {step}/{steps}  loss {loss:.3f}  {seconds:.0f} s")
+        if step % 100 == 0 or step == steps:
+            log(f"base model: pretraining step {step}/{steps}  loss {loss:.3f}  {seconds:.0f} s")
 
     model, loss_value, seconds = supervised_training(
-        path,
-        tokenizer.pad_token_id,
-        seed=seed,
-        steps=steps,
-        batch=batch,
-        lr=lambda step: (
-            PRETRAIN_LR * min(1.0, (step + 1) / 30) * 0.5 * (1 + math.cos(math.pi * step / steps))
-        ),
-        log_every=100,
-        log=report,
+        path, tokenizer.pad_token_id, seed, steps, batch, lr, report
     )
     model.save_pretrained(path)
     return {"steps": steps, "loss": round(loss_value, 4), "seconds": round(seconds, 1)}

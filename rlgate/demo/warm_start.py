@@ -80,18 +80,18 @@ def warm_start(
         raise ValueError(f"{sft_jsonl} holds no chat conversations")
     rng = random.Random(seed)
 
+    def batch() -> list[tuple[list[int], list[bool]]]:
+        return [data[rng.randrange(len(data))] for _ in range(batch_size)]
+
+    def lr(step: int) -> float:
+        return learning_rate * min(1.0, (step + 1) / 20) * (1 - step / steps)
+
     def report(step: int, loss: float, seconds: float) -> None:
-        log(f"warm start: step {step}/{steps}  loss {loss:.4f}  {seconds:.0f} s")
+        if step % 50 == 0 or step == steps:
+            log(f"warm start: step {step}/{steps}  loss {loss:.4f}  {seconds:.0f} s")
 
     model, loss_value, seconds = supervised_training(
-        base,
-        tokenizer.pad_token_id,
-        seed=seed,
-        steps=steps,
-        batch=lambda: [data[rng.randrange(len(data))] for _ in range(batch_size)],
-        lr=lambda step: learning_rate * min(1.0, (step + 1) / 20) * (1 - step / steps),
-        log_every=50,
-        log=report,
+        base, tokenizer.pad_token_id, seed, steps, batch, lr, report
     )
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
@@ -110,16 +110,14 @@ def warm_start(
 def supervised_training(
     path: Path,
     pad_id: int,
-    *,
     seed: int,
     steps: int,
     batch: Callable[[], list[tuple[list[int], list[bool]]]],
     lr: Callable[[int], float],
-    log_every: int,
     log: Callable[[int, float, float], None],
 ) -> tuple[Any, float, float]:
     """The model in `path` (float32, torch seeded with `seed`) trained for `steps` `supervised_step`s, each
-    on `batch()` at `lr(step)`; `log(step, loss, seconds)` every `log_every` steps and after the last.
+    on `batch()` at `lr(step)`; `log(step, loss, seconds)` after each (steps count from 1).
     Returns the model (in eval mode), the last loss and the seconds the steps took. Shared by the warm start
     and the base model's pretraining (`rlgate.demo.base_model`)."""
     import torch
@@ -133,8 +131,7 @@ def supervised_training(
     loss = float("nan")
     for step in range(steps):
         loss = supervised_step(model, optimizer, batch(), pad_id, lr(step))
-        if (step + 1) % log_every == 0 or step + 1 == steps:
-            log(step + 1, loss, time.monotonic() - started)
+        log(step + 1, loss, time.monotonic() - started)
     model.eval()
     return model, loss, time.monotonic() - started
 
