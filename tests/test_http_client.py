@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
 
 import pytest
 import uvloop
@@ -65,6 +67,17 @@ class Server:
             writer.close()
 
 
+@asynccontextmanager
+async def serving(handler: Handler, **options: Any) -> AsyncIterator[tuple[Server, Client]]:
+    """A `Server` answering with `handler` and a `Client` of it (with `options`), closed after."""
+    async with Server(handler) as server:
+        client = Client(server.url, **options)
+        try:
+            yield server, client
+        finally:
+            await client.aclose()
+
+
 def on_uvloop(test: Callable[[], Awaitable[None]]) -> Callable[[], None]:
     """Runs an async test on uvloop, the gateway's event loop."""
 
@@ -100,13 +113,11 @@ async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, body:
 
 @on_uvloop
 async def test_keep_alive_reuses_one_connection_and_sends_one_well_formed_request():
-    async with Server(echo) as server:
-        client = Client(server.url, headers={"Authorization": "Bearer k"})
+    async with serving(echo, headers={"Authorization": "Bearer k"}) as (server, client):
         for i in range(5):
             async with client.request("POST", "/chat/completions", b'{"i": %d}' % i) as response:
                 assert response.status == 200
                 assert await response.read() == b'echo:{"i": %d}' % i
-        await client.aclose()
     assert server.connections == 1
     first = server.requests[0]
     assert first.startswith(b"POST /v1/chat/completions HTTP/1.1\r\n")
@@ -129,8 +140,7 @@ async def test_chunked_stream_arrives_before_the_answer_ends():
         await writer.drain()
         return True
 
-    async with Server(stream) as server:
-        client = Client(server.url)
+    async with serving(stream) as (server, client):
         async with client.request("POST", "/completions", b"{}") as response:
             assert response.headers["content-type"] == "text/event-stream"
             chunks = response.chunks()
@@ -138,7 +148,6 @@ async def test_chunked_stream_arrives_before_the_answer_ends():
             release.set()
             assert [c async for c in chunks] == [b"data: 2"]
         assert client.idle_connections == 1  # read to its end: back in the pool
-        await client.aclose()
 
 
 @on_uvloop
@@ -157,14 +166,12 @@ async def test_connection_close_and_close_delimited_bodies():
 @on_uvloop
 async def test_an_idle_connection_the_server_closed_is_replaced_and_the_request_sent_once():
     # closes the connection after each answer, the way an idle keep-alive expires
-    async with Server(answer(fixed(b"ok"), keep=False)) as server:
-        client = Client(server.url)
+    async with serving(answer(fixed(b"ok"), keep=False)) as (server, client):
         async with client.request("POST", "/completions", b"{}") as response:
             assert await response.read() == b"ok"
         await asyncio.sleep(0.05)  # the close reaches the client, which drops the connection
         async with client.request("POST", "/completions", b"{}") as response:
             assert await response.read() == b"ok"
-        await client.aclose()
     assert server.connections == 2 and len(server.requests) == 2
 
 
@@ -181,12 +188,10 @@ async def test_a_reused_connection_closed_without_an_answer_is_retried_once_on_a
         await writer.drain()
         return True
 
-    async with Server(drop_second) as server:
-        client = Client(server.url)
+    async with serving(drop_second) as (server, client):
         for _ in range(2):
             async with client.request("POST", "/completions", b"{}") as response:
                 assert await response.read() == b"ok"
-        await client.aclose()
     assert served == 3 and server.connections == 2
 
 
@@ -195,13 +200,11 @@ async def test_a_fresh_connection_closed_without_an_answer_is_an_error():
     async def drop(reader, writer, body):
         return False
 
-    async with Server(drop) as server:
-        client = Client(server.url)
+    async with serving(drop) as (server, client):
         with pytest.raises(HTTPError, match="closed the connection"):
             async with client.request("POST", "/completions", b"{}"):
                 pass
         assert client.open_connections == 0
-        await client.aclose()
     assert len(server.requests) == 1  # never sent twice
 
 
@@ -214,8 +217,7 @@ async def test_deadline_covers_headers_and_body_and_frees_the_connection():
         await asyncio.sleep(10)
         return True
 
-    async with Server(hang) as server:
-        client = Client(server.url, timeout_s=0.2)
+    async with serving(hang, timeout_s=0.2) as (server, client):
         loop = asyncio.get_running_loop()
         t = loop.time()
         with pytest.raises(TimeoutError):
@@ -227,7 +229,6 @@ async def test_deadline_covers_headers_and_body_and_frees_the_connection():
                 assert response.status == 200
                 await response.read()
         assert client.open_connections == 0 and client.idle_connections == 0
-        await client.aclose()
 
 
 @on_uvloop
@@ -238,8 +239,7 @@ async def test_pool_limit_queues_requests_and_every_one_is_answered():
         await writer.drain()
         return True
 
-    async with Server(slow) as server:
-        client = Client(server.url, limit=2)
+    async with serving(slow, limit=2) as (server, client):
 
         async def one(i: int) -> bytes:
             async with client.request("POST", "/completions", str(i).encode()) as response:
@@ -247,7 +247,6 @@ async def test_pool_limit_queues_requests_and_every_one_is_answered():
 
         assert await asyncio.gather(*(one(i) for i in range(10))) == [str(i).encode() for i in range(10)]
         assert client.open_connections <= 2
-        await client.aclose()
     assert server.max_active == 2 and server.connections == 2
 
 
@@ -263,23 +262,20 @@ async def test_a_response_left_unread_closes_its_connection():
         await writer.drain()
         return True
 
-    async with Server(endless) as server:
-        client = Client(server.url)
+    async with serving(endless) as (server, client):
         async with client.request("POST", "/completions", b"{}") as response:
             async for _ in response.chunks():
                 break  # the consumer leaves (an agent hung up)
         assert client.open_connections == 0 and client.idle_connections == 0
         await asyncio.sleep(0.1)
         assert server.disconnects == 1  # the server sees the hang-up and can abort the request
-        await client.aclose()
 
 
 @on_uvloop
 async def test_a_slow_consumer_pauses_reading_and_gets_every_byte():
     payload = bytes(range(256)) * 4096 * 4  # 4 MiB
 
-    async with Server(answer(fixed(payload))) as server:
-        client = Client(server.url)
+    async with serving(answer(fixed(payload))) as (server, client):
         received = bytearray()
         paused = False
         async with client.request("GET", "/big") as response:
@@ -289,7 +285,6 @@ async def test_a_slow_consumer_pauses_reading_and_gets_every_byte():
                 paused = paused or response._conn.reading_paused  # the socket filled our buffer meanwhile
         assert bytes(received) == payload
         assert paused
-        await client.aclose()
 
 
 @on_uvloop
@@ -297,12 +292,10 @@ async def test_broken_answers_are_errors():
     garbage = answer(b"this is not HTTP\r\n\r\n")
     short = answer(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly this", keep=False)
     for handler, match in ((garbage, "malformed"), (short, "closed the connection")):
-        async with Server(handler) as server:
-            client = Client(server.url)
+        async with serving(handler) as (server, client):
             with pytest.raises(HTTPError, match=match):
                 async with client.request("POST", "/completions", b"{}") as response:
                     await response.read()
-            await client.aclose()
 
 
 @on_uvloop
@@ -321,17 +314,14 @@ async def test_nothing_listening_is_an_error():
 async def test_a_large_body_read_whole_never_stalls():
     payload = b"x" * (3 << 20)  # far above the read-pausing mark, read with read()
 
-    async with Server(answer(fixed(payload))) as server:
-        client = Client(server.url, timeout_s=5)
+    async with serving(answer(fixed(payload)), timeout_s=5) as (server, client):
         async with client.request("POST", "/chat/completions", b"{}") as response:
             assert await response.read() == payload
-        await client.aclose()
 
 
 @on_uvloop
 async def test_the_deadline_covers_waiting_for_a_connection():
-    async with Server(answer(fixed(b"ok"), delay=1.0)) as server:
-        client = Client(server.url, limit=1)
+    async with serving(answer(fixed(b"ok"), delay=1.0), limit=1) as (server, client):
         holder = asyncio.create_task(_get(client))
         await asyncio.sleep(0.1)
         loop = asyncio.get_running_loop()
@@ -342,13 +332,11 @@ async def test_the_deadline_covers_waiting_for_a_connection():
         assert loop.time() - t < 0.8  # not until the holder is done
         assert await holder == b"ok"
         assert await _get(client) == b"ok"  # and the pool is whole
-        await client.aclose()
 
 
 @on_uvloop
 async def test_a_connection_closed_before_its_release_is_not_handed_on():
-    async with Server(answer(fixed(b"ok"), delay=0.05)) as server:
-        client = Client(server.url, limit=1)
+    async with serving(answer(fixed(b"ok"), delay=0.05), limit=1) as (server, client):
 
         async def holder():
             async with client.request("GET", "/x") as response:
@@ -362,13 +350,11 @@ async def test_a_connection_closed_before_its_release_is_not_handed_on():
         assert await first == b"ok"
         assert await asyncio.wait_for(waiting, 5) == b"ok"
         assert client.open_connections == 1
-        await client.aclose()
 
 
 @on_uvloop
 async def test_a_cancelled_waiter_passes_its_turn_on():
-    async with Server(answer(fixed(b"ok"), delay=0.2)) as server:
-        client = Client(server.url, limit=1)
+    async with serving(answer(fixed(b"ok"), delay=0.2), limit=1) as (server, client):
         first = asyncio.create_task(_get(client))
         await asyncio.sleep(0.05)
         second = asyncio.create_task(_get(client))
@@ -378,7 +364,6 @@ async def test_a_cancelled_waiter_passes_its_turn_on():
         await asyncio.sleep(0)
         second.cancel()
         assert await asyncio.wait_for(third, 5) == b"ok"
-        await client.aclose()
 
 
 async def _get(client: Client) -> bytes:
