@@ -65,11 +65,22 @@ _READ_BOOLEANS: dict[str, tuple[str, ...]] = {
 
 
 class InvalidField(ValueError):
-    """A request field the gateway reads itself has a value vLLM would refuse (400 before forwarding)."""
+    """A request field the gateway reads or translates itself has a value vLLM would refuse: answered before
+    anything is forwarded with `status` (400; 404 for a Responses request's unknown previous response) in the
+    error shape of the API called, naming `param`."""
 
-    def __init__(self, param: str, message: str) -> None:
+    def __init__(self, param: str | None, message: str, status: int = 400) -> None:
         super().__init__(message)
         self.param = param
+        self.status = status
+
+
+def optional_object(value: Any, param: str) -> dict[str, Any] | None:
+    """A request field that is an object when given: None when absent, else the object (`InvalidField`
+    when it is not one)."""
+    if value is not None and not isinstance(value, dict):
+        raise InvalidField(param, f"{param}: an object")
+    return value
 
 
 def chat_stream(stream: Any) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from typing import Any
 import orjson
 
 from gateway import capture
+from gateway.capture import InvalidField as Invalid
 from gateway.streaming import StreamAssembler, TranslatedRelay
 
 # HTTP status -> Anthropic error type (vLLM's table, `anthropic/protocol.py`, and Anthropic's own docs)
@@ -43,14 +44,6 @@ ERROR_TYPES = {
 SUPPORTED_BLOCKS = ("text", "tool_use", "tool_result", "thinking")
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 VLLM_EXTRAS = ("cache_salt", "vllm_xargs", "chat_template_kwargs")
-
-
-class Invalid(ValueError):
-    """A Messages request the gateway cannot serve: 400 invalid_request_error naming `param`."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 def error_type(status: int) -> str:
@@ -100,10 +93,7 @@ def to_chat(body: dict[str, Any], count_only: bool = False) -> dict[str, Any]:
                 if not isinstance(value, (int, float)) or isinstance(value, bool):
                     raise Invalid(name, f"{name}: a number")
                 chat[name] = value
-        try:
-            chat.update(capture.chat_stream(body.get("stream")))
-        except capture.InvalidField as exc:
-            raise Invalid("stream", str(exc)) from exc
+        chat.update(capture.chat_stream(body.get("stream")))
     for name in VLLM_EXTRAS:  # vLLM's own fields, passed on as its /v1/messages passes them
         if body.get(name) is not None:
             chat[name] = body[name]
@@ -242,10 +232,8 @@ def _tool_result(block: dict[str, Any], at: str) -> dict[str, Any]:
 
 def _output_config(config: Any, chat: dict[str, Any]) -> None:
     """Structured output (`format`: a JSON schema the answer must follow) and `effort`, as vLLM maps them."""
-    if config is None:
+    if (config := capture.optional_object(config, "output_config")) is None:
         return
-    if not isinstance(config, dict):
-        raise Invalid("output_config", "output_config: an object")
     output_format = config.get("format")
     if output_format is not None:
         schema = output_format.get("schema") if isinstance(output_format, dict) else None
@@ -441,7 +429,6 @@ class MessagesRelay(TranslatedRelay):
 
     def __init__(self, assembler: StreamAssembler) -> None:
         super().__init__(assembler)
-        self._started = False
         self._index = 0
         self._open: str | None = None  # "text", "thinking", or a tool call's id
         self._tools: dict[int, str] = {}  # tool call index -> id
@@ -450,46 +437,39 @@ class MessagesRelay(TranslatedRelay):
         self._buffered: list[str] = []  # text sent while a tool_use block was open
         self._finish: str | None = None
         self._stop: Any = None
-        self._usage: dict[str, Any] | None = None
         self._prompt_tokens: int | None = None
 
-    def _translate(self, chunk: dict[str, Any], out: list[bytes]) -> None:
-        error = chunk.get("error")
-        if error is not None:
-            self._buffered = []  # as vLLM: the open block is closed, text held back is dropped
-            self._close(out)
-            status = error.get("code") if isinstance(error, dict) else None
-            message = error.get("message") if isinstance(error, dict) else str(error)
-            out.append(error_event(status if isinstance(status, int) else 500, str(message or "")))
-            self._failed = True
-            return
-        if chunk.get("usage"):
-            self._usage = chunk["usage"]
-        if not self._started:
-            self._started = True
-            prompt_ids = chunk.get("prompt_token_ids")
-            self._prompt_tokens = len(prompt_ids) if isinstance(prompt_ids, list) else None
-            start = usage(self._usage, self._prompt_tokens)
-            start["output_tokens"] = 0
-            out.append(
-                _event(
-                    "message_start",
-                    {
-                        "type": "message_start",
-                        "message": {
-                            "id": chunk.get("id") or f"msg_{int(time.time() * 1000)}",
-                            "type": "message",
-                            "role": "assistant",
-                            "content": [],
-                            "model": chunk.get("model"),
-                            "stop_reason": None,
-                            "stop_sequence": None,
-                            "usage": start,
-                        },
+    def _error(self, code: Any, message: str, out: list[bytes]) -> None:
+        self._buffered = []  # as vLLM: the open block is closed, text held back is dropped
+        self._close(out)
+        out.append(error_event(code if isinstance(code, int) else 500, message))
+
+    def _start(self, chunk: dict[str, Any], out: list[bytes]) -> bool:
+        prompt_ids = chunk.get("prompt_token_ids")
+        self._prompt_tokens = len(prompt_ids) if isinstance(prompt_ids, list) else None
+        start = usage(self._usage, self._prompt_tokens)
+        start["output_tokens"] = 0
+        out.append(
+            _event(
+                "message_start",
+                {
+                    "type": "message_start",
+                    "message": {
+                        "id": chunk.get("id") or f"msg_{int(time.time() * 1000)}",
+                        "type": "message",
+                        "role": "assistant",
+                        "content": [],
+                        "model": chunk.get("model"),
+                        "stop_reason": None,
+                        "stop_sequence": None,
+                        "usage": start,
                     },
-                )
+                },
             )
-            return  # vLLM's first chunk is the role chunk: its content is not sent
+        )
+        return False  # vLLM's first chunk is the role chunk: its content is not sent
+
+    def _translate(self, chunk: dict[str, Any], out: list[bytes]) -> None:
         for choice in chunk.get("choices") or ():
             if choice.get("index", 0) != 0:
                 continue

@@ -169,8 +169,8 @@ class Proxy:
         self._authorize_unrecorded(scope, rollout_id)
         try:
             chat = messages.to_chat(await read_json(receive, self.settings.max_body_bytes), count_only=True)
-        except messages.Invalid as exc:
-            raise errors.BadRequest(str(exc), param=exc.param, code="invalid_value") from exc
+        except capture.InvalidField as exc:
+            raise _refused(exc) from exc
         model = self.aliases.get(chat["model"], chat["model"]) if self.aliases else chat["model"]
         request = {"model": model, "messages": chat["messages"], "add_generation_prompt": True}
         for name in ("tools", "chat_template_kwargs"):  # as vLLM renders the prompt it counts
@@ -307,16 +307,15 @@ class Proxy:
         if endpoint == "messages":  # served as the chat completion vLLM's /v1/messages would make of it
             try:
                 body = messages.to_chat(body)
-            except messages.Invalid as exc:
-                raise errors.BadRequest(str(exc), param=exc.param, code="invalid_value") from exc
+            except capture.InvalidField as exc:
+                raise _refused(exc) from exc
             endpoint, agent_api = "chat.completions", "anthropic.messages"
         elif endpoint == "responses":  # served as the chat completion vLLM's /v1/responses renders
             self._check(endpoint, body)  # first in its own fields, so that an error names them
             try:
                 body, asked = responses.to_chat(body)
-            except responses.Invalid as exc:
-                error = errors.NotFound if exc.status == 404 else errors.BadRequest
-                raise error(str(exc), param=exc.param, code="invalid_value") from exc
+            except capture.InvalidField as exc:
+                raise _refused(exc) from exc
             endpoint, agent_api = "chat.completions", "openai.responses"
         self._check(endpoint, body)
         policy = self.policy  # one read: the version tag and the adapter the call goes to agree
@@ -414,7 +413,7 @@ class Proxy:
             capture.check_read_fields(endpoint, body)
             self._admit(endpoint, body)
         except capture.InvalidField as exc:
-            raise errors.BadRequest(str(exc), param=exc.param, code="invalid_value") from exc
+            raise _refused(exc) from exc
 
     def _admit(self, endpoint: Endpoint, body: dict[str, Any]) -> None:
         """Refuse (400 limit_exceeded, before the upstream is called) a call whose answer could grow past
@@ -562,7 +561,7 @@ class Proxy:
                 raise errors.BadUpstreamAnswer(error.message) from exc
         try:
             answer = messages.message(payload)
-        except messages.Invalid as exc:
+        except capture.InvalidField as exc:
             error = CallError(
                 status=400, type="invalid_request_error", message=str(exc), code="invalid_tool_call"
             )
@@ -909,6 +908,13 @@ class Proxy:
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
         )
+
+
+def _refused(exc: capture.InvalidField) -> errors.ApiError:
+    """A field vLLM would refuse, read or translated by the gateway, as the agent's answer: 400 invalid_value
+    (404 for a Responses request's unknown previous response), naming the field."""
+    error = errors.NotFound if exc.status == 404 else errors.BadRequest
+    return error(str(exc), param=exc.param, code="invalid_value")
 
 
 def _error_tail(call: Call, status: int, type_: str, message: str, code: Any, done: bool) -> bytes:

@@ -34,6 +34,7 @@ from typing import Any
 import orjson
 
 from gateway import capture
+from gateway.capture import InvalidField as Invalid
 from gateway.streaming import StreamAssembler, TranslatedRelay
 from rlgate import responses_items as items
 
@@ -74,16 +75,6 @@ PASSED_ON = (
     "include_reasoning",
 )
 UNSUPPORTED_PARTS = ("input_image", "input_file", "input_audio")
-
-
-class Invalid(ValueError):
-    """A Responses request the gateway cannot serve: `status` (400, or 404 for an unknown response id)
-    with OpenAI's error shape, naming `param`."""
-
-    def __init__(self, param: str | None, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.param = param
-        self.status = status
 
 
 @dataclass(slots=True)
@@ -166,10 +157,7 @@ def to_chat(body: dict[str, Any]) -> tuple[dict[str, Any], Request]:
         chat["logprobs"] = True
         if top:
             chat["top_logprobs"] = top
-    try:
-        chat.update(capture.chat_stream(body.get("stream")))
-    except capture.InvalidField as exc:
-        raise Invalid("stream", str(exc)) from exc
+    chat.update(capture.chat_stream(body.get("stream")))
     return chat, request
 
 
@@ -478,10 +466,8 @@ def _tool_choice(
 
 
 def _text_format(text: Any, chat: dict[str, Any]) -> None:
-    if text is None:
+    if (text := capture.optional_object(text, "text")) is None:
         return
-    if not isinstance(text, dict):
-        raise Invalid("text", "text: an object")
     fmt = text.get("format")
     if fmt is None:
         return
@@ -500,10 +486,8 @@ def _text_format(text: Any, chat: dict[str, Any]) -> None:
 
 
 def _reasoning(reasoning: Any, chat: dict[str, Any]) -> None:
-    if reasoning is None:
+    if (reasoning := capture.optional_object(reasoning, "reasoning")) is None:
         return
-    if not isinstance(reasoning, dict):
-        raise Invalid("reasoning", "reasoning: an object")
     effort = reasoning.get("effort")
     if effort is not None:
         if not isinstance(effort, str):
@@ -758,9 +742,7 @@ class ResponsesRelay(TranslatedRelay):
         super().__init__(assembler)
         self.request = request
         self._sequence = 0
-        self._started = False
         self._model: Any = None
-        self._usage: dict[str, Any] | None = None
         self._finish: Any = None
         self._items: list[dict[str, Any]] = []
         self._index = 0
@@ -775,30 +757,20 @@ class ResponsesRelay(TranslatedRelay):
         self._sequence += 1
         out.append(b"event: " + event["type"].encode() + b"\ndata: " + orjson.dumps(event))
 
+    def _error(self, code: Any, message: str, out: list[bytes]) -> None:
+        self._emit(
+            out,
+            {"type": "error", "code": None if code is None else str(code), "message": message, "param": None},
+        )
+
+    def _start(self, chunk: dict[str, Any], out: list[bytes]) -> bool:
+        self._model = chunk.get("model")
+        start = body(self.request, self._model, [], "in_progress", None, final=False)
+        self._emit(out, {"response": start, "sequence_number": 0, "type": "response.created"})
+        self._emit(out, {"response": start, "sequence_number": 0, "type": "response.in_progress"})
+        return True
+
     def _translate(self, chunk: dict[str, Any], out: list[bytes]) -> None:
-        error = chunk.get("error")
-        if error is not None:
-            message = error.get("message") if isinstance(error, dict) else str(error)
-            code = error.get("code") if isinstance(error, dict) else None
-            self._emit(
-                out,
-                {
-                    "type": "error",
-                    "code": None if code is None else str(code),
-                    "message": str(message or ""),
-                    "param": None,
-                },
-            )
-            self._failed = True
-            return
-        if chunk.get("usage"):
-            self._usage = chunk["usage"]
-        if not self._started:
-            self._started = True
-            self._model = chunk.get("model")
-            start = body(self.request, self._model, [], "in_progress", None, final=False)
-            self._emit(out, {"response": start, "sequence_number": 0, "type": "response.created"})
-            self._emit(out, {"response": start, "sequence_number": 0, "type": "response.in_progress"})
         for choice in chunk.get("choices") or ():
             if choice.get("index", 0) != 0:
                 continue

@@ -109,14 +109,17 @@ class StreamRelay:
 class TranslatedRelay:
     """A chat completion stream turned into another API's event stream while the record is assembled, with
     `StreamRelay`'s interface: `relay(data)` feeds each chat chunk to the assembler and returns the events
-    `_translate` made of it; `[DONE]` puts `_finish_events()` in `held`, sent once the call is committed.
-    After an upstream error chunk (`_failed`), nothing more is translated."""
+    made of it: `_start`'s for the first, `_translate`'s for each (the last usage seen kept in `_usage`);
+    `[DONE]` puts `_finish_events()` in `held`, sent once the call is committed. An upstream error chunk
+    becomes `_error`'s events, and nothing is translated after it (`_failed`)."""
 
     def __init__(self, assembler: StreamAssembler) -> None:
         self.assembler = assembler
         self.held: bytes | None = None
         self._pending = b""
         self._failed = False
+        self._started = False
+        self._usage: dict[str, Any] | None = None
 
     def relay(self, data: bytes) -> bytes:
         if self._pending:
@@ -132,11 +135,31 @@ class TranslatedRelay:
                 continue
             chunk = orjson.loads(payload)
             self.assembler.feed(chunk)
+            error = chunk.get("error")
+            if error is not None:
+                code = error.get("code") if isinstance(error, dict) else None
+                message = error.get("message") if isinstance(error, dict) else str(error)
+                self._error(code, str(message or ""), out)
+                self._failed = True
+                continue
+            if chunk.get("usage"):
+                self._usage = chunk["usage"]
+            if not self._started:
+                self._started = True
+                if not self._start(chunk, out):
+                    continue
             self._translate(chunk, out)
         if not out:
             return b""
         out.append(b"")
         return b"\n\n".join(out)
+
+    def _error(self, code: Any, message: str, out: list[bytes]) -> None:
+        raise NotImplementedError
+
+    def _start(self, chunk: dict[str, Any], out: list[bytes]) -> bool:
+        """The stream's opening events, from its first chunk; whether `_translate` gets that chunk too."""
+        raise NotImplementedError
 
     def _translate(self, chunk: dict[str, Any], out: list[bytes]) -> None:
         raise NotImplementedError
