@@ -23,6 +23,16 @@ def assert_openai_error(response: httpx.Response, status: int) -> dict:
     return error
 
 
+def refusals(url: str, bodies: tuple[bytes, ...], status: int) -> list[dict]:
+    """POST each raw JSON `body` to `url`: each answered `status` in the OpenAI error shape; their errors."""
+    return [
+        assert_openai_error(
+            httpx.post(url, content=body, headers={"content-type": "application/json"}), status
+        )
+        for body in bodies
+    ]
+
+
 def test_malformed_json_is_400_and_records_nothing(gateway: Proc, redis_client):
     rid = uuid.uuid4().hex
     for payload in (b"{not json", b"[1, 2]", b""):

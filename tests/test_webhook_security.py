@@ -19,7 +19,7 @@ import redis
 from conftest import REDIS_URL, ROOT, Proc, start_gateway
 from rq import Queue
 from rq.serializers import JSONSerializer
-from test_gateway_errors import assert_openai_error
+from test_gateway_errors import assert_openai_error, refusals
 from test_gateway_proxy import rollout
 from test_reward_hooks import SECRET, agent_call, redis_snapshot, run_worker, stream_entries
 
@@ -202,14 +202,11 @@ def test_fail_closes_an_open_rollout_once_and_never_publishes_it(gateway: Proc, 
     rid = uuid.uuid4().hex
     agent_call(gateway, rid)
     url = f"{gateway.url}/rollouts/{rid}/fail"
-    for bad in (
-        b'{"reason": ""}',
-        b'{"reason": 5}',
-        b'{"why": "x"}',
-        b"[1]",
-        b'{"reason": "' + b"x" * 2001 + b'"}',
-    ):
-        assert_openai_error(httpx.post(url, content=bad), 422)
+    refusals(
+        url,
+        (b'{"reason": ""}', b'{"reason": 5}', b'{"why": "x"}', b"[1]", b'{"reason": "' + b"x" * 2001 + b'"}'),
+        422,
+    )
     assert rollout(gateway, rid)["status"] == "open"
     answer = httpx.post(url, json={"reason": "the sandbox crashed"})
     assert answer.status_code == 200
