@@ -162,7 +162,13 @@ def cached_base_model(seed: int = 0, steps: int = PRETRAIN_STEPS, log: Any = pri
     import rlgate.inference.tiny_model as tiny
 
     digest = hashlib.sha256()
-    for source in (Path(__file__), Path(tiny.__file__), Path(__file__).with_name("calc_chat.py")):
+    here = Path(__file__)  # the build, the tokenizer, the task's texts and the training loop
+    for source in (
+        here,
+        Path(tiny.__file__),
+        here.with_name("calc_chat.py"),
+        here.with_name("warm_start.py"),
+    ):
         digest.update(source.read_bytes())
     digest.update(f"{seed}|{steps}|{torch.__version__}".encode())
     root = Path(os.environ.get("RLGATE_CACHE") or Path.home() / ".cache" / "rlgate")
