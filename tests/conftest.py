@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import pytest
@@ -263,11 +263,13 @@ def _start_gateway(
     raise AssertionError(f"gateway did not become healthy:\n{proc.log()}")
 
 
-def gateway_fixture(name: str, upstream: str = "fake_vllm", scope: str = "module", **settings: str) -> Any:
+def gateway_fixture(
+    name: str, upstream: str = "fake_vllm", scope: Literal["session", "module"] = "module", **settings: str
+) -> Any:
     """A fixture: `rlgate gateway` with `settings` (`start_gateway`'s) in front of the `upstream` fixture's
     server, started once per `scope`, stopped with SIGTERM. Assign it to the fixture's name in a module."""
 
-    @pytest.fixture(scope=scope)  # type: ignore[call-overload]  # scope: one of pytest's names
+    @pytest.fixture(scope=scope)
     def fixture(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
         proc = start_gateway(tmp_path_factory.mktemp(name), request.getfixturevalue(upstream).url, **settings)
         yield proc
