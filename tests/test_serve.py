@@ -30,6 +30,8 @@ EOS, TOOL_CALL = 258, 259
 # vLLM's key order: a chat or completions answer starts with these keys, its own come next, then these
 ANSWER_HEAD = ["id", "object", "created", "model", "choices", "service_tier", "system_fingerprint", "usage"]
 ANSWER_TAIL = ["kv_transfer_params", "ec_transfer_params", "metrics"]
+# and each choice: its index, then "message", "text" or "delta", then these, then its endpoint's own keys
+CHOICE_KEYS = ["logprobs", "finish_reason", "stop_reason", "token_ids"]
 
 
 @pytest.fixture(scope="module")
@@ -109,16 +111,7 @@ def test_chat_fields_are_vllms(server: Proc):
     for key in ("service_tier", "prompt_logprobs", "prompt_token_ids", "prompt_text", *ANSWER_TAIL):
         assert body[key] is None, key
     [choice] = body["choices"]
-    assert list(choice) == [
-        "index",
-        "message",
-        "logprobs",
-        "finish_reason",
-        "stop_reason",
-        "token_ids",
-        "routed_experts",
-        "weight_versions",
-    ]
+    assert list(choice) == ["index", "message", *CHOICE_KEYS, "routed_experts", "weight_versions"]
     assert choice["index"] == 0 and choice["logprobs"] is None and choice["token_ids"] is None
     assert choice["message"] == {
         "role": "assistant",
@@ -301,10 +294,7 @@ def test_completions_non_streaming(server: Proc, hf):
     assert list(choice) == [
         "index",
         "text",
-        "logprobs",
-        "finish_reason",
-        "stop_reason",
-        "token_ids",
+        *CHOICE_KEYS,
         "prompt_logprobs",
         "prompt_token_ids",
         "routed_experts",
@@ -386,15 +376,7 @@ def test_chat_stream_matches_non_streaming(server: Proc):
         assert [t for c in mine for t in c["token_ids"]] == choice["token_ids"]
         assert all(c["finish_reason"] is None for c in mine[:-1])
         assert mine[-1]["finish_reason"] == choice["finish_reason"] and "stop_reason" in mine[-1]
-        assert list(mine[-1]) == [
-            "index",
-            "delta",
-            "logprobs",
-            "finish_reason",
-            "stop_reason",
-            "token_ids",
-            "weight_versions",
-        ]
+        assert list(mine[-1]) == ["index", "delta", *CHOICE_KEYS, "weight_versions"]
 
 
 def test_chat_stream_plain_and_eos_finish(server: Proc):
