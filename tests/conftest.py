@@ -27,7 +27,11 @@ ROOT = Path(__file__).resolve().parent.parent
 # quietly without it.
 NO_SKIP = os.environ.get("RLGATE_TEST_NO_SKIP", "") not in ("", "0")
 REDIS_BASE = os.environ.get("RLGATE_TEST_REDIS_URL", "redis://127.0.0.1:6379").rstrip("/")
-REDIS_DB = 11  # the gateway tests' own database, flushed before each test
+# The tests' own database, flushed before each test: 11, and under pytest-xdist (scripts/test runs two
+# workers) 11 for the first worker, 13 for the second (each test that needs a second database takes the one
+# above its own: REDIS_DB + 1).
+WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+REDIS_DB = 11 + 2 * WORKER
 REDIS_URL = f"{REDIS_BASE}/{REDIS_DB}"
 
 
@@ -98,6 +102,42 @@ def flush_keeping_epochs(client: redis.Redis) -> None:
         for key in pointers:
             pipe.hset(key, mapping={"version": "0", "adapter": "", "base_model": "", "draining": "0"})
         pipe.execute()
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (`-n 2 --dist loadgroup --no-loadscope-reorder`, as scripts/test runs it), what
+    one worker runs in a row: the tests that use the real vLLM engine (its session fixture: one engine, a
+    few GB) together; the other tests marked `slow` (whole demos learning against a clock, the chaos run,
+    compose, ranks with timeouts) one after another on one worker, first, so that no two of them share the
+    two cores; every other module whole, so that its module fixtures start once. The other worker takes
+    the vLLM tests and the modules meanwhile."""
+    if not getattr(config.option, "loadgroup", False):  # set in the workers of `--dist loadgroup`
+        return
+
+    def group(item: pytest.Item) -> str:
+        if "vllm" in getattr(item, "fixturenames", ()):
+            return "vllm"
+        if item.get_closest_marker("slow") is not None:
+            return "slow"
+        return item.nodeid.split("::")[0]
+
+    rank = {"slow": 0, "vllm": 1}
+    items.sort(key=lambda item: rank.get(group(item), 2))  # stable: modules keep their order
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(group(item)))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """pytest-xdist marks a test's group by appending it to the node id (`...@group`); on a pytest whose node
+    ids it cannot change (9.2: pytest-xdist issue #1386) the groups are lost without a word, and the slow
+    tests would share the cores: that stops the run here instead."""
+    if getattr(session.config.option, "loadgroup", False) and session.items:
+        if "@" not in session.items[0].nodeid:
+            raise pytest.UsageError(
+                "pytest-xdist did not apply the test groups (this pytest's node ids cannot be changed): "
+                "install pytest<9.2 (pyproject.toml pins it) or run with RLGATE_TEST_WORKERS=1"
+            )
 
 
 def _skip_reason(report: pytest.TestReport | pytest.CollectReport) -> str:

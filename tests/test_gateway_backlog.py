@@ -12,7 +12,7 @@ import uuid
 import httpx
 import pytest
 import redis
-from conftest import REDIS_BASE, Proc, free_port, start_gateway
+from conftest import REDIS_BASE, REDIS_DB, Proc, free_port, start_gateway
 from redis_servers import private_redis
 from test_gateway_errors import assert_openai_error
 from test_gateway_proxy import MESSAGES, MODEL
@@ -139,7 +139,7 @@ def test_reward_jobs_in_a_queue_redis_of_their_own_count_too(
     fake_vllm: Proc, tmp_path, redis_client: redis.Redis
 ):
     """RLGATE_QUEUE_REDIS_URL (a cluster's deployments need it): the jobs wait there, and count from there."""
-    queue_db = redis.Redis.from_url(f"{REDIS_BASE}/12")
+    queue_db = redis.Redis.from_url(f"{REDIS_BASE}/{REDIS_DB + 1}")
     queue_db.delete(f"rq:queue:{QUEUE}")
     gateway = start_gateway(
         tmp_path,
@@ -148,7 +148,7 @@ def test_reward_jobs_in_a_queue_redis_of_their_own_count_too(
         backlog_wait_s="2",
         policy_poll_s="0.05",
         reward_queue=QUEUE,
-        queue_redis_url=f"{REDIS_BASE}/12",
+        queue_redis_url=f"{REDIS_BASE}/{REDIS_DB + 1}",
     )
     try:
         _reward_jobs_hold_new_rollouts(gateway, queue_db)

@@ -7,6 +7,7 @@ import hashlib
 import hmac
 import json
 import os
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -18,13 +19,14 @@ import openai
 import pytest
 import redis
 from conftest import REDIS_URL, ROOT, Proc, free_port, rlgate, start_gateway
-from rq import Queue, SimpleWorker
+from rq import Queue
 from rq.serializers import JSONSerializer
 from test_gateway_errors import assert_openai_error, refusals
 from test_gateway_proxy import MESSAGES, MODEL, TOOLS, rollout
 
 from reward_hooks import signing
 from reward_hooks.client import RewardRejected, post_reward
+from reward_hooks.worker import work
 
 SECRET = "whsec-test-" + "ab" * 16
 
@@ -266,17 +268,19 @@ def test_expiry_by_the_gateways_sweeper(fake_vllm: Proc, tmp_path, redis_client:
 
 
 def run_worker(client: redis.Redis, **settings: str) -> None:
-    """A real rq worker in this process, in burst mode, with the worker's settings in RLGATE_* variables."""
+    """Our reward worker's loop (`reward_hooks.worker.work`, as `rlgate worker --burst --no-fork` runs it:
+    rq's SimpleWorker) in this process, with the worker's settings in RLGATE_* variables. (rq's worker
+    itself sometimes takes a minute to exit a burst under load: its listener thread's race, which ours
+    closes.)"""
     env = {"RLGATE_REDIS_URL": REDIS_URL, **{f"RLGATE_{k.upper()}": v for k, v in settings.items()}}
     saved = {k: os.environ.get(k) for k in env}
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
     os.environ.update(env)
     try:
-        SimpleWorker(
-            [Queue("rlgate-rewards", connection=client, serializer=JSONSerializer)],
-            connection=client,
-            serializer=JSONSerializer,
-        ).work(burst=True)
+        work(client, "rlgate-rewards", fork=False, burst=True, abandoned_check_s=15)
     finally:
+        for signum, handler in handlers.items():  # the loop's own stop handlers
+            signal.signal(signum, handler)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
