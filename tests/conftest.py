@@ -33,6 +33,8 @@ REDIS_BASE = os.environ.get("RLGATE_TEST_REDIS_URL", "redis://127.0.0.1:6379").r
 WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
 REDIS_DB = 11 + 2 * WORKER
 REDIS_URL = f"{REDIS_BASE}/{REDIS_DB}"
+if REDIS_DB + 1 > 15:  # Redis has databases 0-15 (scripts/test allows two workers and restarts none)
+    raise pytest.UsageError(f"pytest-xdist worker gw{WORKER}: the tests run on two workers at most")
 
 
 @dataclass
@@ -116,7 +118,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
 
     def group(item: pytest.Item) -> str:
-        if "vllm" in getattr(item, "fixturenames", ()):
+        # (vllm_gateway asks for vllm at run time: it is not among the names)
+        if {"vllm", "vllm_gateway"} & set(getattr(item, "fixturenames", ())):
             return "vllm"
         if item.get_closest_marker("slow") is not None:
             return "slow"
@@ -128,6 +131,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(pytest.mark.xdist_group(group(item)))
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which sends the collection to the controller
 def pytest_collection_finish(session: pytest.Session) -> None:
     """pytest-xdist marks a test's group by appending it to the node id (`...@group`); on a pytest whose node
     ids it cannot change (9.2: pytest-xdist issue #1386) the groups are lost without a word, and the slow
