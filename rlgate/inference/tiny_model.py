@@ -38,6 +38,8 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from rlgate.inference.chat_template import chatml_tools_template
+
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -54,63 +56,7 @@ ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
 MAX_POSITIONS = 2048
 DEFAULT_NUM_HEADS = 2  # head width 64 / 2 = 32: the smallest vLLM's CPU attention serves
 
-# ChatML with Hermes-style tools, laid out as Qwen2.5 renders them, except that no default system
-# message is invented when none is given. Tools (OpenAI `{"type": "function", "function": {...}}`
-# objects) go into the system turn as one JSON line each; an assistant tool call renders as
-# `<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>` (arguments given as a JSON string are
-# inserted as is, a mapping through `tojson`); consecutive tool results form one user turn of
-# `<tool_response>` blocks.
-CHAT_TEMPLATE = r"""
-{%- if tools %}
-    {{- '<|im_start|>system\n' }}
-    {%- if messages[0].role == 'system' %}
-        {{- messages[0].content + '\n\n' }}
-    {%- endif %}
-    {{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n' }}
-    {{- 'You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}
-    {%- for tool in tools %}
-        {{- '\n' + (tool | tojson) }}
-    {%- endfor %}
-    {{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments ' }}
-    {{- 'within <tool_call></tool_call> XML tags:\n<tool_call>\n' }}
-    {{- '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n' }}
-{%- elif messages and messages[0].role == 'system' %}
-    {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
-{%- endif %}
-{%- for message in messages %}
-    {%- if message.role == 'system' and loop.first %}
-    {%- elif message.role == 'tool' %}
-        {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}
-            {{- '<|im_start|>user' }}
-        {%- endif %}
-        {{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}
-        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}
-            {{- '<|im_end|>\n' }}
-        {%- endif %}
-    {%- elif message.role == 'assistant' and message.tool_calls %}
-        {{- '<|im_start|>assistant' }}
-        {%- if message.content %}
-            {{- '\n' + message.content }}
-        {%- endif %}
-        {%- for call in message.tool_calls %}
-            {%- set fn = call.function if call.function is defined else call %}
-            {{- '\n<tool_call>\n{"name": "' + fn.name + '", "arguments": ' }}
-            {%- if fn.arguments is string %}
-                {{- fn.arguments }}
-            {%- else %}
-                {{- fn.arguments | tojson }}
-            {%- endif %}
-            {{- '}\n</tool_call>' }}
-        {%- endfor %}
-        {{- '<|im_end|>\n' }}
-    {%- else %}
-        {{- '<|im_start|>' + message.role + '\n' + (message.content or '') + '<|im_end|>\n' }}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\n' }}
-{%- endif %}
-""".strip()
+CHAT_TEMPLATE = chatml_tools_template()
 
 
 def build_tokenizer(corpus: Iterable[str] | None = None, merges: int = 0) -> PreTrainedTokenizerFast:
