@@ -41,6 +41,7 @@ from learner._openrlhf import (
     log_probs_from_logits,
     masked_mean,
 )
+from learner.forward import action_forward, truncate
 from learner.ranks import Ranks
 from learner.samples import MicroBatch
 from learner.settings import LearnerSettings
@@ -95,35 +96,20 @@ def processed_log_probs(logits: torch.Tensor, batch: MicroBatch) -> tuple[torch.
 
 
 def _truncate(z: torch.Tensor, top_k: list[int], top_p: list[float], targets: torch.Tensor) -> torch.Tensor:
-    """Top-k, then top-p, per row, as the server truncates before sampling (`rlgate.inference.engine`, checked
-    against vLLM's `apply_top_k_top_p`): the tokens cut get -inf, so the log-softmax renormalises over the
-    kept ones. The token actually sampled at each position is never cut (a float difference from the
-    server must not turn its log-prob into -inf)."""
-    cut = torch.zeros(z.shape, dtype=torch.bool, device=z.device)
-    with torch.no_grad():
-        for row, (k, p) in enumerate(zip(top_k, top_p, strict=True)):
-            zr = z[row]
-            if 0 < k < zr.shape[-1]:
-                kth = torch.topk(zr, k, dim=-1).values[..., -1:]
-                cut[row] |= zr < kth
-            if p < 1:
-                kept = zr.masked_fill(cut[row], float("-inf"))
-                sorted_z, order = torch.sort(kept, dim=-1, descending=True)
-                probs = torch.softmax(sorted_z, dim=-1)
-                drop = probs.cumsum(-1) - probs >= p  # the mass before this token already reaches p
-                drop[..., 0] = False
-                cut[row] |= torch.zeros_like(drop).scatter(-1, order, drop)
-        cut.scatter_(-1, targets[..., None], False)
-    return z.masked_fill(cut, float("-inf"))
+    """`learner.forward.truncate` on every position of z [B, L-1, V], each row's top-k and top-p."""
+    rows, positions, vocab = z.shape
+    per_position = torch.tensor(top_k, device=z.device).repeat_interleave(positions)
+    p_per_position = torch.tensor(top_p, dtype=torch.float32, device=z.device).repeat_interleave(positions)
+    flat = truncate(z.reshape(-1, vocab), per_position, p_per_position, targets.reshape(-1))
+    return flat.view(rows, positions, vocab)
 
 
-def masked_entropy(z: torch.Tensor, mask: torch.Tensor) -> float:
-    """Mean entropy -sum p log p of the processed distributions at the action positions (only those rows
-    are normalised: the prompt positions are most of a batch and never logged)."""
+def masked_entropy(z: torch.Tensor) -> float:
+    """Mean entropy -sum p log p of the processed distributions z [N, V] of the action positions."""
     with torch.no_grad():
-        if not mask.any():
+        if not len(z):
             return 0.0
-        logp = torch.log_softmax(z[mask].float(), dim=-1)
+        logp = torch.log_softmax(z.float(), dim=-1)
         return float(-(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1).mean())
 
 
@@ -213,12 +199,20 @@ class Policy:
         return getattr(self.actor.model, "module", self.actor.model)
 
     def _log_probs(self, batch: MicroBatch, actor: Actor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        output = (actor or self.actor)(
+        """(log-probs [B, L-1] of tokens[1:], zero off the action mask where `forward` is not `full`; the
+        processed logits of the action positions [N, V]), by the `forward` setting's pass."""
+        actor = actor or self.actor
+        forward = self.settings.forward
+        if forward != "full":
+            result = action_forward(actor.model, batch, self.device, share_prefix=forward == "shared-prefix")
+            return result.log_probs, result.z
+        output = actor(
             batch.sequences.to(self.device),
             attention_mask=batch.attention_mask.to(self.device),
             return_output=True,
         )
-        return processed_log_probs(output["logits"], batch)
+        log_probs, z = processed_log_probs(output["logits"], batch)
+        return log_probs, z[batch.action_mask.to(z.device)]
 
     @torch.no_grad()
     def log_probs(self, batch: MicroBatch, reference: bool = False) -> torch.Tensor:
@@ -322,7 +316,7 @@ class Policy:
                 sums["rollout_kl"] += (
                     float(masked_mean(rollout_lp - log_probs.detach(), mask.float(), dim=None)) * share
                 )
-            sums["entropy"] += masked_entropy(z, mask) * share
+            sums["entropy"] += masked_entropy(z) * share
             log_w = (old - rollout_lp).detach()[mask]
             w = log_w.exp()
             sums["w_mean"] += float(w.sum()) / total_tokens

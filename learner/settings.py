@@ -183,6 +183,13 @@ class LearnerSettings(StoreSettings):
     max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping (0: off).")
     epochs_per_step: int = Field(1, ge=1, description="Passes over a step's samples.")
     micro_batch_tokens: int = Field(8192, ge=1, description="Padded tokens per micro-batch.")
+    forward: Literal["shared-prefix", "actions", "full"] = Field(
+        "shared-prefix",
+        description="How a micro-batch's log-probs are computed (learner.forward). full: OpenRLHF's Actor, "
+        "the output head at every position; actions: the head at the action positions only; shared-prefix: "
+        "that, and the prefix all rows share (system message, tools) run once and its cache repeated for "
+        "each row. The same log-probs and gradients up to float rounding.",
+    )
     policy_loss: Literal["ppo", "gspo"] = "ppo"
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.28
