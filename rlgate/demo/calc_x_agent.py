@@ -61,6 +61,7 @@ async def solve(
             "family": ModelFamily.UNKNOWN,
             "structured_output": False,
         },
+        **({"extra_body": extra_body} if extra_body else {}),
     )
     try:
         agent = AssistantAgent("calc", model_client=client, tools=[calculate], reflect_on_tool_use=True)

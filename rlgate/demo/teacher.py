@@ -9,6 +9,11 @@ one as plain content. It serves no token ids or log-probs: its calls are recorde
 warm start's data) and are not trainable. It is the demo's data source, not an inference server.
 
     python -m rlgate.demo.teacher --port 8200 --tool-rate 0.45 --broken-rate 0.2
+    python -m rlgate.demo.teacher --port 8200 --task calc-x --tasks tasks.jsonl --slip-rate 0.3
+
+`--task calc-x` answers the AutoGen Calc-X agent's calls instead (`rlgate.demo.calc_x.teacher_message`: the
+problem's expression through the calculator, a share `--slip-rate` of them wrong, then the answer in the
+task's format), knowing each question's expression from the tasks file.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import argparse
 import random
 import time
 import uuid
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -25,8 +32,21 @@ from fastapi.responses import JSONResponse
 
 from rlgate.demo.calc_chat import warm_start_answer
 
+Answer = Callable[[list[dict[str, Any]], random.Random], dict[str, Any]]
 
-def build_app(tool_rate: float, broken_rate: float, seed: int, model: str = "teacher") -> FastAPI:
+
+def calc_chat_answer(tool_rate: float, broken_rate: float) -> Answer:
+    return lambda messages, rng: warm_start_answer(messages, rng, tool_rate, broken_rate)
+
+
+def calc_x_answer(tasks: Path, slip_rate: float) -> Answer:
+    from rlgate.demo.calc_x import read_tasks, teacher_message
+
+    expressions = {problem.question: problem.expression for problem in read_tasks(tasks)}
+    return lambda messages, rng: teacher_message(messages, expressions, rng, slip_rate)
+
+
+def build_app(answer: Answer, seed: int, model: str = "teacher") -> FastAPI:
     app = FastAPI(title="rlgate demo teacher")
 
     @app.get("/health")
@@ -48,7 +68,7 @@ def build_app(tool_rate: float, broken_rate: float, seed: int, model: str = "tea
             # order concurrent requests arrive in
             question = next(m["content"] for m in body["messages"] if m["role"] == "user")
             rng = random.Random(f"{seed}:{question}")
-            message = warm_start_answer(body["messages"], rng, tool_rate, broken_rate)
+            message = answer(body["messages"], rng)
         except (KeyError, TypeError, ValueError, StopIteration) as exc:
             error = {"message": f"not a Calc-X conversation: {exc}", "type": "BadRequestError", "param": None}
             return JSONResponse({"error": {**error, "code": 400}}, status_code=400)
@@ -85,8 +105,17 @@ def main(argv: list[str] | None = None) -> None:
         "--broken-rate", type=float, default=0.2, help="Share of those calls that are malformed."
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--task", choices=("calc-chat", "calc-x"), default="calc-chat")
+    parser.add_argument("--tasks", type=Path, default=None, help="calc-x: the tasks file (JSONL).")
+    parser.add_argument("--slip-rate", type=float, default=0.3, help="calc-x: share of wrong expressions.")
     args = parser.parse_args(argv)
-    app = build_app(args.tool_rate, args.broken_rate, args.seed)
+    if args.task == "calc-x":
+        if args.tasks is None:
+            parser.error("--task calc-x needs --tasks FILE")
+        answer = calc_x_answer(args.tasks, args.slip_rate)
+    else:
+        answer = calc_chat_answer(args.tool_rate, args.broken_rate)
+    app = build_app(answer, args.seed)
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
 
 

@@ -67,10 +67,13 @@ def warm_start(
     learning_rate: float = 5e-3,
     seed: int = 0,
     log: Any = print,
+    shared_prefix: bool = False,
 ) -> dict[str, Any]:
     """Fine-tune every weight of the model in `base` on the conversations of `sft_jsonl`; write the
     result (weights and tokenizer) to `out`. AdamW, linear warm-up over 20 steps then linear decay to 0,
-    gradient norm clipped at 1, mean loss over the trained tokens of a batch."""
+    gradient norm clipped at 1, mean loss over the trained tokens of a batch. `shared_prefix`: each batch
+    through the learner's forward pass (`learner.forward`: the prefix the conversations share, an agent's
+    system message and tools, run once; the output head on the trained tokens only), the same loss."""
     from transformers import AutoTokenizer
 
     rows = [json.loads(line) for line in sft_jsonl.read_text().splitlines() if line.strip()]
@@ -91,7 +94,7 @@ def warm_start(
             log(f"warm start: step {step}/{steps}  loss {loss:.4f}  {seconds:.0f} s")
 
     model, loss_value, seconds = supervised_training(
-        base, tokenizer.pad_token_id, seed, steps, batch, lr, report
+        base, tokenizer.pad_token_id, seed, steps, batch, lr, report, shared_prefix=shared_prefix
     )
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
@@ -115,6 +118,7 @@ def supervised_training(
     batch: Callable[[], list[tuple[list[int], list[bool]]]],
     lr: Callable[[int], float],
     log: Callable[[int, float, float], None],
+    shared_prefix: bool = False,
 ) -> tuple[Any, float, float]:
     """The model in `path` (float32, torch seeded with `seed`) trained for `steps` `supervised_step`s, each
     on `batch()` at `lr(step)`; `log(step, loss, seconds)` after each (steps count from 1).
@@ -130,18 +134,26 @@ def supervised_training(
     started = time.monotonic()
     loss = float("nan")
     for step in range(steps):
-        loss = supervised_step(model, optimizer, batch(), pad_id, lr(step))
+        loss = supervised_step(model, optimizer, batch(), pad_id, lr(step), shared_prefix=shared_prefix)
         log(step + 1, loss, time.monotonic() - started)
     model.eval()
     return model, loss, time.monotonic() - started
 
 
 def supervised_step(
-    model: Any, optimizer: Any, batch: list[tuple[list[int], list[bool]]], pad_id: int, lr: float
+    model: Any,
+    optimizer: Any,
+    batch: list[tuple[list[int], list[bool]]],
+    pad_id: int,
+    lr: float,
+    shared_prefix: bool = False,
 ) -> float:
     """One AdamW step of next-token loss on the masked tokens of `batch` (token ids, trained-or-not per
-    token), right-padded; gradient norm clipped at 1. Returns the loss."""
+    token), right-padded; gradient norm clipped at 1. Returns the loss. `shared_prefix`: `warm_start`'s."""
     import torch
+
+    if shared_prefix:
+        return _shared_prefix_step(model, optimizer, batch, pad_id, lr)
 
     width = max(len(ids) for ids, _ in batch)
     ids = torch.full((len(batch), width), pad_id)
@@ -154,6 +166,39 @@ def supervised_step(
     for group in optimizer.param_groups:
         group["lr"] = lr
     loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
+    optimizer.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    return loss.item()
+
+
+def _shared_prefix_step(
+    model: Any, optimizer: Any, batch: list[tuple[list[int], list[bool]]], pad_id: int, lr: float
+) -> float:
+    """`supervised_step` through `learner.forward.action_forward`: the mean of -log p over the trained
+    tokens (the same loss as the model's own), the rows' shared prefix run once."""
+    import torch
+
+    from learner.forward import action_forward
+    from learner.samples import Sample, collate
+
+    samples = [
+        Sample(
+            tokens=list(tokens),
+            action_mask=list(mask[1:]),
+            advantages=[0.0] * (len(tokens) - 1),
+            rollout_logprobs=[0.0] * (len(tokens) - 1),
+            temperature=1.0,
+            logit_bias=(),
+        )
+        for tokens, mask in batch
+    ]
+    micro = collate(samples, pad_id)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    log_probs = action_forward(model, micro, torch.device("cpu")).log_probs
+    loss = -log_probs[micro.action_mask].mean()
     optimizer.zero_grad()
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
