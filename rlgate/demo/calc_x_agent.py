@@ -40,9 +40,16 @@ def answer_of(text: str) -> str:
 
 
 async def solve(
-    question: str, *, base_url: str, api_key: str, model: str, temperature: float
+    question: str,
+    *,
+    base_url: str,
+    api_key: str,
+    model: str,
+    temperature: float,
+    extra_body: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One episode: the AutoGen agent on `question`; returns what happened (module docstring)."""
+    """One episode: the AutoGen agent on `question`; returns what happened (module docstring).
+    `extra_body`: sent with every call (the tests hold vLLM's output to a form with it)."""
     from autogen_agentchat.agents import AssistantAgent
     from autogen_agentchat.messages import ToolCallExecutionEvent, ToolCallRequestEvent
     from autogen_core.models import ModelFamily
