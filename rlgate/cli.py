@@ -635,7 +635,7 @@ def _check_model(model: str) -> None:
 
 
 # `rlgate demo --quick`: the time limit per task (calc-chat: of the loop; its warm start comes first)
-QUICK_MINUTES = {"calc": 3.0, "calc-chat": 5.0}
+QUICK_MINUTES = {"calc": 3.0, "calc-chat": 5.0, "calc-x": 20.0}
 
 
 class DemoCommand(SharedSettings):
@@ -647,10 +647,12 @@ class DemoCommand(SharedSettings):
         env_prefix="RLGATE_DEMO_", cli_kebab_case=True, extra="ignore", populate_by_name=True
     )
 
-    task: Literal["calc", "calc-chat"] = Field(
+    task: Literal["calc", "calc-chat", "calc-x"] = Field(
         "calc",
         description="calc: one token a call, the allowed tokens forced (rlgate.demo.agent); calc-chat: a chat agent "
-        "with the OpenAI tools API, warm-started on teacher traces first (rlgate.demo.chat_agent).",
+        "with the OpenAI tools API, warm-started on teacher traces first (rlgate.demo.chat_agent); calc-x: a real "
+        "model (SmolLM2-135M-Instruct from the package registry) and the paper's Calc-X with an AutoGen agent, "
+        "warm start then RL, success on held-out problems (rlgate.demo.calc_x_demo; real vLLM only).",
     )
     workdir: Path = Field(Path("runs/demo"), description="Model, logs, adapters, summary and curve.")
     minutes: float = Field(
@@ -733,12 +735,39 @@ class DemoCommand(SharedSettings):
         )
         if self.inference_servers > 1 and self.inference.startswith(("http://", "https://")):
             raise UsageError("--inference-servers: the demo starts its servers; with a URL it uses that one")
+        if self.task == "calc-x":
+            self._calc_x(cfg)
+            return
         try:
             choose(self.inference, self.vllm_python)  # before anything starts: vLLM asked for and missing
             summary = run(cfg)
         except VllmUnavailable as exc:
             raise UsageError(f"--inference {self.inference}: {exc}") from None
         if not summary["curve"]:
+            raise SystemExit(1)
+
+    def _calc_x(self, cfg: Any) -> None:
+        """`--task calc-x`: the real model's demo (its own stages; real vLLM on this machine only)."""
+        from rlgate import vllm_server
+        from rlgate.demo import calc_x_demo
+
+        if self.inference not in ("auto", "vllm") or self.inference_servers != 1:
+            raise UsageError("--task calc-x starts one real vLLM of its own (--inference auto or vllm)")
+        try:
+            vllm_server.find_python(self.vllm_python)
+        except vllm_server.VllmUnavailable as exc:
+            raise UsageError(f"--task calc-x needs real vLLM: {exc}") from None
+        settings = calc_x_demo.Settings(
+            tasks_per_step=self.tasks_per_step,
+            rollouts_per_task=self.rollouts_per_task,
+            **({} if "learning_rate" not in self.model_fields_set else {"learning_rate": self.learning_rate}),
+        )
+        if self.quick:
+            settings = calc_x_demo.quick(settings)
+        elif "minutes" not in self.model_fields_set:
+            cfg.minutes = calc_x_demo.MINUTES
+        summary = calc_x_demo.run(cfg, settings)
+        if not summary.get("rounds"):
             raise SystemExit(1)
 
 

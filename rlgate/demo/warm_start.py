@@ -68,6 +68,7 @@ def warm_start(
     seed: int = 0,
     log: Any = print,
     shared_prefix: bool = False,
+    lora_rank: int = 0,
 ) -> dict[str, Any]:
     """Fine-tune every weight of the model in `base` on the conversations of `sft_jsonl`; write the
     result (weights and tokenizer) to `out`. AdamW, linear warm-up over 20 steps then linear decay to 0,
@@ -87,19 +88,28 @@ def warm_start(
         return [data[rng.randrange(len(data))] for _ in range(batch_size)]
 
     def lr(step: int) -> float:
-        return learning_rate * min(1.0, (step + 1) / 20) * (1 - step / steps)
+        return learning_rate * min(1.0, (step + 1) / min(20, max(1, steps // 10))) * (1 - step / steps)
 
     def report(step: int, loss: float, seconds: float) -> None:
-        if step % 50 == 0 or step == steps:
+        if step % max(1, min(50, steps // 6)) == 0 or step == steps:
             log(f"warm start: step {step}/{steps}  loss {loss:.4f}  {seconds:.0f} s")
 
     model, loss_value, seconds = supervised_training(
-        base, tokenizer.pad_token_id, seed, steps, batch, lr, report, shared_prefix=shared_prefix
+        base,
+        tokenizer.pad_token_id,
+        seed,
+        steps,
+        batch,
+        lr,
+        report,
+        shared_prefix=shared_prefix,
+        lora_rank=lora_rank,
     )
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     for file in base.iterdir():  # the tokenizer and generation config as they were
-        if file.is_file() and not file.name.startswith(("model", "config.json")):
+        # (not rlgate-model.json: what `rlgate models pull` wrote describes the base, not this model)
+        if file.is_file() and not file.name.startswith(("model", "config.json", "rlgate-model.json")):
             shutil.copy2(file, out / file.name)
     return {
         "conversations": len(data),
@@ -119,23 +129,37 @@ def supervised_training(
     lr: Callable[[int], float],
     log: Callable[[int, float, float], None],
     shared_prefix: bool = False,
+    lora_rank: int = 0,
 ) -> tuple[Any, float, float]:
     """The model in `path` (float32, torch seeded with `seed`) trained for `steps` `supervised_step`s, each
     on `batch()` at `lr(step)`; `log(step, loss, seconds)` after each (steps count from 1).
     Returns the model (in eval mode), the last loss and the seconds the steps took. Shared by the warm start
-    and the base model's pretraining (`rlgate.demo.base_model`)."""
+    and the base model's pretraining (`rlgate.demo.base_model`). `lora_rank` > 0: a LoRA of that rank (alpha
+    twice the rank) on every linear layer of the blocks trains instead of every weight, merged into the
+    weights at the end (the model returned is a plain one)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    if lora_rank:
+        from peft import LoraConfig, TaskType, get_peft_model
+
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        config = LoraConfig(
+            task_type=TaskType.CAUSAL_LM, r=lora_rank, lora_alpha=2 * lora_rank, target_modules=targets
+        )
+        model = get_peft_model(model, config)
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters())  # its learning rate is set at each step
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable)  # its learning rate is set at each step
     started = time.monotonic()
     loss = float("nan")
     for step in range(steps):
         loss = supervised_step(model, optimizer, batch(), pad_id, lr(step), shared_prefix=shared_prefix)
         log(step + 1, loss, time.monotonic() - started)
+    if lora_rank:
+        model = model.merge_and_unload()
     model.eval()
     return model, loss, time.monotonic() - started
 
