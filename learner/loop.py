@@ -363,7 +363,13 @@ class Learner:
         """This rank's update on its share of the step's samples: `epochs_per_step` optimizer steps over
         its micro-batches, padded to the other ranks' number (`Ranks.pad`)."""
         s = self.settings
-        batches = micro_batches(samples, s.micro_batch_tokens, self.policy.pad_token_id) if samples else []
+        batches = (
+            micro_batches(
+                samples, s.micro_batch_tokens, self.policy.pad_token_id, s.forward == "shared-prefix"
+            )
+            if samples
+            else []
+        )
         batches = self.ranks.pad(batches, self.policy.pad_token_id)
         # Every epoch's ratio is against the policy before this step's first update; with one epoch those
         # are the current log-probs, detached, and need no extra forward pass.
@@ -493,7 +499,9 @@ class Learner:
         if not samples:
             return False
         gap = tokens = 0.0
-        for batch in micro_batches(samples, s.micro_batch_tokens, self.policy.pad_token_id):
+        for batch in micro_batches(
+            samples, s.micro_batch_tokens, self.policy.pad_token_id, s.forward == "shared-prefix"
+        ):
             mask = batch.action_mask & ~torch.isnan(batch.rollout_logprobs)  # the server's own log-probs only
             ours = self.policy.log_probs(batch).cpu()
             gap += float((ours - batch.rollout_logprobs).abs()[mask].sum())

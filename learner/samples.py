@@ -196,21 +196,52 @@ def shard(samples: Sequence[Sample], ranks: int) -> list[list[Sample]]:
     return [[s for s, o in zip(samples, owner, strict=True) if o == r] for r in range(ranks)]
 
 
-def micro_batches(samples: Sequence[Sample], token_budget: int, pad_token_id: int) -> list[MicroBatch]:
+def micro_batches(
+    samples: Sequence[Sample], token_budget: int, pad_token_id: int, share_prefix: bool = False
+) -> list[MicroBatch]:
     """Split samples into micro-batches of at most `token_budget` padded tokens (rows x longest row),
     similar lengths together (sorted by length, then filled greedily). A sample longer than the budget
-    gets a micro-batch of its own."""
+    gets a micro-batch of its own.
+
+    `share_prefix` (for `learner.forward`'s shared-prefix pass, which runs the rows' common prefix once):
+    samples in token order instead, so that rows sharing a prefix (one system prompt, one task's question)
+    sit together, and a micro-batch costs its common prefix once plus each row's tokens after it
+    (`prefix_cost`), what that pass holds in memory."""
     if token_budget <= 0:
         raise ValueError("token_budget must be positive")
-    ordered = sorted(samples, key=lambda s: len(s.tokens))
+    if share_prefix:
+        ordered = sorted(samples, key=lambda s: s.tokens)
+        cost = prefix_cost
+    else:
+        ordered = sorted(samples, key=lambda s: len(s.tokens))
+        cost = _padded_cost
     batches: list[list[Sample]] = []
     current: list[Sample] = []
     for sample in ordered:
-        longest = max([len(sample.tokens)] + [len(s.tokens) for s in current])
-        if current and longest * (len(current) + 1) > token_budget:
+        if current and cost([*current, sample]) > token_budget:
             batches.append(current)
             current = []
         current.append(sample)
     if current:
         batches.append(current)
     return [collate(batch, pad_token_id) for batch in batches]
+
+
+def _padded_cost(rows: Sequence[Sample]) -> int:
+    return max(len(s.tokens) for s in rows) * len(rows)
+
+
+def prefix_cost(rows: Sequence[Sample]) -> int:
+    """Tokens the shared-prefix pass computes for `rows` in token order: their common prefix (as
+    `learner.forward.shared_prefix` takes it: at most each row's first action position) once, then every
+    row padded to the longest from there."""
+    first, last = rows[0].tokens, rows[-1].tokens  # in token order, the common prefix of all is theirs
+    shared = 0
+    limit = min(
+        min(len(first), len(last)) - 1, *(s.action_mask.index(True) for s in rows if any(s.action_mask))
+    )
+    while shared < limit and first[shared] == last[shared]:
+        shared += 1
+    if len(rows) < 2:
+        shared = 0
+    return shared + len(rows) * (max(len(s.tokens) for s in rows) - shared)

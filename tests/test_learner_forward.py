@@ -3,6 +3,7 @@ prefix the rows share run once, give the log-probs and the update of OpenRLHF's 
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 
@@ -116,3 +117,26 @@ def test_an_update_through_the_shared_prefix_is_the_full_passs_update(tiny: Path
         moved = float((weight - initial[name]).abs().max())
         differs = float((shared_weights[name] - weight).abs().max())
         assert moved > 0 and differs <= 0.02 * moved, name
+
+
+def test_prefix_aware_micro_batches_keep_shared_prefixes_together_within_the_budget():
+    """Calls of an agent with two different system prompts (its tool call, then a reflection without the
+    tools): in token order each micro-batch holds one kind, and costs its common prefix once."""
+    from learner.samples import prefix_cost
+
+    episodes = agent_episodes(groups=4, per_group=4)
+    reflections = [
+        [dataclasses.replace(call, prompt_ids=(99,) * 10 + call.prompt_ids[24:]) for call in episode]
+        for episode in agent_episodes(groups=4, per_group=4, seed=9)
+    ]
+    samples = build_samples(episodes + reflections, "transition")
+    budget = 400
+    batches = micro_batches(samples, budget, 0, share_prefix=True)
+    assert sorted(tuple(s.tokens) for b in batches for s in b.samples) == sorted(
+        tuple(s.tokens) for s in samples
+    )
+    for batch in batches:
+        assert len(batch.samples) == 1 or prefix_cost(batch.samples) <= budget
+        assert len({tuple(s.tokens[:10]) for s in batch.samples}) == 1  # one system prompt per micro-batch
+    padded = micro_batches(samples, budget, 0)
+    assert len(batches) < len(padded)  # the shared prefix counted once fits more rows in each

@@ -401,7 +401,7 @@ def _learner_env(
         "RLGATE_LEARNER_SAMPLE_SHAPE": "trajectory",
         "RLGATE_LEARNER_FINETUNE": "lora",
         "RLGATE_LEARNER_FORWARD": "shared-prefix",
-        "RLGATE_LEARNER_MICRO_BATCH_TOKENS": "32768",
+        "RLGATE_LEARNER_MICRO_BATCH_TOKENS": "4096",
         "RLGATE_LEARNER_MAX_STALENESS": "1",
         "RLGATE_LEARNER_THREADS": "2",
         "RLGATE_LEARNER_SEED": str(cfg.seed),
