@@ -394,7 +394,7 @@ def _learner_env(
         "RLGATE_LEARNER_OUTPUT_DIR": str(cfg.workdir / "learner"),
         "RLGATE_LEARNER_TASKS_PER_STEP": str(settings.tasks_per_step),
         "RLGATE_LEARNER_ROLLOUTS_PER_TASK": str(settings.rollouts_per_task),
-        "RLGATE_LEARNER_MAX_GROUP_WAIT_S": "15",
+        "RLGATE_LEARNER_MAX_GROUP_WAIT_S": "900",
         "RLGATE_LEARNER_LEARNING_RATE": str(settings.learning_rate),
         "RLGATE_LEARNER_LORA_RANK": str(settings.lora_rank),
         "RLGATE_LEARNER_LORA_ALPHA": str(2 * settings.lora_rank),
