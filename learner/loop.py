@@ -337,6 +337,7 @@ class Learner:
             "dropped_other_agent": counts["other_agent"],
             "dropped_stale": counts["stale"],
             "dropped_other_model": counts["other_model"],
+            "dropped_constrained": counts["constrained"],
             "dropped_invalid_reward": read_counts["invalid_rewards"],
             "duplicates": read_counts["duplicates"],
             "claimed_elsewhere": read_counts["claimed_elsewhere"],

@@ -10,7 +10,11 @@ Per group (all episodes of one task in the step):
    or, where the server gave none, the learner's own pre-update ones stand in: `CallRecord.trainable`),
    served by the trained policy (the base model's served name or one of its `policy-v{N}` adapters; a
    judge or tool model called through the same gateway is not the policy), made by one of
-   `train_agents` (when set), served by a policy at most `max_staleness` versions old;
+   `train_agents` (when set), served by a policy at most `max_staleness` versions old, and sampled
+   without a grammar (`constrained`: structured outputs, a JSON response format, a required or named
+   tool choice; the server's log-probs are then those of the masked distribution, which the learner
+   cannot recompute: measured on SmolLM2 through real vLLM, a regex-held call's log-probs were 1.02
+   nats per token from the learner's);
 4. `reinforce_baseline` only: the kept transitions' advantages are whitened over the step's trained
    action tokens (`advantages.whiten`), as OpenRLHF whitens over the tokens it trains on; calls dropped
    in 3 take no part.
@@ -54,6 +58,24 @@ def sampling_processing(
     return temperature, pairs, top_k, top_p
 
 
+# Request fields with which vLLM samples under a grammar (structured outputs; the guided_* names of older
+# releases)
+GRAMMAR_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def constrained(request: dict[str, Any]) -> bool:
+    """Whether the server sampled the call under a grammar: the token mask is part of the distribution
+    its log-probs describe and not of the learner's. vLLM holds `tool_choice: "required"` and a named tool
+    choice to its tool-call JSON the same way, and `response_format` json_object or json_schema."""
+    if any(request.get(name) for name in GRAMMAR_FIELDS):
+        return True
+    response_format = request.get("response_format")
+    if isinstance(response_format, dict) and response_format.get("type") in ("json_object", "json_schema"):
+        return True
+    choice = request.get("tool_choice")
+    return bool(request.get("tools")) and (choice == "required" or isinstance(choice, dict))
+
+
 def credited_transitions(
     groups: Sequence[Sequence[RolloutView]],
     settings: LearnerSettings,
@@ -61,7 +83,8 @@ def credited_transitions(
     base_model: str | None = None,
 ) -> tuple[list[list[Transition]], Counter[str]]:
     """Per episode, its trainable calls as transitions (episodes in group order). Also counts what was
-    kept and dropped: calls, trained, failed, other_model, other_agent, stale, singleton_episodes.
+    kept and dropped: calls, trained, failed, other_model, other_agent, stale, constrained,
+    singleton_episodes.
     `base_model` is the name the servers serve the trained policy under (None: any model counts)."""
     counts: Counter[str] = Counter()
     out: list[list[Transition]] = []
@@ -154,4 +177,6 @@ def _skip_reason(
         return "other_agent"
     if version - call.policy_version > settings.max_staleness:
         return "stale"
+    if constrained(call.request):
+        return "constrained"
     return None

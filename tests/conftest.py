@@ -118,8 +118,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
 
     def group(item: pytest.Item) -> str:
-        # (vllm_gateway asks for vllm at run time: it is not among the names)
-        if {"vllm", "vllm_gateway"} & set(getattr(item, "fixturenames", ())):
+        # (vllm_gateway asks for vllm at run time: it is not among the names; smollm2_vllm is a real vLLM
+        # of its own, on the real model, tests/test_real_model.py)
+        if {"vllm", "vllm_gateway", "smollm2_vllm"} & set(getattr(item, "fixturenames", ())):
             return "vllm"
         if item.get_closest_marker("slow") is not None:
             return "slow"

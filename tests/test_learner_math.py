@@ -319,3 +319,26 @@ def test_calls_to_other_models_are_not_trained_but_count_for_the_return():
     assert counts["other_model"] == 1 and counts["trained"] == 3
     assert [[t.index for t in ep] for ep in per_episode] == [[0], [0, 1]]
     assert per_episode[0][0].advantage == pytest.approx(2**-0.5, abs=1e-6)  # (1 - 0.5) / std([1, 0])
+
+
+@pytest.mark.parametrize(
+    ("request_fields", "held"),
+    [
+        ({}, False),
+        ({"tools": [{"type": "function"}], "tool_choice": "auto"}, False),
+        ({"tools": [{"type": "function"}], "tool_choice": "none"}, False),
+        ({"response_format": {"type": "text"}}, False),
+        ({"structured_outputs": {"regex": "a|b"}}, True),
+        ({"guided_json": {"type": "object"}}, True),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, True),
+        ({"response_format": {"type": "json_object"}}, True),
+        ({"tools": [{"type": "function"}], "tool_choice": "required"}, True),
+        ({"tools": [{"type": "function"}], "tool_choice": {"type": "function", "function": {"name": "f"}}}, True),
+    ],
+)
+def test_calls_sampled_under_a_grammar_are_not_trained(request_fields: dict, held: bool):
+    """Their log-probs are those of the masked distribution (tests/test_real_model.py measures the gap on
+    real vLLM), which the learner cannot recompute."""
+    from learner.transitions import constrained
+
+    assert constrained({"model": "m", "messages": [], **request_fields}) is held
