@@ -333,7 +333,10 @@ def test_calls_to_other_models_are_not_trained_but_count_for_the_return():
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, True),
         ({"response_format": {"type": "json_object"}}, True),
         ({"tools": [{"type": "function"}], "tool_choice": "required"}, True),
-        ({"tools": [{"type": "function"}], "tool_choice": {"type": "function", "function": {"name": "f"}}}, True),
+        (
+            {"tools": [{"type": "function"}], "tool_choice": {"type": "function", "function": {"name": "f"}}},
+            True,
+        ),
     ],
 )
 def test_calls_sampled_under_a_grammar_are_not_trained(request_fields: dict, held: bool):
