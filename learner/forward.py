@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from learner.samples import MicroBatch
+from learner.samples import MIN_SHARED, MicroBatch
 
-MIN_SHARED = 8
+TRUNCATE_ROWS = 256  # positions truncated at once (each sorts a row of the vocabulary)
 
 
 @dataclass
@@ -103,6 +103,10 @@ def action_forward(
         position_ids=positions[None, shared:].expand(rows, -1),
         **cached,
     ).last_hidden_state  # [B, L - shared, H]
+    if shared and cache.get_seq_length() != length:  # a decoder that ignored the cache: wrong positions
+        raise RuntimeError(
+            f"the decoder did not extend the shared prefix's cache ({_cache_argument(decoder)})"
+        )
     row, col = actions.nonzero(as_tuple=True)  # col: the position predicting token col + 1
     logits = head(hidden[row, col - shared]).float()  # [N, V]
     z = _processed(logits, batch, row, device)
@@ -146,19 +150,24 @@ def truncate(
         settings = torch.stack([top_k.to(z.dtype), top_p.to(z.dtype)], -1)
         for k_value, p_value in torch.unique(settings, dim=0).tolist():
             k, p = int(k_value), float(p_value)
-            rows = ((top_k == k) & (top_p.to(z.dtype) == p_value)).nonzero().squeeze(-1)
-            zr = z[rows]
-            cut_rows = torch.zeros(zr.shape, dtype=torch.bool, device=z.device)
-            if 0 < k < zr.shape[-1]:
-                kth = torch.topk(zr, k, dim=-1).values[..., -1:]
-                cut_rows |= zr < kth
-            if p < 1:
-                kept = zr.masked_fill(cut_rows, float("-inf"))
-                sorted_z, order = torch.sort(kept, dim=-1, descending=True)
-                probs = torch.softmax(sorted_z, dim=-1)
-                drop = probs.cumsum(-1) - probs >= p  # the mass before this token already reaches p
-                drop[..., 0] = False
-                cut_rows |= torch.zeros_like(drop).scatter(-1, order, drop)
-            cut[rows] = cut_rows
+            chosen = ((top_k == k) & (top_p.to(z.dtype) == p_value)).nonzero().squeeze(-1)
+            for rows in chosen.split(TRUNCATE_ROWS):  # a sort of [rows, V] at a time: bounded memory
+                cut[rows] = _cut(z[rows], k, p)
         cut[torch.arange(len(targets), device=z.device), targets] = False
     return z.masked_fill(cut, float("-inf"))
+
+
+def _cut(zr: torch.Tensor, k: int, p: float) -> torch.Tensor:
+    """Which entries of zr [n, V] top-k (k > 0) then top-p (p < 1) cut."""
+    cut = torch.zeros(zr.shape, dtype=torch.bool, device=zr.device)
+    if 0 < k < zr.shape[-1]:
+        kth = torch.topk(zr, k, dim=-1).values[..., -1:]
+        cut |= zr < kth
+    if p < 1:
+        kept = zr.masked_fill(cut, float("-inf"))
+        sorted_z, order = torch.sort(kept, dim=-1, descending=True)
+        probs = torch.softmax(sorted_z, dim=-1)
+        drop = probs.cumsum(-1) - probs >= p  # the mass before this token already reaches p
+        drop[..., 0] = False
+        cut |= torch.zeros_like(drop).scatter(-1, order, drop)
+    return cut

@@ -25,6 +25,7 @@ from typing import Literal
 import torch
 
 SampleShape = Literal["transition", "trajectory"]
+MIN_SHARED = 8  # a common prefix shorter than this is not run apart (`learner.forward`): nothing to save
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,12 +237,11 @@ def prefix_cost(rows: Sequence[Sample]) -> int:
     `learner.forward.shared_prefix` takes it: at most each row's first action position) once, then every
     row padded to the longest from there."""
     first, last = rows[0].tokens, rows[-1].tokens  # in token order, the common prefix of all is theirs
+    first_actions = [s.action_mask.index(True) for s in rows if any(s.action_mask)]
+    limit = min([min(len(s.tokens) for s in rows) - 1, *first_actions])
     shared = 0
-    limit = min(
-        min(len(first), len(last)) - 1, *(s.action_mask.index(True) for s in rows if any(s.action_mask))
-    )
     while shared < limit and first[shared] == last[shared]:
         shared += 1
-    if len(rows) < 2:
+    if len(rows) < 2 or shared < MIN_SHARED:  # as `learner.forward.action_forward` splits it off
         shared = 0
     return shared + len(rows) * (max(len(s.tokens) for s in rows) - shared)

@@ -66,11 +66,16 @@ GRAMMAR_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_c
 def constrained(request: dict[str, Any]) -> bool:
     """Whether the server sampled the call under a grammar: the token mask is part of the distribution
     its log-probs describe and not of the learner's. vLLM holds `tool_choice: "required"` and a named tool
-    choice to its tool-call JSON the same way, and `response_format` json_object or json_schema."""
+    choice to its tool-call JSON the same way, and `response_format` json_object, json_schema or
+    structural_tag."""
     if any(request.get(name) for name in GRAMMAR_FIELDS):
         return True
     response_format = request.get("response_format")
-    if isinstance(response_format, dict) and response_format.get("type") in ("json_object", "json_schema"):
+    if isinstance(response_format, dict) and response_format.get("type") in (
+        "json_object",
+        "json_schema",
+        "structural_tag",
+    ):
         return True
     choice = request.get("tool_choice")
     return bool(request.get("tools")) and (choice == "required" or isinstance(choice, dict))

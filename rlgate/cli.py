@@ -764,8 +764,8 @@ class DemoCommand(SharedSettings):
         )
         if self.quick:
             settings = calc_x_demo.quick(settings)
-        elif "minutes" not in self.model_fields_set:
-            cfg.minutes = calc_x_demo.MINUTES
+        if "minutes" not in self.model_fields_set:  # the other tasks' default (10) is the loop's alone
+            cfg.minutes = QUICK_MINUTES["calc-x"] if self.quick else calc_x_demo.MINUTES
         summary = calc_x_demo.run(cfg, settings)
         if not summary.get("rounds"):
             raise SystemExit(1)

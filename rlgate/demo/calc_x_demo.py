@@ -91,11 +91,20 @@ class Harness:
     ) -> dict[str, Any]:
         from rlgate.demo.calc_x_agent import solve
 
-        created = await http.post(
-            f"{self.gateway}/rollouts",
-            json={"task_id": task_id, "mode": mode, "metadata": {"problem": problem.id}},
-        )
-        created.raise_for_status()
+        try:
+            created = await http.post(
+                f"{self.gateway}/rollouts",
+                json={"task_id": task_id, "mode": mode, "metadata": {"problem": problem.id}},
+            )
+            created.raise_for_status()
+        except httpx.HTTPError as exc:  # no rollout: nothing to fail
+            return {
+                "problem": problem.id,
+                "mode": mode,
+                "failed": repr(exc)[:200],
+                "right": False,
+                "tool": False,
+            }
         rollout = created.json()
         env = rollout["agent_env"]
         outcome: dict[str, Any] = {"rollout_id": rollout["rollout_id"], "problem": problem.id, "mode": mode}
@@ -108,15 +117,19 @@ class Harness:
                 temperature=temperature,
             )
         except Exception as exc:  # the agent's own failure: recorded, never trained on
-            await http.post(
-                f"{self.gateway}/rollouts/{rollout['rollout_id']}/fail", json={"reason": repr(exc)[:500]}
-            )
+            with contextlib.suppress(httpx.HTTPError):
+                await http.post(
+                    f"{self.gateway}/rollouts/{rollout['rollout_id']}/fail", json={"reason": repr(exc)[:500]}
+                )
             return {**outcome, "failed": repr(exc)[:200], "right": False, "tool": False}
-        finished = await http.post(
-            f"{self.gateway}/rollouts/{rollout['rollout_id']}/finish",
-            json={"reward_fn": "math_answer", "ground_truth": problem.result},
-        )
-        finished.raise_for_status()
+        try:
+            finished = await http.post(
+                f"{self.gateway}/rollouts/{rollout['rollout_id']}/finish",
+                json={"reward_fn": "math_answer", "ground_truth": problem.result},
+            )
+            finished.raise_for_status()
+        except httpx.HTTPError as exc:  # not rewarded: never trained on (the gateway's TTL ends it)
+            return {**outcome, "failed": f"finish: {exc!r}"[:200], "right": False, "tool": False}
         return {
             **outcome,
             "right": graded(result["final"], problem.result),
@@ -348,7 +361,7 @@ def warm_start_model(
         ]  # the last train problems; RL rounds start from a shuffle
         jobs = [(p, "train", f"teacher-{p.id}", TRAIN_TEMPERATURE) for p in chosen]
         results = asyncio.run(harness.run(jobs))
-        wait_rewarded(redis_url, prefix, len(results))
+        wait_rewarded(redis_url, prefix, sum("failed" not in r for r in results))  # failed: never published
         rows = export_sft(redis_url, prefix, sft)
     finally:
         stop_named(cfg, ("warm-worker", "warm-gateway", "teacher"))
@@ -394,7 +407,7 @@ def _learner_env(
         "RLGATE_LEARNER_OUTPUT_DIR": str(cfg.workdir / "learner"),
         "RLGATE_LEARNER_TASKS_PER_STEP": str(settings.tasks_per_step),
         "RLGATE_LEARNER_ROLLOUTS_PER_TASK": str(settings.rollouts_per_task),
-        "RLGATE_LEARNER_MAX_GROUP_WAIT_S": "900",
+        "RLGATE_LEARNER_MAX_GROUP_WAIT_S": "60",
         "RLGATE_LEARNER_LEARNING_RATE": str(settings.learning_rate),
         "RLGATE_LEARNER_LORA_RANK": str(settings.lora_rank),
         "RLGATE_LEARNER_LORA_ALPHA": str(2 * settings.lora_rank),
@@ -410,8 +423,9 @@ def _learner_env(
     }
 
 
-def _wait_step(cfg: Any, steps_file: Path, count: int, timeout_s: float = 1800.0) -> dict[str, Any]:
-    """The learner's `count`-th step (its line in steps.jsonl), once written."""
+def _wait_step(cfg: Any, steps_file: Path, count: int, timeout_s: float = 900.0) -> dict[str, Any]:
+    """The learner's `count`-th step (its line in steps.jsonl), once written (a round whose groups lost
+    an episode to a failure trains after the learner's group wait, 60 s)."""
     from rlgate.demo.run import read_steps
 
     deadline = time.monotonic() + timeout_s
@@ -439,7 +453,7 @@ def reinforce(
     model's first, as version 0)."""
     import shutil
 
-    from rlgate.demo.run import spawn, wait_group
+    from rlgate.demo.run import read_steps, spawn, wait_group
 
     server = _serve(cfg, warm, "vllm")
     prefix = f"demo-calcx-{int(time.time())}-{os.getpid()}"
@@ -463,6 +477,7 @@ def reinforce(
             print("calc-x: time is up; the last val pass follows", flush=True)
             break
         started = time.monotonic()
+        steps_before = len(read_steps(steps_file))
         chosen = seeded_round(train, index, settings.tasks_per_step, cfg.seed)
         jobs = [
             (p, "train", f"{p.id}-r{index}", TRAIN_TEMPERATURE)
@@ -471,7 +486,7 @@ def reinforce(
         ]
         results = asyncio.run(harness.run(jobs))
         generated = time.monotonic() - started
-        step = _wait_step(cfg, steps_file, index + 1)
+        step = _wait_step(cfg, steps_file, steps_before + 1)
         row = {
             "round": index + 1,
             "policy_version": step["policy_version"],
