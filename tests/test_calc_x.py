@@ -68,3 +68,32 @@ def test_the_teacher_calls_the_tool_then_answers_in_the_tasks_format(tmp_path):
         answer = teacher_message(messages, expressions, rng, slip_rate=0.35)
         assert answer["content"] == f"### ANSWER: {calculate(expression)} ###"
     assert 8 <= slipped <= 28  # about 35% of 50, each one of another value
+
+
+def test_the_real_model_demo_refuses_an_engine_it_cannot_use_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    refused = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlgate",
+            "demo",
+            "--task",
+            "calc-x",
+            "--inference",
+            "rlgate-serve",
+            "--workdir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode == 2
+    assert (
+        refused.stderr
+        == "rlgate demo: error: --task calc-x starts one real vLLM of its own (--inference auto or vllm)\n"
+    )
+    assert not any(tmp_path.iterdir())  # nothing started, nothing written
