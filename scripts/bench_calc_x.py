@@ -53,24 +53,10 @@ def episodes(model: Path, tasks: int, rollouts: int, seed: int = 0) -> list[list
     from transformers import AutoTokenizer
 
     from learner.samples import Transition
-    from rlgate.demo.calc_x import OUTPUT_FORMAT, calculate, problems
+    from rlgate.demo.calc_x import OUTPUT_FORMAT, TOOL, calculate, problems
 
     tokenizer = AutoTokenizer.from_pretrained(model)
-    tool = {
-        "type": "function",
-        "function": {
-            "name": "calculate",
-            "description": "Calculates/evaluates the given expression.",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "expression": {"description": "expression", "title": "Expression", "type": "string"}
-                },
-                "required": ["expression"],
-                "additionalProperties": False,
-            },
-        },
-    }
+    tool = TOOL
     system = "You are a helpful AI assistant. Solve tasks using your tools. Reply with TERMINATE when the task has been completed."
     rng = random.Random(seed)
     out = []

@@ -424,20 +424,28 @@ def vllm(vllm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     """Real vLLM (the CPU build, `rlgate.vllm_server`) on the default tiny model, started once, serving
     it under the fake upstream's model name with the flags the learner needs; `url` ends in /v1. Without
     its prefix cache, so that two equal seeded requests give the same answer to the last bit."""
+    yield from start_vllm(vllm_model, tmp_path_factory.mktemp("vllm"), "fake-model")
+
+
+def start_vllm(model: Path, log_dir: Path, served_model_name: str, **settings: Any) -> Iterator[Proc]:
+    """Real vLLM (the CPU build, `rlgate.vllm_server`, with the flags the learner needs) on `model` under
+    `served_model_name`, without its prefix cache; `url` ends in /v1; stopped when the generator closes.
+    `settings`: `vllm_server.start`'s (max_model_len, ...)."""
     from rlgate import vllm_server
 
-    python = vllm_python()
-    log_dir = tmp_path_factory.mktemp("vllm")
     server = vllm_server.start(
-        python,
-        vllm_model,
+        vllm_python(),
+        model,
         log_dir / "vllm.log",
         port=free_port(),
-        served_model_names=("fake-model",),
+        served_model_names=(served_model_name,),
         prefix_caching=False,
+        **settings,
     )
-    yield Proc(server.process, f"{server.url}/v1", server.log_path, engine="vllm")
-    server.stop()
+    try:
+        yield Proc(server.process, f"{server.url}/v1", server.log_path, engine="vllm")
+    finally:
+        server.stop()
 
 
 vllm_gateway = gateway_fixture("vllm_gateway", "vllm", scope="session")  # in front of real vLLM

